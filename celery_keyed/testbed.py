@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Protocol, Self, TypedDict
+from urllib.parse import urlsplit
 
 __all__ = [
     "BROKER_URL_ENV",
@@ -71,6 +72,8 @@ _LOG_TAIL_LINES = 30
 
 class TestbedError(RuntimeError):
     """A throwaway server could not be found, started or reached."""
+
+    __test__ = False  # not a pytest test class, despite the name
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -691,10 +694,7 @@ class ExternalRedis(_ExternalServer):
     """The Redis server named by ``CELERY_BROKER_URL``."""
 
     def url_for(self, db: int) -> str:
-        base, _, last = self.url.rpartition("/")
-        if base.endswith("/") or not base or not last.isdigit():
-            return f"{self.url.rstrip('/')}/{db}"
-        return f"{base}/{db}"
+        return urlsplit(self.url)._replace(path=f"/{db}").geturl()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""Fixtures on real servers: one PostgreSQL and one Redis per test session, a fresh database per test.
+
+- ``postgres_server`` / ``redis_server`` (session): throwaway servers from ``celery_keyed.testbed``, or the
+  servers named by ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL``.
+- ``database_url`` (function): a new database copied from a template that has the ledger schema (migrated once
+  per session), dropped after the test.
+- ``blank_database_url`` (function): a new empty database, dropped after the test (migration tests).
+- ``engine`` (function): a SQLAlchemy engine on ``database_url``, disposed after the test.
+- ``redis_url`` (function): a Redis database number of its own, flushed before the test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import sqlalchemy
+from sqlalchemy.engine import make_url
+
+from celery_keyed.testbed import PostgresTarget, RedisTarget, start_postgres, start_redis
+
+REDIS_DATABASES = 16  # redis-server's default number of databases
+
+
+def libpq_url(url: str) -> str:
+    """The ``postgresql://`` form of a SQLAlchemy URL, for ``psycopg.connect``."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _admin(server: PostgresTarget) -> psycopg.Connection:
+    """A short-lived autocommit connection for CREATE/DROP DATABASE (survives server restarts in tests)."""
+    return psycopg.connect(libpq_url(server.url), autocommit=True, connect_timeout=10)
+
+
+def _create_database(server: PostgresTarget, name: str, template: str | None = None) -> str:
+    sql = f'CREATE DATABASE "{name}"'
+    if template is not None:
+        sql += f' TEMPLATE "{template}"'
+    with _admin(server) as conn:
+        conn.execute(sql)
+    return server.url_for(name)
+
+
+def _drop_database(server: PostgresTarget, name: str) -> None:
+    with _admin(server) as conn:
+        # WITH (FORCE) terminates the database's remaining connections first (pg_terminate_backend).
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresTarget]:
+    with start_postgres() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisTarget]:
+    with start_redis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def keyed_template(postgres_server: PostgresTarget) -> Iterator[str]:
+    """Name of a database with the ledger schema applied, the template of every ``database_url``."""
+    from celery_keyed.ledger.migrations import migrate
+
+    name = f"keyed_template_{uuid.uuid4().hex[:8]}"
+    url = _create_database(postgres_server, name)
+    engine = sqlalchemy.create_engine(url)
+    try:
+        migrate(engine)
+    finally:
+        engine.dispose()  # CREATE DATABASE ... TEMPLATE needs the template to have no connections
+    with _admin(postgres_server) as conn:
+        conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+    yield name
+    _drop_database(postgres_server, name)
+
+
+@pytest.fixture
+def database_url(postgres_server: PostgresTarget, keyed_template: str) -> Iterator[str]:
+    """SQLAlchemy URL of a fresh database with the ledger schema, dropped after the test."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    url = _create_database(postgres_server, name, template=keyed_template)
+    yield url
+    _drop_database(postgres_server, name)
+
+
+@pytest.fixture
+def blank_database_url(postgres_server: PostgresTarget) -> Iterator[str]:
+    """SQLAlchemy URL of a fresh empty database, dropped after the test."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    url = _create_database(postgres_server, name)
+    yield url
+    _drop_database(postgres_server, name)
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[sqlalchemy.Engine]:
+    """SQLAlchemy engine on the test's own database."""
+    engine = sqlalchemy.create_engine(database_url)
+    yield engine
+    engine.dispose()
+
+
+_redis_db_numbers = itertools.cycle(range(REDIS_DATABASES))
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisTarget) -> str:
+    """URL of an emptied Redis database; consecutive tests get different numbers (0-15, then round again)."""
+    import redis
+
+    url = redis_server.url_for(next(_redis_db_numbers))
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return url
