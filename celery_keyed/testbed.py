@@ -54,6 +54,7 @@ __all__ = [
     "TestbedError",
     "find_postgres_bindir",
     "find_redis_server",
+    "postgres_base_dir",
     "start_postgres",
     "start_redis",
 ]
@@ -68,6 +69,7 @@ PG_SUPERUSER = "postgres"
 _PG_REQUIRED = ("initdb", "pg_ctl", "postgres")
 _NOT_DURABLE = ("-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off")
 _LOG_TAIL_LINES = 30
+_SHM_MIN_FREE = 1 << 30  # Docker's default /dev/shm is 64 MiB: too small for a cluster and its WAL
 
 
 class TestbedError(RuntimeError):
@@ -395,6 +397,20 @@ def _grant_read(tree: Path) -> None:
                 file.chmod(mode | wanted)
 
 
+def postgres_base_dir(durable: bool) -> str | None:
+    """Where a cluster's temporary directory goes: /dev/shm for a non-durable one, if it has room.
+
+    A data directory in memory makes ``CREATE DATABASE ... TEMPLATE`` (one per test) about 20 times faster
+    than on a disk filesystem mounted with ``discard``, and initdb twice as fast. A durable cluster (for
+    benchmarks) stays on disk, in ``tempfile.gettempdir()`` (None here).
+    """
+    shm = "/dev/shm"
+    if durable or not os.path.isdir(shm) or not os.access(shm, os.W_OK | os.X_OK):
+        return None
+    stats = os.statvfs(shm)
+    return shm if stats.f_bavail * stats.f_frsize >= _SHM_MIN_FREE else None
+
+
 class PostgresServer(_ManagedServer):
     """A throwaway PostgreSQL cluster (trust auth, superuser ``postgres``) on 127.0.0.1:``port``.
 
@@ -514,18 +530,20 @@ def start_postgres(
     bindir: Path | None = None,
     os_user: str | None = None,
     use_env: bool = True,
+    base_dir: Path | None = None,
     timeout: float = 30.0,
 ) -> PostgresTarget:
     """Start a throwaway PostgreSQL, or wrap the server named by ``KEYED_DATABASE_URL`` if that is set.
 
     ``settings`` are extra ``-c name=value`` server parameters. ``os_user`` is the system user to run as when
     we are root (default: ``postgres`` if it exists, else ``celery_keyed_pg``, created on demand).
+    ``base_dir`` is where the temporary directory goes (default: see ``postgres_base_dir``).
     """
     if use_env and os.environ.get(DATABASE_URL_ENV):
         return ExternalPostgres(os.environ[DATABASE_URL_ENV])
     bindir = bindir or find_postgres_bindir()
     owner = _ensure_os_user(os_user)
-    tmpdir = Path(tempfile.mkdtemp(prefix="celery-keyed-pg-"))
+    tmpdir = Path(tempfile.mkdtemp(prefix="celery-keyed-pg-", dir=base_dir or postgres_base_dir(durable)))
     try:
         if owner is not None:
             _grant_traversal(tmpdir)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psycopg
@@ -92,10 +93,11 @@ def test_postgres_durable_keeps_fsync_on() -> None:
 
 
 def test_postgres_failure_reports_log_tail() -> None:
-    before = set(Path(testbed.tempfile.gettempdir()).glob("celery-keyed-pg-*"))
+    base = Path(testbed.postgres_base_dir(durable=False) or tempfile.gettempdir())
+    before = set(base.glob("celery-keyed-pg-*"))
     with pytest.raises(TestbedError, match="no_such_parameter"):
         start_postgres(use_env=False, settings={"no_such_parameter": "1"}, timeout=10)
-    assert set(Path(testbed.tempfile.gettempdir()).glob("celery-keyed-pg-*")) == before
+    assert set(base.glob("celery-keyed-pg-*")) == before  # its temporary directory is gone
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pgserver") is None, reason="pgserver wheel not installed")
