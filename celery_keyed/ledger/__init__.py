@@ -1,0 +1,167 @@
+"""The slot ledger: pure Postgres (SQLAlchemy Core + psycopg 3). It imports neither Celery nor Django.
+
+Each module owns one table or concept and its guarded statements; ``admission`` composes them into the
+transactions (admit-or-park, release-and-promote, bind); ``reconcile`` holds the background repairs.
+``Ledger`` wraps an engine and runs each operation in its own transaction, retrying on a detected deadlock
+or serialization failure (both are safe to retry: nothing was committed).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
+
+from celery_keyed.ledger import admission, overrides, reconcile
+from celery_keyed.ledger.admission import DEFAULT_DISPATCH_TIMEOUT, bind, promote_group, promote_key, release, revoke
+from celery_keyed.ledger.attempts import Admission, Arrival, Outcome, Promotion, ReleaseReport, Token, Verdict
+from celery_keyed.ledger.books import books_balance
+from celery_keyed.ledger.claims import HeldClaim, claims_renew
+from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, WrongState
+from celery_keyed.ledger.explain import Explanation, explain
+from celery_keyed.ledger.groups import groups_register
+from celery_keyed.ledger.holders import holders_register, new_holder
+from celery_keyed.ledger.keyspec import key_name, normalize_key
+from celery_keyed.ledger.migrations import migrate
+from celery_keyed.ledger.names import NameConfig, configure_names, parse_limits
+from celery_keyed.ledger.overrides import clear_override, set_override
+from celery_keyed.ledger.reconcile import Report, reconcile_once, sweep_once
+
+__all__ = [
+    "DEFAULT_DISPATCH_TIMEOUT",
+    "Admission",
+    "Arrival",
+    "Explanation",
+    "HeldClaim",
+    "InvalidConfig",
+    "InvalidKey",
+    "Ledger",
+    "LedgerError",
+    "NameConfig",
+    "Outcome",
+    "Promotion",
+    "ReleaseReport",
+    "Report",
+    "Token",
+    "Verdict",
+    "WrongState",
+    "admit",
+    "bind",
+    "books_balance",
+    "claims_renew",
+    "clear_override",
+    "configure_names",
+    "explain",
+    "groups_register",
+    "key_name",
+    "migrate",
+    "new_holder",
+    "normalize_key",
+    "parse_limits",
+    "promote_group",
+    "promote_key",
+    "reconcile_once",
+    "release",
+    "revoke",
+    "set_override",
+    "sweep_once",
+]
+
+admit = admission.admit
+
+T = TypeVar("T")
+
+#: SQLSTATEs that mean "nothing happened, run the transaction again".
+_RETRYABLE = {"40P01", "40001"}  # deadlock_detected, serialization_failure
+
+
+class Ledger:
+    """The ledger bound to an engine and to one holder (a worker process start, D6).
+
+    Every method runs one transaction. ``lease`` is how long a claim lives without renewal; ``dispatch`` how
+    long a promoted attempt may wait to be bound.
+    """
+
+    def __init__(self, engine: sa.Engine, *, holder: str | None = None, lease: float = 60.0,
+                 dispatch: float = DEFAULT_DISPATCH_TIMEOUT) -> None:
+        self.engine = engine
+        self.holder = holder or new_holder()
+        self.lease = lease
+        self.dispatch = dispatch
+
+    def transaction(self, work: Callable[[sa.Connection], T], *, attempts: int = 5) -> T:
+        """Run ``work(conn)`` in a transaction; retry it on deadlock or serialization failure."""
+        for attempt in range(attempts):
+            try:
+                with self.engine.begin() as conn:
+                    return work(conn)
+            except DBAPIError as exc:
+                code = getattr(getattr(exc.orig, "diag", None), "sqlstate", None) or getattr(
+                    exc.orig, "sqlstate", None)
+                if code not in _RETRYABLE or attempt == attempts - 1:
+                    raise
+                time.sleep(0.001 * (2**attempt))
+        raise AssertionError("unreachable")
+
+    def register_holder(self, *, now: datetime | None = None) -> None:
+        self.transaction(lambda conn: holders_register(conn, self.holder, now=now))
+
+    def configure(self, limits: Mapping[str, NameConfig], *, now: datetime | None = None) -> list[Promotion]:
+        return self.transaction(lambda conn: configure_names(conn, limits, now=now))
+
+    def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
+        return self.transaction(
+            lambda conn: admission.admit(conn, arrival, holder=self.holder, lease=self.lease, now=now))
+
+    def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:
+        return self.transaction(
+            lambda conn: bind(conn, token, nonce, holder=self.holder, lease=self.lease, now=now))
+
+    def release(self, token: Token, fence: int, outcome: Outcome, *, detail: str = "",
+                now: datetime | None = None) -> ReleaseReport:
+        return self.transaction(
+            lambda conn: release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, now=now))
+
+    def renew(self, held: Iterable[HeldClaim], *, now: datetime | None = None) -> set[HeldClaim]:
+        held = list(held)
+        return self.transaction(lambda conn: claims_renew(conn, self.holder, held, lease=self.lease, now=now))
+
+    def revoke(self, task_id: str, *, now: datetime | None = None) -> list[Promotion]:
+        return self.transaction(lambda conn: revoke(conn, task_id, dispatch=self.dispatch, now=now))
+
+    def set_override(self, name: str, limit: int, *, reason: str, author: str = "",
+                     expires_at: datetime | None = None, now: datetime | None = None) -> list[Promotion]:
+        return self.transaction(lambda conn: set_override(
+            conn, name, limit, reason=reason, author=author, expires_at=expires_at, now=now))
+
+    def clear_override(self, name: str, *, reason: str = "", author: str = "",
+                       now: datetime | None = None) -> list[Promotion]:
+        return self.transaction(lambda conn: clear_override(conn, name, reason=reason, author=author, now=now))
+
+    def promote_key(self, key: str, *, now: datetime | None = None) -> list[Promotion]:
+        return self.transaction(lambda conn: promote_key(conn, key, dispatch=self.dispatch, now=now))
+
+    def sweep(self, *, now: datetime | None = None, group_arrival_timeout: float = 300.0) -> Report:
+        return sweep_once(self.engine, now=now, group_arrival_timeout=group_arrival_timeout,
+                          dispatch=self.dispatch)
+
+    def reconcile(self, *, now: datetime | None = None, idle: float = 3600.0,
+                  group_arrival_timeout: float = 300.0) -> Report:
+        return reconcile_once(self.engine, lease=self.lease, now=now, idle=idle,
+                              group_arrival_timeout=group_arrival_timeout, dispatch=self.dispatch)
+
+    def explain(self, task_id: str, *, now: datetime | None = None) -> Explanation:
+        with self.engine.connect() as conn:
+            return explain(conn, task_id, now=now)
+
+    def books(self) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            return books_balance(conn)
+
+
+_ = (overrides, reconcile, normalize_key, key_name, parse_limits, InvalidKey, InvalidConfig, LedgerError)

@@ -1,0 +1,441 @@
+"""Admission, release and promotion: the ledger's transactions, composed of the guarded statements of the
+table modules. Each function runs inside the caller's transaction (``with engine.begin() as conn``).
+
+Lock order (every transaction takes row locks in this order, so two of them never wait on each other in a
+cycle): the task's ``keyed_tasks`` row → ``keyed_slots`` rows by (key, shard) → the ``keyed_keys`` row →
+``keyed_groups`` rows. A step that needs a lock out of that order (promoting a group head that also has a
+key) uses SKIP LOCKED and leaves the work to the lock holder or the sweep (D2: within one sweep interval).
+
+No lost wakeups (D2): admit-or-park and release-and-promote both lock what they depend on unconditionally —
+the slow path of admission locks every shard row of the key before deciding to park, and a release holds its
+shard row while it looks for waiters — so whichever commits second sees the other's work.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger import books, claims, groups, keys, slots, waiting
+from celery_keyed.ledger.attempts import Admission, Arrival, Outcome, Promotion, ReleaseReport, Token, Verdict
+from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.keyspec import key_name
+
+#: Seconds a promoted attempt may wait to be bound by its receiver before the reaper voids it (D5).
+DEFAULT_DISPATCH_TIMEOUT = 30.0
+
+# arrive_or_lock: record the arrival of a task id, or lock its existing row so that two deliveries of one
+# task are admitted one after the other (the second sees the first's claim or park: D8). xmax = 0 ⇔ inserted.
+ARRIVE_OR_LOCK = sa.text(
+    f"""
+    INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
+    VALUES (:task_id, :task_name, :key, :group_key, {NOW})
+    ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
+    RETURNING (xmax = 0) AS new, outcome, finished_attempt,
+              COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
+    """
+)
+
+# token_state: what the ledger holds for an attempt token (D8): a claim (running / promoted) or a parked row.
+TOKEN_STATE = sa.text(
+    """
+    SELECT 'claim' AS kind, state AS detail FROM keyed_claims WHERE task_id = :task_id AND attempt = :attempt
+    UNION ALL
+    SELECT 'waiting', CASE WHEN shadow THEN 'shadow' ELSE 'parked' END
+      FROM keyed_waiting WHERE task_id = :task_id AND attempt = :attempt
+    """
+)
+
+
+def admit(
+    conn: sa.Connection,
+    arrival: Arrival,
+    *,
+    holder: str,
+    lease: float,
+    now: Any = None,
+) -> Admission:
+    """Admit ``arrival`` (claim a slot: ADMITTED with its fence) or park it durably (PARKED), or record why it
+    cannot wait (REJECTED / EXPIRED), or recognise a known attempt token (DUPLICATE, D8).
+
+    The bound is enforced by the guarded slot UPDATE (D1). A parked attempt's row is committed with this
+    transaction; the caller acks the broker message only after the commit.
+    """
+    token = arrival.token
+    name = key_name(arrival.key) if arrival.key else None
+    row = conn.execute(
+        ARRIVE_OR_LOCK,
+        {
+            "task_id": arrival.task_id,
+            "task_name": arrival.task_name,
+            "key": arrival.key,
+            "group_key": arrival.group_key,
+            "deadline": arrival.deadline,
+            "now": now,
+        },
+    ).one()
+    if not row.new:
+        if row.outcome is not None or row.finished_attempt >= arrival.attempt:
+            books.books_count_duplicate(conn, arrival.task_id)
+            return Admission(Verdict.DUPLICATE, detail=f"finished ({row.outcome or 'attempt over'})")
+        held = conn.execute(TOKEN_STATE, {"task_id": token.task_id, "attempt": token.attempt}).first()
+        if held is not None:
+            return _duplicate(conn, arrival, held.kind, held.detail, name=name, now=now)
+
+    group_seq = _group_seq(conn, arrival, now=now) if arrival.group_key else None
+
+    if row.expired:
+        _finish_never_ran(conn, token, "expired", detail="expired before start", now=now)
+        return Admission(Verdict.EXPIRED, detail="expired before start")
+
+    # Fast path: a key without a group or a not-before time; one statement, no waiting on locks.
+    if arrival.key and name and not arrival.group_key and arrival.not_before is None:
+        shard = slots.slots_claim_any(conn, arrival.key, name, now=now)
+        if shard is not None:
+            fence = claims.claims_insert_running(
+                conn, token, key=arrival.key, shard=shard, group_key=None, holder=holder, lease=lease, now=now
+            )
+            return Admission(Verdict.ADMITTED, fence=fence, shard=shard)
+
+    # Slow path: lock everything the decision depends on, in lock order, then decide.
+    room: int | None = None
+    if arrival.key and name:
+        uses = slots.slots_lock_all(conn, arrival.key, name, now=now)
+        room = next((u.shard for u in uses if u.has_room), None)
+        keys.keys_lock(conn, arrival.key, name, now=now)
+    head_ready = True
+    is_head = True
+    if arrival.group_key:
+        groups.groups_lock(conn, arrival.group_key)
+        head, busy = groups.groups_head(conn, arrival.group_key)
+        is_head = head == group_seq
+        head_ready = is_head and not busy
+    not_due = arrival.not_before is not None and _is_future(conn, arrival.not_before, now)
+
+    if (arrival.key is None or room is not None) and head_ready and not not_due:
+        if arrival.key and name and room is not None:
+            slots.slots_take(conn, arrival.key, name, room, now=now)
+        fence = claims.claims_insert_running(
+            conn,
+            token,
+            key=arrival.key,
+            shard=room if arrival.key else None,
+            group_key=arrival.group_key,
+            holder=holder,
+            lease=lease,
+            now=now,
+        )
+        return Admission(Verdict.ADMITTED, fence=fence, shard=room)
+
+    superseded: list[str] = []
+    if arrival.key and name:
+        superseded = _make_place(conn, arrival, name, now=now)
+        if superseded is None:
+            detail = f"waiting room of {arrival.key} is full"
+            _finish_never_ran(conn, token, "rejected", detail=detail, now=now)
+            return Admission(Verdict.REJECTED, detail=detail)
+    waiting.waiting_insert(conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, now=now)
+    return Admission(Verdict.PARKED, superseded=tuple(superseded))
+
+
+def bind(
+    conn: sa.Connection, token: Token, nonce: uuid.UUID, *, holder: str, lease: float, now: Any = None
+) -> int | None:
+    """Bind a promoted attempt to the worker that is about to run it (D5); its fence, or None when the token
+    and nonce are not a live promotion (copied, forged, voided or already bound: admit it as usual)."""
+    return claims.claims_bind_promoted(conn, token, nonce, holder=holder, lease=lease, now=now)
+
+
+def release(
+    conn: sa.Connection,
+    token: Token,
+    fence: int,
+    outcome: Outcome,
+    *,
+    detail: str = "",
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: Any = None,
+) -> ReleaseReport:
+    """Release the claim of ``token`` held with ``fence`` after ``outcome``, and promote what that makes ready.
+
+    Idempotent and fenced: only the call whose DELETE returns the claim row gives the slot back; a second call,
+    a stale worker (old fence) or a lost race with the reaper returns ``released=False`` and changes nothing.
+    """
+    row = claims.claims_delete_fenced(conn, token, fence)
+    if row is None:
+        return ReleaseReport(released=False)
+    return _after_claim_removed(conn, row, outcome, detail=detail, dispatch=dispatch, now=now)
+
+
+def _after_claim_removed(
+    conn: sa.Connection, row: Any, outcome: Outcome, *, detail: str, dispatch: float, now: Any
+) -> ReleaseReport:
+    """Book-keeping after a claim row was deleted by its owner or the reaper: the task's books (its row is
+    locked first, lock order), the slot, the shadows (D8), the group's head, and the promotions."""
+    token = Token(row.task_id, row.attempt)
+    report = ReleaseReport(released=True)
+    final = _final_outcome(outcome, grouped=row.group_key is not None)
+    if final is not None:
+        if books.books_finish(conn, token.task_id, final, attempt=token.attempt, detail=detail, now=now):
+            report.finished.append((token.task_id, final))
+    elif outcome is Outcome.RETRY:
+        books.books_attempt_over(conn, token.task_id, token.attempt)
+
+    # Duplicates kept as shadows of this attempt follow its fate (D8): live again if the worker was lost.
+    shadow_params = {"task_id": token.task_id, "attempt": token.attempt}
+    if outcome is Outcome.WORKER_LOST:
+        conn.execute(waiting.WAITING_SHADOW_LIVE, shadow_params)
+        dropped = 0
+    else:
+        dropped = len(conn.execute(waiting.WAITING_SHADOW_DROP, shadow_params).all())
+    shard_has_room = False
+    if row.key is not None:
+        shard_has_room = slots.slots_give_back(conn, row.key, row.shard, now=now)
+        if dropped:
+            keys.keys_remove_waiting(conn, row.key, dropped, now=now)
+        if shard_has_room:
+            keys.keys_lock(conn, row.key, key_name(row.key), now=now)
+    if row.group_key is not None and final is not None:
+        groups.groups_lock(conn, row.group_key)
+        groups.members_finish(conn, token.task_id)
+        _unblock_head(conn, row.group_key)
+    if row.key is not None and shard_has_room:
+        report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, now=now)
+    if row.group_key is not None:
+        report.promotions += promote_group(conn, row.group_key, dispatch=dispatch, now=now)
+    return report
+
+
+def _final_outcome(outcome: Outcome, *, grouped: bool) -> str | None:
+    """The task's final outcome for an attempt outcome, or None when the task goes on (retry, worker lost).
+    A group head's final failure is a dead-letter (D11): the group moves on."""
+    if outcome in (Outcome.RETRY, Outcome.WORKER_LOST):
+        return None
+    if outcome is Outcome.FAILED and grouped:
+        return "dead_lettered"
+    return outcome.value
+
+
+def promote_key(conn: sa.Connection, key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+                now: Any = None) -> list[Promotion]:
+    """Give every free slot of ``key`` to its next promotable waiters (after an override, a limit raise, a
+    reclaimed lease, a not-before time passing). Locks the key's shard rows, then its head row."""
+    name = key_name(key)
+    uses = slots.slots_lock_all(conn, key, name, now=now)
+    free = [u.shard for u in uses for _ in range(max(0, u.share - u.used))]
+    if not free:
+        return []
+    keys.keys_lock(conn, key, name, now=now)
+    return _promote_waiters(conn, key, free, dispatch=dispatch, now=now)
+
+
+def _promote_waiters(
+    conn: sa.Connection, key: str, free_shards: list[int], *, dispatch: float, now: Any
+) -> list[Promotion]:
+    """Promote waiters of ``key`` into ``free_shards`` (rows the caller holds locked, one entry per free slot),
+    in order. The caller holds the key's head row too."""
+    name = key_name(key)
+    promoted: list[Promotion] = []
+    pending = list(free_shards)
+    while pending:
+        candidates = waiting.waiting_next_for_key(conn, key, limit=len(pending) + 3, now=now)
+        if not candidates:
+            break
+        progressed = False
+        for cand in candidates:
+            if not pending:
+                break
+            if cand.group_key is not None:
+                # Its group must be free and it must be the head; the group row is later in the lock order,
+                # so never wait for it: a busy group promotes its own head when it frees.
+                if not groups.groups_try_lock(conn, cand.group_key):
+                    continue
+                head, busy = groups.groups_head(conn, cand.group_key)
+                if busy or head != cand.group_seq:
+                    continue
+            shard = pending[0]
+            if not slots.slots_take(conn, key, name, shard, now=now):
+                pending.pop(0)
+                continue
+            pending.pop(0)
+            promoted.append(_promote_row(conn, cand, key=key, shard=shard, dispatch=dispatch, now=now))
+            keys.keys_remove_waiting(conn, key, now=now)
+            progressed = True
+        if not progressed:
+            break
+    return promoted
+
+
+def promote_group(conn: sa.Connection, group_key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+                  now: Any = None) -> list[Promotion]:
+    """Start the head of ``group_key`` if it is parked, due, and its group is free. A head that also needs a
+    key slot takes one only if free without waiting (SKIP LOCKED: out of lock order); otherwise the key's
+    own promotions pick it up, since it is no longer blocked by its group."""
+    groups.groups_lock(conn, group_key)
+    head, busy = groups.groups_head(conn, group_key)
+    if busy or head is None:
+        return []
+    cand = waiting.waiting_group_member(conn, group_key, head)
+    if cand is None or cand.not_before is not None or _is_past(conn, cand.deadline, now):
+        return []
+    if cand.group_blocked:
+        waiting.waiting_unblock(conn, group_key, head)
+    shard: int | None = None
+    if cand.key is not None:
+        locked = conn.execute(
+            sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE SKIP LOCKED"), {"key": cand.key}
+        ).first()
+        if locked is None:
+            return []
+        shard = slots.slots_take_nowait(conn, cand.key, key_name(cand.key), now=now)
+        if shard is None:
+            return []
+        keys.keys_remove_waiting(conn, cand.key, now=now)
+    return [_promote_row(conn, cand, key=cand.key, shard=shard, dispatch=dispatch, now=now)]
+
+
+def _promote_row(conn: sa.Connection, cand: Any, *, key: str | None, shard: int | None, dispatch: float,
+                 now: Any) -> Promotion:
+    """Move a locked waiting row into a promoted claim with a fresh nonce (D5)."""
+    token = Token(cand.task_id, cand.attempt)
+    parked = waiting.waiting_take(conn, token)
+    assert parked is not None, "a locked waiting row cannot vanish"
+    nonce = uuid.uuid4()
+    fence = claims.claims_insert_promoted(
+        conn, token, key=key, shard=shard, group_key=cand.group_key, nonce=nonce, dispatch=dispatch,
+        parked=parked, now=now,
+    )
+    return Promotion(
+        task_id=cand.task_id,
+        attempt=cand.attempt,
+        nonce=nonce,
+        fence=fence,
+        key=key,
+        group_key=cand.group_key,
+        queue=cand.queue,
+        message=cand.message,
+    )
+
+
+def revoke(conn: sa.Connection, task_id: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+           now: Any = None) -> list[Promotion]:
+    """Store a revoke in the ledger (Celery's in-memory revoke list expires, D11): parked attempts leave the
+    waiting room with outcome ``revoked``; an unseen task id is recorded so its later arrival is dropped.
+    Running attempts are revoked by Celery and released by their worker with ``Outcome.REVOKED``."""
+    locked = conn.execute(
+        sa.text("SELECT outcome FROM keyed_tasks WHERE task_id = :task_id FOR UPDATE"), {"task_id": task_id}
+    ).first()
+    if locked is None:
+        conn.execute(books.BOOKS_REVOKE_UNARRIVED, {"task_id": task_id, "now": now})
+        return []
+    rows = conn.execute(waiting.WAITING_DELETE_TASK, {"task_id": task_id}).all()
+    if not rows:
+        return []
+    for r in rows:
+        if r.key is not None:
+            keys.keys_lock(conn, r.key, key_name(r.key), now=now)
+            keys.keys_remove_waiting(conn, r.key, now=now)
+    return _finish_never_ran(conn, Token(task_id, rows[0].attempt), "revoked", detail="revoked while waiting",
+                             dispatch=dispatch, now=now)
+
+
+def _finish_never_ran(conn: sa.Connection, token: Token, outcome: str, *, detail: str,
+                      dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None) -> list[Promotion]:
+    """Record the final outcome of a task that will not run; if it was a group member, the group moves on."""
+    books.books_finish(conn, token.task_id, outcome, attempt=token.attempt, detail=detail, now=now)
+    member = groups.members_get(conn, token.task_id)
+    if member is None:
+        return []
+    groups.groups_lock(conn, member.group_key)
+    groups.members_finish(conn, token.task_id)
+    _unblock_head(conn, member.group_key)
+    return promote_group(conn, member.group_key, dispatch=dispatch, now=now)
+
+
+def _unblock_head(conn: sa.Connection, group_key: str) -> None:
+    head, _ = groups.groups_head(conn, group_key)
+    if head is not None:
+        waiting.waiting_unblock(conn, group_key, head)
+
+
+def _group_seq(conn: sa.Connection, arrival: Arrival, *, now: Any) -> int:
+    """The arrival's number in its group: its existing membership (registered at publish, or a previous
+    attempt), else a number allocated now (a producer that did not register: ordered by receipt, D10)."""
+    assert arrival.group_key is not None
+    member = groups.members_get(conn, arrival.task_id)
+    if member is not None:
+        if not member.received:
+            conn.execute(groups.MEMBERS_MARK_RECEIVED, {"task_id": arrival.task_id})
+        return int(member.seq)
+    return groups.groups_register(conn, arrival.group_key, arrival.task_id, received=True, now=now)
+
+
+def _duplicate(conn: sa.Connection, arrival: Arrival, kind: str, detail: str, *, name: str | None,
+               now: Any) -> Admission:
+    """A known attempt token arrived again (D8): count it; a duplicate of a running attempt is kept as its
+    shadow (promoted if that attempt's lease is reclaimed, dropped when it finishes)."""
+    books.books_count_duplicate(conn, arrival.task_id)
+    if kind == "claim" and detail == "running":
+        if arrival.key and name:
+            keys.keys_lock(conn, arrival.key, name, now=now)
+        inserted = waiting.waiting_insert(conn, arrival, name=name, group_seq=None if not arrival.group_key
+                                          else _member_seq(conn, arrival.task_id), shadow=True, now=now)
+        if inserted is not None and arrival.key:
+            keys.keys_add_waiting(conn, arrival.key, force=True)
+        return Admission(Verdict.DUPLICATE, detail="shadow of a running attempt")
+    return Admission(Verdict.DUPLICATE, detail=f"already {detail}")
+
+
+def _member_seq(conn: sa.Connection, task_id: str) -> int | None:
+    member = groups.members_get(conn, task_id)
+    return None if member is None else int(member.seq)
+
+
+def _make_place(conn: sa.Connection, arrival: Arrival, name: str, *, now: Any) -> list[str] | None:
+    """Count the arrival in its key's waiting room (max_waiting). Under the overflow policy 'supersede' a
+    newer arrival first replaces the parked attempt with the same supersede key, and when the room is full,
+    the attempt that would be served last. Returns the replaced task ids, or None when there is no place."""
+    assert arrival.key is not None
+    policy = conn.execute(
+        sa.text("SELECT overflow FROM keyed_names WHERE name = :name"), {"name": name}
+    ).scalar_one_or_none()
+    replaced: list[str] = []
+    if policy == "supersede" and arrival.supersede_key:
+        rows = conn.execute(
+            waiting.WAITING_DELETE_SUPERSEDED, {"key": arrival.key, "supersede_key": arrival.supersede_key}
+        ).all()
+        replaced += _supersede(conn, arrival, rows, now=now)
+    if keys.keys_add_waiting(conn, arrival.key):
+        return replaced
+    if policy != "supersede":
+        return None
+    rows = conn.execute(waiting.WAITING_DELETE_LAST_SERVED, {"key": arrival.key}).all()
+    if not rows:
+        return None
+    replaced += _supersede(conn, arrival, rows, now=now)
+    keys.keys_add_waiting(conn, arrival.key, force=True)
+    return replaced
+
+
+def _supersede(conn: sa.Connection, arrival: Arrival, rows: list[Any], *, now: Any) -> list[str]:
+    assert arrival.key is not None
+    if rows:
+        keys.keys_remove_waiting(conn, arrival.key, len(rows), now=now)
+    for r in rows:
+        _finish_never_ran(conn, Token(r.task_id, r.attempt), "superseded",
+                          detail=f"replaced by {arrival.task_id}", now=now)
+    return [r.task_id for r in rows]
+
+
+def _is_future(conn: sa.Connection, when: Any, now: Any) -> bool:
+    return bool(conn.execute(sa.text(f"SELECT CAST(:when AS timestamptz) > {NOW}"),
+                             {"when": when, "now": now}).scalar_one())
+
+
+def _is_past(conn: sa.Connection, when: Any, now: Any) -> bool:
+    if when is None:
+        return False
+    return bool(conn.execute(sa.text(f"SELECT CAST(:when AS timestamptz) <= {NOW}"),
+                             {"when": when, "now": now}).scalar_one())

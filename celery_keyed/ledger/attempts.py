@@ -1,0 +1,116 @@
+"""Attempts: what the ledger is told about an arrival, and what it answers.
+
+A slot belongs to one **attempt** of a task, identified by the attempt token ``(task_id, attempt)`` where
+``attempt`` is Celery's retry count; never by task id alone (a retry of the same task id can arrive before
+the previous attempt's release).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import Enum
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Token:
+    """The identity of one attempt."""
+
+    task_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """An attempt as received by a worker (or fed by a test).
+
+    ``key`` is a normalised concurrency key (or None), ``group_key`` the ordered group (or None) and
+    ``group_seq`` the sequence number registered at publish (None: allocate at receipt, D10). ``deadline`` is
+    Celery's ``expires``; the name's ``max_wait`` may make the latest start earlier. ``not_before`` is an ETA /
+    retry countdown. ``message`` is the whole broker message (JSON-able) kept while the attempt is parked.
+    Higher ``priority`` is served first.
+    """
+
+    task_id: str
+    attempt: int = 0
+    key: str | None = None
+    group_key: str | None = None
+    group_seq: int | None = None
+    task_name: str = ""
+    priority: int = 0
+    deadline: datetime | None = None
+    not_before: datetime | None = None
+    supersede_key: str | None = None
+    queue: str | None = None
+    message: Any = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.key is None and self.group_key is None:
+            raise ValueError("an arrival needs a concurrency key or a group key")
+        if not isinstance(self.attempt, int) or isinstance(self.attempt, bool) or self.attempt < 0:
+            raise ValueError(f"attempt must be a non-negative integer, got {self.attempt!r}")
+
+    @property
+    def token(self) -> Token:
+        return Token(self.task_id, self.attempt)
+
+
+class Verdict(str, Enum):
+    """What admission decided for an arrival."""
+
+    ADMITTED = "admitted"  # a slot is held; run it now (fence given)
+    PARKED = "parked"  # stored in the waiting room; ack the broker message
+    REJECTED = "rejected"  # waiting room full; final outcome recorded
+    EXPIRED = "expired"  # latest start already passed; final outcome recorded
+    DUPLICATE = "duplicate"  # the token is known (D8); ack and drop, or kept as a shadow
+
+
+@dataclass(frozen=True)
+class Admission:
+    verdict: Verdict
+    fence: int | None = None
+    shard: int | None = None
+    detail: str = ""
+    superseded: tuple[str, ...] = ()  # task ids this arrival replaced in the waiting room
+
+    @property
+    def admitted(self) -> bool:
+        return self.verdict is Verdict.ADMITTED
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """A parked attempt that was given a slot. The receiver binds it with ``nonce`` (D5) before running it."""
+
+    task_id: str
+    attempt: int
+    nonce: uuid.UUID
+    fence: int
+    key: str | None
+    group_key: str | None
+    queue: str | None
+    message: Any
+
+    @property
+    def token(self) -> Token:
+        return Token(self.task_id, self.attempt)
+
+
+class Outcome(str, Enum):
+    """How an attempt ended, as told to ``release``."""
+
+    COMPLETED = "completed"  # success: the task is finished
+    FAILED = "failed"  # final failure (a group head's final failure is dead-lettered)
+    RETRY = "retry"  # this attempt is over; the task comes back as attempt + 1
+    WORKER_LOST = "worker_lost"  # the attempt may be redelivered with the same token (D8)
+    REVOKED = "revoked"  # revoked while running or while waiting
+    DEAD_LETTERED = "dead_lettered"  # explicit dead-letter
+
+
+@dataclass
+class ReleaseReport:
+    released: bool
+    promotions: list[Promotion] = field(default_factory=list)
+    finished: list[tuple[str, str]] = field(default_factory=list)  # (task_id, outcome) recorded now

@@ -1,0 +1,215 @@
+"""Claims: the right of one attempt to execute (table ``keyed_claims``).
+
+A claim row *is* a held slot: of (key, shard) when ``key`` is set, of its group when ``group_key`` is set.
+Release exactly once: only the actor whose DELETE returns the row gives the slot back. The worker's release
+(fenced by token + fence) and the reaper's reclaim (by expired lease) race for that row; the loser gets no row
+and does nothing — so a stale worker can never free or complete its replacement's slot (DESIGN §3.4).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.attempts import Token
+from celery_keyed.ledger.clock import NOW
+
+# claims_insert_running: a slot taken by the caller's statement(s) becomes this attempt's claim.
+CLAIMS_INSERT_RUNNING = sa.text(
+    f"""
+    INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
+                              lease_expires_at, claimed_at)
+    VALUES (:task_id, :attempt, :key, :shard, :group_key, 'running', nextval('keyed_fence_seq'), :holder,
+            {NOW} + make_interval(secs => :lease), {NOW})
+    RETURNING fence
+    """
+)
+
+# claims_insert_promoted: a slot given to a parked attempt; bound later by its nonce (D5).
+CLAIMS_INSERT_PROMOTED = sa.text(
+    f"""
+    INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, nonce, dispatch_deadline,
+                              lease_expires_at, claimed_at, parked)
+    VALUES (:task_id, :attempt, :key, :shard, :group_key, 'promoted', nextval('keyed_fence_seq'), :nonce,
+            {NOW} + make_interval(secs => :dispatch), {NOW} + make_interval(secs => :dispatch), {NOW},
+            CAST(:parked AS jsonb))
+    RETURNING fence
+    """
+)
+
+# claims_bind_promoted: the receiver of a promoted attempt binds it. Token, nonce and state must all match;
+# no row = not a valid promotion (copied, forged, voided or already bound) → ordinary admission (D5).
+CLAIMS_BIND_PROMOTED = sa.text(
+    f"""
+    UPDATE keyed_claims SET state = 'running', holder = :holder, nonce = NULL, dispatch_deadline = NULL,
+           parked = NULL, lease_expires_at = {NOW} + make_interval(secs => :lease)
+     WHERE task_id = :task_id AND attempt = :attempt AND nonce = :nonce AND state = 'promoted'
+    RETURNING fence
+    """
+)
+
+# claims_delete_fenced: release. Only the attempt that holds this exact fence gives the slot back.
+CLAIMS_DELETE_FENCED = sa.text(
+    """
+    DELETE FROM keyed_claims
+     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
+    RETURNING task_id, attempt, key, shard, group_key, fence
+    """
+)
+
+# claims_delete_unstarted_promoted: take back a promotion nobody bound (dispatch deadline passed), or that
+# its owner gives up (D5: the reaper voids an unbound nonce before the slot is reused).
+CLAIMS_DELETE_STALE_PROMOTED = sa.text(
+    f"""
+    DELETE FROM keyed_claims c
+     WHERE (c.task_id, c.attempt) IN (
+            SELECT task_id, attempt FROM keyed_claims
+             WHERE state = 'promoted' AND dispatch_deadline < {NOW}
+             ORDER BY dispatch_deadline LIMIT :batch FOR UPDATE SKIP LOCKED)
+    RETURNING c.task_id, c.attempt, c.key, c.shard, c.group_key, c.fence, c.parked
+    """
+)
+
+# claims_delete_expired_leases: the reaper's side of the race for a claim row (D7).
+CLAIMS_DELETE_EXPIRED = sa.text(
+    f"""
+    DELETE FROM keyed_claims c
+     WHERE (c.task_id, c.attempt) IN (
+            SELECT task_id, attempt FROM keyed_claims
+             WHERE state = 'running' AND lease_expires_at < {NOW}
+             ORDER BY lease_expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)
+    RETURNING c.task_id, c.attempt, c.key, c.shard, c.group_key, c.fence, c.holder
+    """
+)
+
+# claims_renew: the heartbeat renews exactly the attempts this process tracks (D6), never "all of a host".
+# Returned rows are the attempts still held; a tracked attempt missing from the answer has lost its slot.
+CLAIMS_RENEW = sa.text(
+    f"""
+    UPDATE keyed_claims c SET lease_expires_at = {NOW} + make_interval(secs => :lease)
+      FROM unnest(CAST(:task_ids AS text[]), CAST(:attempts AS integer[]), CAST(:fences AS bigint[]))
+           AS t(task_id, attempt, fence)
+     WHERE c.task_id = t.task_id AND c.attempt = t.attempt AND c.fence = t.fence
+       AND c.holder = :holder AND c.state = 'running'
+    RETURNING c.task_id, c.attempt, c.fence
+    """
+)
+
+# claims_get: the live claim of a token, if any.
+CLAIMS_GET = sa.text(
+    """
+    SELECT task_id, attempt, key, shard, group_key, state, fence, holder, lease_expires_at
+      FROM keyed_claims WHERE task_id = :task_id AND attempt = :attempt
+    """
+)
+
+
+@dataclass(frozen=True)
+class HeldClaim:
+    """A claim the caller tracks: enough to renew and release it."""
+
+    task_id: str
+    attempt: int
+    fence: int
+
+    @property
+    def token(self) -> Token:
+        return Token(self.task_id, self.attempt)
+
+
+def claims_insert_running(
+    conn: sa.Connection,
+    token: Token,
+    *,
+    key: str | None,
+    shard: int | None,
+    group_key: str | None,
+    holder: str,
+    lease: float,
+    now: Any = None,
+) -> int:
+    """Insert the running claim for a slot the caller has just taken; its fence."""
+    params = {
+        "task_id": token.task_id,
+        "attempt": token.attempt,
+        "key": key,
+        "shard": shard,
+        "group_key": group_key,
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+    return int(conn.execute(CLAIMS_INSERT_RUNNING, params).scalar_one())
+
+
+def claims_insert_promoted(
+    conn: sa.Connection,
+    token: Token,
+    *,
+    key: str | None,
+    shard: int | None,
+    group_key: str | None,
+    nonce: uuid.UUID,
+    dispatch: float,
+    parked: str,
+    now: Any = None,
+) -> int:
+    params = {
+        "task_id": token.task_id,
+        "attempt": token.attempt,
+        "key": key,
+        "shard": shard,
+        "group_key": group_key,
+        "nonce": nonce,
+        "dispatch": dispatch,
+        "parked": parked,
+        "now": now,
+    }
+    return int(conn.execute(CLAIMS_INSERT_PROMOTED, params).scalar_one())
+
+
+def claims_bind_promoted(
+    conn: sa.Connection, token: Token, nonce: uuid.UUID, *, holder: str, lease: float, now: Any = None
+) -> int | None:
+    """Bind a promotion to its receiver: the fence, or None when the token/nonce is not a live promotion."""
+    params = {
+        "task_id": token.task_id,
+        "attempt": token.attempt,
+        "nonce": nonce,
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+    return conn.execute(CLAIMS_BIND_PROMOTED, params).scalar_one_or_none()
+
+
+def claims_delete_fenced(conn: sa.Connection, token: Token, fence: int) -> sa.Row[Any] | None:
+    """Delete the claim held with ``fence``; the row when this call released it, None when it did not."""
+    params = {"task_id": token.task_id, "attempt": token.attempt, "fence": fence}
+    return conn.execute(CLAIMS_DELETE_FENCED, params).first()
+
+
+def claims_renew(
+    conn: sa.Connection, holder: str, held: Iterable[HeldClaim], *, lease: float, now: Any = None
+) -> set[HeldClaim]:
+    """Renew the leases of ``held`` (attempts this process tracks); the subset still held."""
+    held = list(held)
+    if not held:
+        return set()
+    params = {
+        "task_ids": [h.task_id for h in held],
+        "attempts": [h.attempt for h in held],
+        "fences": [h.fence for h in held],
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+    return {HeldClaim(r.task_id, r.attempt, r.fence) for r in conn.execute(CLAIMS_RENEW, params)}
+
+
+def claims_get(conn: sa.Connection, token: Token) -> sa.Row[Any] | None:
+    return conn.execute(CLAIMS_GET, {"task_id": token.task_id, "attempt": token.attempt}).first()

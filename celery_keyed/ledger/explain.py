@@ -1,0 +1,105 @@
+"""``explain(task_id)``: why an attempt is (not) running, in an operator's words."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.clock import NOW
+
+EXPLAIN_TASK = sa.text(
+    "SELECT task_id, key, group_key, outcome, detail, finished_attempt, arrived_at FROM keyed_tasks"
+    " WHERE task_id = :task_id"
+)
+EXPLAIN_CLAIM = sa.text(
+    f"""
+    SELECT attempt, key, shard, group_key, state, fence, holder, dispatch_deadline,
+           EXTRACT(EPOCH FROM lease_expires_at - {NOW}) AS lease_left
+      FROM keyed_claims WHERE task_id = :task_id ORDER BY attempt DESC LIMIT 1
+    """
+)
+EXPLAIN_WAITING = sa.text(
+    f"""
+    SELECT w.attempt, w.key, w.group_key, w.group_seq, w.shadow, w.group_blocked, w.deadline, w.priority,
+           w.not_before, w.not_before > {NOW} AS not_due,
+           (SELECT count(*) FROM keyed_waiting o
+             WHERE o.key = w.key AND NOT o.shadow AND o.not_before IS NULL AND NOT o.group_blocked
+               AND (o.priority > w.priority OR (o.priority = w.priority AND o.arrival < w.arrival))) AS ahead,
+           (SELECT COALESCE(sum(s.used), 0) FROM keyed_slots s WHERE s.key = w.key) AS in_flight,
+           keyed_effective_limit(split_part(w.key, ':', 1), {NOW}) AS k
+      FROM keyed_waiting w WHERE w.task_id = :task_id ORDER BY w.attempt DESC LIMIT 1
+    """
+)
+EXPLAIN_GROUP = sa.text(
+    """
+    SELECT m.seq, m.task_id, m.received,
+           (SELECT c.task_id FROM keyed_claims c WHERE c.group_key = :group_key) AS running
+      FROM keyed_group_members m WHERE m.group_key = :group_key ORDER BY m.seq LIMIT 1
+    """
+)
+EXPLAIN_MEMBER = sa.text("SELECT group_key, seq, received FROM keyed_group_members WHERE task_id = :task_id")
+
+
+@dataclass
+class Explanation:
+    """``state`` is one of unknown, registered, running, promoted, waiting, paused, blocked, not_before,
+    shadow, between_attempts, finished; ``text`` says it in a sentence; ``facts`` has the numbers."""
+
+    task_id: str
+    state: str
+    text: str
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanation:
+    task = conn.execute(EXPLAIN_TASK, {"task_id": task_id}).mappings().first()
+    member = conn.execute(EXPLAIN_MEMBER, {"task_id": task_id}).mappings().first()
+    if task is None:
+        if member is not None:
+            return Explanation(task_id, "registered",
+                               f"registered as number {member['seq']} of group {member['group_key']}, "
+                               "not received by a worker yet", dict(member))
+        return Explanation(task_id, "unknown", "the ledger has no record of this task id (not keyed, or not "
+                           "received yet)")
+    if task["outcome"] is not None:
+        return Explanation(task_id, "finished", f"finished: {task['outcome']}"
+                           + (f" ({task['detail']})" if task["detail"] else ""), dict(task))
+    claim = conn.execute(EXPLAIN_CLAIM, {"task_id": task_id, "now": now}).mappings().first()
+    if claim is not None:
+        holds = " and ".join(x for x in (
+            f"key {claim['key']} (shard {claim['shard']})" if claim["key"] else "",
+            f"group {claim['group_key']}" if claim["group_key"] else "") if x)
+        if claim["state"] == "promoted":
+            return Explanation(task_id, "promoted", f"attempt {claim['attempt']} was given a slot of {holds} and "
+                               f"is being dispatched (deadline {claim['dispatch_deadline']})", dict(claim))
+        return Explanation(task_id, "running", f"attempt {claim['attempt']} is running under {holds}, fence "
+                           f"{claim['fence']}, holder {claim['holder']}, lease left "
+                           f"{float(claim['lease_left']):.1f}s", dict(claim))
+    wait = conn.execute(EXPLAIN_WAITING, {"task_id": task_id, "now": now}).mappings().first()
+    if wait is None:
+        return Explanation(task_id, "between_attempts", "no attempt is running or waiting: between attempts "
+                           "(retry backoff or in transit)", dict(task))
+    facts = dict(wait)
+    if wait["shadow"]:
+        return Explanation(task_id, "shadow", "a duplicate delivery kept as the shadow of its running attempt "
+                           "(it runs only if that attempt's worker is lost)", facts)
+    if wait["not_due"]:
+        return Explanation(task_id, "not_before", f"not before {wait['not_before']}", facts)
+    if wait["group_key"] is not None:
+        head = conn.execute(EXPLAIN_GROUP, {"group_key": wait["group_key"]}).mappings().first()
+        if head is not None and (head["seq"] != wait["group_seq"] or head["running"] is not None):
+            blocker = head["running"] or head["task_id"]
+            facts["blocked_by"] = blocker
+            why = "is running" if head["running"] else ("has not arrived yet" if not head["received"]
+                                                        else "has not finished")
+            return Explanation(task_id, "blocked", f"number {wait['group_seq']} of group {wait['group_key']}: "
+                               f"the group head, task {blocker}, {why}", facts)
+    if wait["key"] is not None:
+        if wait["k"] == 0:
+            return Explanation(task_id, "paused", f"key {wait['key']} is paused (limit 0); "
+                               f"{wait['ahead']} waiting ahead", facts)
+        return Explanation(task_id, "waiting", f"waiting behind {wait['ahead']} others for key {wait['key']} "
+                           f"(in flight {wait['in_flight']}/{wait['k']})", facts)
+    return Explanation(task_id, "waiting", f"waiting for group {wait['group_key']}", facts)

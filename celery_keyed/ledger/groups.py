@@ -1,0 +1,101 @@
+"""Groups: ordered heads per ``group_key`` (tables ``keyed_groups`` and ``keyed_group_members``), D10.
+
+Each task of a group gets a sequence number, allocated in Postgres at publish by ``groups_register`` (in the
+producer's transaction when one is open) or at receipt when the producer did not register it. The head of a
+group is its member with the lowest number; only the head may run, one attempt at a time (a claim with the
+group_key; the unique index ``keyed_claims_one_per_group`` backs the rule). A head in retry backoff keeps its
+member row, so the group waits; its final outcome (success, dead-letter, expiry…) deletes the row and the next
+number becomes the head. A registered number never received within the arrival timeout is recorded lost and
+skipped. Every admission and advance locks the group row first (lock order: after slots and keys).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.clock import NOW
+
+# groups_register: allocate the next sequence number of a group for a task id (producer side, or receipt).
+GROUPS_REGISTER = sa.text(
+    f"""
+    WITH g AS (
+        INSERT INTO keyed_groups (group_key, next_seq) VALUES (:group_key, 2)
+        ON CONFLICT (group_key) DO UPDATE SET next_seq = keyed_groups.next_seq + 1
+        RETURNING next_seq - 1 AS seq
+    )
+    INSERT INTO keyed_group_members (group_key, seq, task_id, received, registered_at)
+    SELECT :group_key, g.seq, :task_id, :received, {NOW} FROM g
+    RETURNING seq
+    """
+)
+
+# groups_lock: create if missing and lock the group row (D2: admission and advance lock it unconditionally).
+GROUPS_LOCK = sa.text(
+    """
+    INSERT INTO keyed_groups (group_key) VALUES (:group_key)
+    ON CONFLICT (group_key) DO UPDATE SET next_seq = keyed_groups.next_seq
+    RETURNING next_seq
+    """
+)
+
+# groups_try_lock: lock the group row unless another transaction holds it (callers out of lock order).
+GROUPS_TRY_LOCK = sa.text("SELECT next_seq FROM keyed_groups WHERE group_key = :group_key FOR UPDATE SKIP LOCKED")
+
+# groups_head: the group's head number and whether an attempt of the group holds its claim.
+GROUPS_HEAD = sa.text(
+    """
+    SELECT (SELECT min(seq) FROM keyed_group_members WHERE group_key = :group_key) AS head,
+           EXISTS (SELECT 1 FROM keyed_claims WHERE group_key = :group_key) AS busy
+    """
+)
+
+# group_members_get: a task's membership (its number), if it has one.
+MEMBERS_GET = sa.text("SELECT group_key, seq, received FROM keyed_group_members WHERE task_id = :task_id")
+MEMBERS_MARK_RECEIVED = sa.text("UPDATE keyed_group_members SET received = true WHERE task_id = :task_id")
+
+# group_members_finish: a member's final outcome: it leaves the group; the next number may become the head.
+MEMBERS_FINISH = sa.text("DELETE FROM keyed_group_members WHERE task_id = :task_id RETURNING group_key, seq")
+
+# group_members_delete_lost: registered numbers never received within the arrival timeout.
+MEMBERS_DELETE_LOST = sa.text(
+    f"""
+    DELETE FROM keyed_group_members m USING (
+        SELECT group_key, seq FROM keyed_group_members
+         WHERE NOT received AND registered_at < {NOW} - make_interval(secs => :timeout)
+         ORDER BY registered_at LIMIT :batch FOR UPDATE SKIP LOCKED) v
+     WHERE m.group_key = v.group_key AND m.seq = v.seq
+    RETURNING m.group_key, m.seq, m.task_id, m.registered_at
+    """
+)
+
+
+def groups_register(conn: sa.Connection, group_key: str, task_id: str, *, received: bool = False,
+                    now: Any = None) -> int:
+    """Allocate the next number of ``group_key`` for ``task_id``; call it in the producer's transaction so the
+    number exists exactly when the task is published."""
+    params = {"group_key": group_key, "task_id": task_id, "received": received, "now": now}
+    return int(conn.execute(GROUPS_REGISTER, params).scalar_one())
+
+
+def groups_lock(conn: sa.Connection, group_key: str) -> None:
+    conn.execute(GROUPS_LOCK, {"group_key": group_key})
+
+
+def groups_try_lock(conn: sa.Connection, group_key: str) -> bool:
+    return conn.execute(GROUPS_TRY_LOCK, {"group_key": group_key}).first() is not None
+
+
+def groups_head(conn: sa.Connection, group_key: str) -> tuple[int | None, bool]:
+    """(head number or None when the group is empty, whether an attempt holds the group)."""
+    row = conn.execute(GROUPS_HEAD, {"group_key": group_key}).one()
+    return row.head, bool(row.busy)
+
+
+def members_get(conn: sa.Connection, task_id: str) -> sa.Row[Any] | None:
+    return conn.execute(MEMBERS_GET, {"task_id": task_id}).first()
+
+
+def members_finish(conn: sa.Connection, task_id: str) -> sa.Row[Any] | None:
+    return conn.execute(MEMBERS_FINISH, {"task_id": task_id}).first()

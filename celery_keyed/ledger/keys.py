@@ -1,0 +1,56 @@
+"""Keys: one head row per concurrency key (table ``keyed_keys``) holding its waiting count.
+
+Invariant (D1): ``waiting`` equals the number of ``keyed_waiting`` rows of the key; it changes only under
+this row's lock, in the transaction that inserts or deletes those rows. ``max_waiting`` is enforced by the
+guarded increment. Lock order: after the key's ``keyed_slots`` rows, before ``keyed_groups`` rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.clock import NOW
+
+# keys_ensure_locked: create the head row if missing and lock it (D2: lock unconditionally).
+KEYS_LOCK = sa.text(
+    f"""
+    INSERT INTO keyed_keys (key, name, waiting, active_at) VALUES (:key, :name, 0, {NOW})
+    ON CONFLICT (key) DO UPDATE SET active_at = excluded.active_at
+    RETURNING waiting
+    """
+)
+
+# keys_add_waiting: one more parked attempt, only while the waiting room has a place (max_waiting).
+KEYS_ADD_WAITING = sa.text(
+    """
+    UPDATE keyed_keys k SET waiting = k.waiting + 1
+     WHERE k.key = :key
+       AND (:force OR k.waiting < COALESCE((SELECT c.max_waiting FROM keyed_names c WHERE c.name = k.name),
+                                          2147483647))
+    RETURNING k.waiting
+    """
+)
+
+# keys_remove_waiting: n parked attempts left the waiting room (promoted, expired, superseded, revoked).
+KEYS_REMOVE_WAITING = sa.text(
+    f"UPDATE keyed_keys SET waiting = waiting - :n, active_at = {NOW} WHERE key = :key RETURNING waiting"
+)
+
+KEYS_SET_WAITING = sa.text("UPDATE keyed_keys SET waiting = :waiting WHERE key = :key")
+
+
+def keys_lock(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> int:
+    """Create (if missing) and lock the head row of ``key``; its waiting count."""
+    return int(conn.execute(KEYS_LOCK, {"key": key, "name": name, "now": now}).scalar_one())
+
+
+def keys_add_waiting(conn: sa.Connection, key: str, *, force: bool = False) -> bool:
+    """Count one more parked attempt; False when the waiting room is full (and ``force`` is not set)."""
+    return conn.execute(KEYS_ADD_WAITING, {"key": key, "force": force}).first() is not None
+
+
+def keys_remove_waiting(conn: sa.Connection, key: str, n: int = 1, *, now: Any = None) -> None:
+    """Count ``n`` parked attempts fewer (the CHECK catches a removal without a park)."""
+    conn.execute(KEYS_REMOVE_WAITING, {"key": key, "n": n, "now": now})

@@ -1,0 +1,153 @@
+"""Names: the configured limit and waiting room of every key ``name:*`` (table ``keyed_names``).
+
+Configuration lives in the application's settings; a worker syncs it here at start (``names_upsert``) so
+that the claim statement reads it inside Postgres (``keyed_effective_limit``) together with overrides.
+A name with no row is a mutex (K = 1) with an unbounded waiting room.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.errors import InvalidConfig
+from celery_keyed.ledger.keyspec import validate_name
+
+Overflow = Literal["reject", "supersede"]
+
+_KNOWN_OPTIONS = {"limit", "shards", "max_waiting", "max_wait", "overflow"}
+
+
+@dataclass(frozen=True)
+class NameConfig:
+    """The configuration of one name. ``limit`` slots per key; ``shards`` counter rows per key (D12);
+    ``max_waiting`` parked attempts per key (None = unbounded); ``max_wait`` seconds from arrival to the
+    latest start (None = no bound); ``overflow`` what a full waiting room does with a new arrival."""
+
+    name: str
+    limit: int = 1
+    shards: int = 1
+    max_waiting: int | None = None
+    max_wait: float | None = None
+    overflow: Overflow = "reject"
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        _check_int(self.name, "limit", self.limit, minimum=0)
+        _check_int(self.name, "shards", self.shards, minimum=1, maximum=1024)
+        if self.max_waiting is not None:
+            _check_int(self.name, "max_waiting", self.max_waiting, minimum=0)
+        if self.max_wait is not None and (
+            isinstance(self.max_wait, bool)
+            or not isinstance(self.max_wait, int | float)
+            or not math.isfinite(self.max_wait)
+            or self.max_wait <= 0
+        ):
+            raise InvalidConfig(f"{self.name}: max_wait must be a positive number of seconds, got {self.max_wait!r}")
+        if self.overflow not in ("reject", "supersede"):
+            raise InvalidConfig(f"{self.name}: overflow must be 'reject' or 'supersede', got {self.overflow!r}")
+
+    @classmethod
+    def from_setting(cls, name: str, value: Any) -> NameConfig:
+        """Build from a settings entry: an int (the limit) or a dict with keys limit, shards, max_waiting,
+        max_wait, overflow. Unknown keys are an error (a typo must not silently turn a gate into a mutex)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(name=name, limit=value)
+        if not isinstance(value, Mapping):
+            raise InvalidConfig(f"{name}: a limit setting must be an int or a dict, got {type(value).__name__}")
+        unknown = set(value) - _KNOWN_OPTIONS
+        if unknown:
+            raise InvalidConfig(f"{name}: unknown option(s) {sorted(unknown)}; known: {sorted(_KNOWN_OPTIONS)}")
+        return cls(name=name, **dict(value))
+
+
+def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
+    """Parse a whole ``keyed_concurrency_limits`` setting into configs by name."""
+    if setting is None:
+        return {}
+    if not isinstance(setting, Mapping):
+        raise InvalidConfig(f"keyed_concurrency_limits must be a dict by name, got {type(setting).__name__}")
+    return {name: NameConfig.from_setting(validate_name(name), value) for name, value in setting.items()}
+
+
+def _check_int(name: str, option: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidConfig(f"{name}: {option} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and at most {maximum}" if maximum is not None else ""
+        raise InvalidConfig(f"{name}: {option} must be at least {minimum}{upper}, got {value}")
+
+
+# names_upsert: write one name's configuration (worker start, tests, admin).
+NAMES_UPSERT = sa.text(
+    f"""
+    INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, updated_at)
+    VALUES (:name, :limit, :shards, :max_waiting, :max_wait, :overflow, {NOW})
+    ON CONFLICT (name) DO UPDATE SET
+        slot_limit = excluded.slot_limit, shards = excluded.shards, max_waiting = excluded.max_waiting,
+        max_wait = excluded.max_wait, overflow = excluded.overflow, updated_at = excluded.updated_at
+    RETURNING (SELECT k.slot_limit FROM keyed_names k WHERE k.name = :name) AS old_limit
+    """
+)
+
+# names_get: one name's stored configuration.
+NAMES_GET = sa.text(
+    "SELECT name, slot_limit, shards, max_waiting, max_wait, overflow FROM keyed_names WHERE name = :name"
+)
+
+# names_effective_limit: the limit the next claim of a key of this name will use.
+NAMES_EFFECTIVE_LIMIT = sa.text(f"SELECT keyed_effective_limit(:name, {NOW})")
+
+
+def names_upsert(conn: sa.Connection, config: NameConfig, *, now: Any = None) -> None:
+    """Store ``config``. Raising a limit creates room: the caller runs ``promote_name`` in the same
+    transaction (``configure_names`` does)."""
+    conn.execute(
+        NAMES_UPSERT,
+        {
+            "name": config.name,
+            "limit": config.limit,
+            "shards": config.shards,
+            "max_waiting": config.max_waiting,
+            "max_wait": config.max_wait,
+            "overflow": config.overflow,
+            "now": now,
+        },
+    )
+
+
+def names_get(conn: sa.Connection, name: str) -> NameConfig | None:
+    """The stored configuration of ``name``, or None when it is unconfigured (a mutex)."""
+    row = conn.execute(NAMES_GET, {"name": name}).mappings().first()
+    if row is None:
+        return None
+    return NameConfig(
+        name=row["name"],
+        limit=row["slot_limit"],
+        shards=row["shards"],
+        max_waiting=row["max_waiting"],
+        max_wait=row["max_wait"],
+        overflow=row["overflow"],
+    )
+
+
+def names_effective_limit(conn: sa.Connection, name: str, *, now: Any = None) -> int:
+    """The effective limit of ``name`` at ``now``: override, else configured, else 1."""
+    return int(conn.execute(NAMES_EFFECTIVE_LIMIT, {"name": name, "now": now}).scalar_one())
+
+
+def configure_names(conn: sa.Connection, configs: Mapping[str, NameConfig], *, now: Any = None) -> list[Any]:
+    """Store every config (a worker does this at start) and promote waiters a raised limit lets in (D2)."""
+    from celery_keyed.ledger.overrides import promote_name  # overrides builds on admission, which builds on us
+
+    promotions: list[Any] = []
+    for name in sorted(configs):
+        names_upsert(conn, configs[name], now=now)
+    for name in sorted(configs):
+        promotions += promote_name(conn, name, now=now)
+    return promotions

@@ -1,0 +1,124 @@
+"""Overrides: an operator's runtime limit for a name (table ``keyed_overrides``), with an audit trail
+(``keyed_override_log``).
+
+0 pauses a name. An override takes effect at the next claim (the claim statement reads it through
+``keyed_effective_limit``); lowering never preempts running attempts; raising or clearing promotes waiters
+in the same transaction (D2). Every function runs in the caller's transaction, so an override can commit or
+roll back together with the caller's own work (DESIGN §3.7).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.admission import DEFAULT_DISPATCH_TIMEOUT, promote_key
+from celery_keyed.ledger.attempts import Promotion
+from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.errors import InvalidConfig
+from celery_keyed.ledger.keyspec import validate_name
+
+# overrides_set: create or replace the override of a name; the previous limit comes back for the audit.
+OVERRIDES_SET = sa.text(
+    f"""
+    WITH old AS (SELECT slot_limit FROM keyed_overrides WHERE name = :name FOR UPDATE)
+    INSERT INTO keyed_overrides (name, slot_limit, reason, author, expires_at, set_at)
+    VALUES (:name, :limit, :reason, :author, :expires_at, {NOW})
+    ON CONFLICT (name) DO UPDATE SET slot_limit = excluded.slot_limit, reason = excluded.reason,
+        author = excluded.author, expires_at = excluded.expires_at, set_at = excluded.set_at
+    RETURNING (SELECT slot_limit FROM old) AS old_limit
+    """
+)
+
+# overrides_clear: remove the override of a name; no row = there was none.
+OVERRIDES_CLEAR = sa.text("DELETE FROM keyed_overrides WHERE name = :name RETURNING slot_limit")
+
+# overrides_delete_expired: overrides whose expiry passed (the sweep logs and promotes for each).
+OVERRIDES_DELETE_EXPIRED = sa.text(
+    f"""
+    DELETE FROM keyed_overrides o USING (
+        SELECT name FROM keyed_overrides WHERE expires_at <= {NOW} FOR UPDATE SKIP LOCKED) v
+     WHERE o.name = v.name
+    RETURNING o.name, o.slot_limit
+    """
+)
+
+OVERRIDE_LOG_INSERT = sa.text(
+    f"""
+    INSERT INTO keyed_override_log (name, action, old_limit, new_limit, reason, author, expires_at, at)
+    VALUES (:name, :action, :old_limit, :new_limit, :reason, :author, :expires_at, {NOW})
+    """
+)
+
+# keys_of_name_waiting: keys of a name with parked attempts, in lock order.
+KEYS_OF_NAME_WAITING = sa.text("SELECT key FROM keyed_keys WHERE name = :name AND waiting > 0 ORDER BY key")
+
+
+def set_override(
+    conn: sa.Connection,
+    name: str,
+    limit: int,
+    *,
+    reason: str,
+    author: str = "",
+    expires_at: datetime | None = None,
+    now: Any = None,
+) -> list[Promotion]:
+    """Set the runtime limit of ``name`` (0 pauses) in the caller's transaction; returns the promotions a
+    raised limit made (the caller dispatches them after commit)."""
+    validate_name(name)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise InvalidConfig(f"an override limit must be a non-negative integer (0 pauses), got {limit!r}")
+    if not isinstance(reason, str) or not reason.strip():
+        raise InvalidConfig("an override needs a reason")
+    params = {"name": name, "limit": limit, "reason": reason, "author": author, "expires_at": expires_at,
+              "now": now}
+    old = conn.execute(OVERRIDES_SET, params).scalar_one_or_none()
+    conn.execute(OVERRIDE_LOG_INSERT, {**params, "action": "set", "old_limit": old, "new_limit": limit})
+    return promote_name(conn, name, now=now)
+
+
+def clear_override(
+    conn: sa.Connection, name: str, *, reason: str = "", author: str = "", now: Any = None
+) -> list[Promotion]:
+    """Remove the override of ``name``; the configured limit applies again at once."""
+    old = conn.execute(OVERRIDES_CLEAR, {"name": name}).scalar_one_or_none()
+    if old is None:
+        return []
+    conn.execute(
+        OVERRIDE_LOG_INSERT,
+        {"name": name, "action": "clear", "old_limit": old, "new_limit": None, "reason": reason,
+         "author": author, "expires_at": None, "now": now},
+    )
+    return promote_name(conn, name, now=now)
+
+
+def expire_overrides(conn: sa.Connection, *, now: Any = None) -> list[Promotion]:
+    """Lapse overrides past their expiry (sweep), logging each and promoting what the change allows."""
+    promotions: list[Promotion] = []
+    for row in conn.execute(OVERRIDES_DELETE_EXPIRED, {"now": now}).all():
+        conn.execute(
+            OVERRIDE_LOG_INSERT,
+            {"name": row.name, "action": "expire", "old_limit": row.slot_limit, "new_limit": None,
+             "reason": "expired", "author": "", "expires_at": None, "now": now},
+        )
+        promotions += promote_name(conn, row.name, now=now)
+    return promotions
+
+
+def promote_name(conn: sa.Connection, name: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+                 now: Any = None) -> list[Promotion]:
+    """Promote waiters of every key of ``name`` that has room now (D2: run wherever room may appear)."""
+    promotions: list[Promotion] = []
+    for key in conn.execute(KEYS_OF_NAME_WAITING, {"name": name}).scalars().all():
+        promotions += promote_key(conn, key, dispatch=dispatch, now=now)
+    return promotions
+
+
+def override_get(conn: sa.Connection, name: str) -> sa.Row[Any] | None:
+    return conn.execute(
+        sa.text("SELECT name, slot_limit, reason, author, expires_at, set_at FROM keyed_overrides WHERE name = :n"),
+        {"n": name},
+    ).first()

@@ -1,0 +1,281 @@
+"""Background repair of the ledger: ``sweep_once`` (due times, every ``keyed_sweep_interval``) and
+``reconcile_once`` (leases, counters, idle keys; the beat task). Both take an engine and run one short
+transaction per item, so they never hold many locks and are safe to run in several processes at once
+(every step is a guarded statement with SKIP LOCKED; the loser of a race does nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger import admission, groups, keys, overrides, slots, waiting
+from celery_keyed.ledger.attempts import Outcome, Promotion, Token
+from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.events import events_record
+from celery_keyed.ledger.keyspec import key_name
+
+logger = logging.getLogger("celery_keyed.ledger")
+
+_BATCH = 500
+
+# reclaim candidates: running claims whose lease expired, provided the database server itself has been up for
+# a full lease (D7: a Postgres restart must not mass-reclaim the slots of tasks that kept running).
+CLAIMS_EXPIRED_CANDIDATES = sa.text(
+    f"""
+    SELECT task_id, attempt, fence FROM keyed_claims
+     WHERE state = 'running' AND lease_expires_at < {NOW}
+       AND pg_postmaster_start_time() <= {NOW} - make_interval(secs => :lease)
+     ORDER BY lease_expires_at LIMIT :batch
+    """
+)
+# claims_delete_expired_one: the reaper's side of the race for one claim row; no row = the worker won.
+CLAIMS_DELETE_EXPIRED_ONE = sa.text(
+    f"""
+    DELETE FROM keyed_claims
+     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
+       AND state = 'running' AND lease_expires_at < {NOW}
+    RETURNING task_id, attempt, key, shard, group_key, fence, holder
+    """
+)
+CLAIMS_STALE_PROMOTED_CANDIDATES = sa.text(
+    f"""
+    SELECT task_id, attempt, fence FROM keyed_claims
+     WHERE state = 'promoted' AND dispatch_deadline < {NOW} ORDER BY dispatch_deadline LIMIT :batch
+    """
+)
+CLAIMS_DELETE_STALE_PROMOTED_ONE = sa.text(
+    f"""
+    DELETE FROM keyed_claims
+     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
+       AND state = 'promoted' AND dispatch_deadline < {NOW}
+    RETURNING task_id, attempt, key, shard, group_key, fence, parked
+    """
+)
+SLOT_KEYS = sa.text("SELECT DISTINCT key FROM keyed_slots WHERE key > :after ORDER BY key LIMIT :batch")
+IDLE_KEYS = sa.text(
+    f"""
+    SELECT k.key FROM keyed_keys k
+     WHERE k.waiting = 0 AND k.active_at < {NOW} - make_interval(secs => :idle)
+       AND NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = k.key AND s.used > 0)
+     LIMIT :batch
+    """
+)
+
+
+@dataclass
+class Report:
+    """What one sweep or reconcile run did. ``promotions`` must be dispatched by the caller; ``finished``
+    lists tasks that got a final outcome without running (their failure results are due, D11)."""
+
+    promotions: list[Promotion] = field(default_factory=list)
+    finished: list[tuple[str, str]] = field(default_factory=list)
+    reclaimed: list[Token] = field(default_factory=list)
+    voided: list[Token] = field(default_factory=list)
+    drift: list[str] = field(default_factory=list)
+    expired: int = 0
+    lost: int = 0
+    dropped_keys: int = 0
+    due: int = 0
+
+    def merge(self, other: Report) -> Report:
+        for name in ("promotions", "finished", "reclaimed", "voided", "drift"):
+            getattr(self, name).extend(getattr(other, name))
+        for name in ("expired", "lost", "dropped_keys", "due"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
+
+def sweep_once(engine: sa.Engine, *, now: datetime | None = None, group_arrival_timeout: float = 300.0,
+               dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT) -> Report:
+    """Everything time makes happen (D2): not-before times that passed, waiters past their latest start,
+    overrides that lapse, registered group numbers never received, and — as the backstop for any wakeup
+    a lock-order skip left behind — promotion of every key and group that has promotable waiters."""
+    report = Report()
+    with engine.begin() as conn:
+        due = conn.execute(waiting.WAITING_CLEAR_DUE, {"batch": _BATCH, "now": now}).all()
+    report.due = len(due)
+    while True:
+        with engine.begin() as conn:
+            rows = conn.execute(waiting.WAITING_DELETE_EXPIRED, {"batch": 1, "now": now}).all()
+            for r in rows:
+                if r.key is not None:
+                    keys.keys_remove_waiting(conn, r.key, now=now)
+                if not r.shadow:
+                    report.promotions += admission._finish_never_ran(  # noqa: SLF001 (same layer)
+                        conn, Token(r.task_id, r.attempt), "expired", detail="not started before its deadline",
+                        dispatch=dispatch, now=now)
+                    report.finished.append((r.task_id, "expired"))
+                    report.expired += 1
+        if not rows:
+            break
+    with engine.begin() as conn:
+        report.promotions += overrides.expire_overrides(conn, now=now)
+    while True:
+        with engine.begin() as conn:
+            lost = conn.execute(groups.MEMBERS_DELETE_LOST,
+                                {"timeout": group_arrival_timeout, "batch": 1, "now": now}).all()
+            for m in lost:
+                conn.execute(
+                    sa.text(f"""
+                        INSERT INTO keyed_tasks (task_id, group_key, arrived_at, outcome, finished_at, detail)
+                        VALUES (:task_id, :group_key, :registered_at, 'lost', {NOW},
+                                'registered group number never received')
+                        ON CONFLICT (task_id) DO NOTHING"""),
+                    {"task_id": m.task_id, "group_key": m.group_key, "registered_at": m.registered_at, "now": now},
+                )
+                report.finished.append((m.task_id, "lost"))
+                report.lost += 1
+                report.promotions += admission.promote_group(conn, m.group_key, dispatch=dispatch, now=now)
+        if not lost:
+            break
+    report.merge(promote_all(engine, now=now, dispatch=dispatch))
+    return report
+
+
+def promote_all(engine: sa.Engine, *, now: datetime | None = None,
+                dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT) -> Report:
+    """Promote waiters of every key and group that has promotable rows and room (one transaction each)."""
+    report = Report()
+    with engine.connect() as conn:
+        key_list = conn.execute(waiting.WAITING_KEYS_PROMOTABLE, {"limit": 10_000, "now": now}).scalars().all()
+        group_list = conn.execute(waiting.WAITING_GROUPS_PROMOTABLE, {"limit": 10_000, "now": now}).scalars().all()
+    for key in sorted(key_list):
+        with engine.begin() as conn:
+            report.promotions += admission.promote_key(conn, key, dispatch=dispatch, now=now)
+    for group_key in sorted(group_list):
+        with engine.begin() as conn:
+            report.promotions += admission.promote_group(conn, group_key, dispatch=dispatch, now=now)
+    return report
+
+
+def reclaim_once(engine: sa.Engine, *, lease: float, now: datetime | None = None,
+                 dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT) -> Report:
+    """Reclaim running claims whose lease expired (D7) and void promotions nobody bound in time (D5).
+
+    ``lease`` is the lease length: claims are only reclaimed once the database server has been up for that
+    long. The caller (the beat task) must also have reached the ledger for a full lease before calling: a
+    reconciler that was cut off cannot tell a dead worker from a worker that was cut off too.
+    """
+    report = Report()
+    with engine.connect() as conn:
+        candidates = conn.execute(CLAIMS_EXPIRED_CANDIDATES, {"lease": lease, "batch": _BATCH, "now": now}).all()
+    for c in candidates:
+        with engine.begin() as conn:
+            row = conn.execute(CLAIMS_DELETE_EXPIRED_ONE, {"task_id": c.task_id, "attempt": c.attempt,
+                                                           "fence": c.fence, "now": now}).first()
+            if row is None:
+                continue
+            events_record(conn, "reclaimed", key=row.key or row.group_key, task_id=row.task_id,
+                          detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder}", now=now)
+            released = admission._after_claim_removed(  # noqa: SLF001 (same layer)
+                conn, row, Outcome.WORKER_LOST, detail="lease expired", dispatch=dispatch, now=now)
+            report.promotions += released.promotions
+            report.reclaimed.append(Token(row.task_id, row.attempt))
+    with engine.connect() as conn:
+        stale = conn.execute(CLAIMS_STALE_PROMOTED_CANDIDATES, {"batch": _BATCH, "now": now}).all()
+    for c in stale:
+        with engine.begin() as conn:
+            row = conn.execute(CLAIMS_DELETE_STALE_PROMOTED_ONE, {"task_id": c.task_id, "attempt": c.attempt,
+                                                                  "fence": c.fence, "now": now}).first()
+            if row is None:
+                continue
+            report.voided.append(Token(row.task_id, row.attempt))
+            room = False
+            if row.key is not None:
+                room = slots.slots_give_back(conn, row.key, row.shard, now=now)
+                keys.keys_lock(conn, row.key, key_name(row.key), now=now)
+            waiting.waiting_restore(conn, row.parked)
+            if row.key is not None:
+                keys.keys_add_waiting(conn, row.key, force=True)
+                if room:
+                    report.promotions += admission._promote_waiters(  # noqa: SLF001 (same layer)
+                        conn, row.key, [row.shard], dispatch=dispatch, now=now)
+            if row.group_key is not None:
+                report.promotions += admission.promote_group(conn, row.group_key, dispatch=dispatch, now=now)
+    return report
+
+
+def check_counters_once(engine: sa.Engine, *, repair: bool = True) -> list[str]:
+    """Check every key's counters against the rows that exist (D1): ``used`` per shard = claims of the shard,
+    ``waiting`` = parked rows. Locks the key's rows first, then counts in a later statement (a single
+    UPDATE ... = (SELECT count(*)) under READ COMMITTED would overwrite a concurrent claim). Any drift is a
+    bug: it is logged as an error, recorded as an event, and repaired."""
+    drift: list[str] = []
+    after = ""
+    while True:
+        with engine.connect() as conn:
+            batch = conn.execute(SLOT_KEYS, {"after": after, "batch": _BATCH}).scalars().all()
+        if not batch:
+            break
+        for key in batch:
+            with engine.begin() as conn:
+                locked = conn.execute(
+                    sa.text("SELECT shard, used FROM keyed_slots WHERE key = :key ORDER BY shard FOR UPDATE"),
+                    {"key": key},
+                ).all()
+                counted = {r.shard: int(r.n) for r in conn.execute(slots.SLOTS_COUNT_CLAIMS, {"key": key})}
+                for r in locked:
+                    truth = counted.get(r.shard, 0)
+                    if r.used != truth:
+                        msg = f"{key} shard {r.shard}: used {r.used} but {truth} claims exist"
+                        drift.append(msg)
+                        logger.error("celery-keyed ledger drift (bug): %s; repaired", msg)
+                        events_record(conn, "drift", key=key, detail=msg)
+                        if repair:
+                            conn.execute(slots.SLOTS_SET_USED, {"key": key, "shard": r.shard, "used": truth})
+                head = conn.execute(
+                    sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE"), {"key": key}
+                ).first()
+                if head is not None:
+                    parked = int(conn.execute(waiting.WAITING_COUNT, {"key": key}).scalar_one())
+                    if head.waiting != parked:
+                        msg = f"{key}: waiting {head.waiting} but {parked} parked rows exist"
+                        drift.append(msg)
+                        logger.error("celery-keyed ledger drift (bug): %s; repaired", msg)
+                        events_record(conn, "drift", key=key, detail=msg)
+                        if repair:
+                            conn.execute(keys.KEYS_SET_WAITING, {"key": key, "waiting": parked})
+        after = batch[-1]
+    return drift
+
+
+def drop_idle_keys_once(engine: sa.Engine, *, idle: float = 3600.0, now: datetime | None = None) -> int:
+    """Delete the rows of keys with nothing held or parked and no activity for ``idle`` seconds."""
+    dropped = 0
+    with engine.connect() as conn:
+        candidates = conn.execute(IDLE_KEYS, {"idle": idle, "batch": _BATCH, "now": now}).scalars().all()
+    for key in candidates:
+        with engine.begin() as conn:
+            locked = conn.execute(
+                sa.text("SELECT used FROM keyed_slots WHERE key = :key ORDER BY shard FOR UPDATE"), {"key": key}
+            ).all()
+            if any(r.used for r in locked):
+                continue
+            head = conn.execute(
+                sa.text(f"""SELECT waiting FROM keyed_keys WHERE key = :key AND waiting = 0
+                             AND active_at < {NOW} - make_interval(secs => :idle) FOR UPDATE"""),
+                {"key": key, "idle": idle, "now": now},
+            ).first()
+            if head is None:
+                continue
+            conn.execute(slots.SLOTS_DROP_KEY, {"key": key})
+            conn.execute(sa.text("DELETE FROM keyed_keys WHERE key = :key AND waiting = 0"), {"key": key})
+            dropped += 1
+    return dropped
+
+
+def reconcile_once(engine: sa.Engine, *, lease: float, now: datetime | None = None, idle: float = 3600.0,
+                   group_arrival_timeout: float = 300.0,
+                   dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT) -> Report:
+    """The periodic repair (beat task): reclaim dead leases and void unbound promotions, run the sweep,
+    check counters against the claims that exist, drop idle keys. Returns a report."""
+    report = reclaim_once(engine, lease=lease, now=now, dispatch=dispatch)
+    report.merge(sweep_once(engine, now=now, group_arrival_timeout=group_arrival_timeout, dispatch=dispatch))
+    report.drift += check_counters_once(engine)
+    report.dropped_keys = drop_idle_keys_once(engine, idle=idle, now=now)
+    return report

@@ -1,0 +1,146 @@
+"""Slots: the per-key, per-shard counters (table ``keyed_slots``).
+
+Invariant (D1): ``used`` of (key, shard) equals the number of claims of (key, shard), and a claim is only
+added by a guarded UPDATE ``used < share(effective limit)`` under the row's lock, in the transaction that
+inserts the claim. ``CHECK (used >= 0)`` (``keyed_slots_used_nonnegative``) catches a release without a claim.
+Lock order: rows of this table by (key, shard) before any ``keyed_keys`` or ``keyed_groups`` row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.clock import NOW
+
+# slots_claim_any: the fast path. Take one slot on any shard of the key that has room, skipping shards other
+# transactions hold; no row matched = no room seen without waiting (the caller then takes the slow path that
+# locks every shard, D2). The guard is repeated in the UPDATE so the bound holds even if the limit changed.
+SLOTS_CLAIM_ANY = sa.text(
+    f"""
+    WITH lim AS (
+        SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n
+    ), pick AS (
+        SELECT s.shard FROM keyed_slots s, lim
+         WHERE s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+         ORDER BY random() LIMIT 1
+         FOR UPDATE OF s SKIP LOCKED
+    )
+    UPDATE keyed_slots s SET used = s.used + 1
+      FROM pick, lim
+     WHERE s.key = :key AND s.shard = pick.shard AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+    RETURNING s.shard
+    """
+)
+
+# slots_ensure: create the counter rows of every current shard of the key (first use, or after idle drop).
+SLOTS_ENSURE = sa.text(
+    """
+    INSERT INTO keyed_slots (key, shard, name, used)
+    SELECT :key, g, :name, 0 FROM generate_series(0, keyed_name_shards(:name) - 1) AS g
+    ON CONFLICT (key, shard) DO NOTHING
+    """
+)
+
+# slots_lock_all: lock every shard row of the key in shard order (the slow path; D2: lock unconditionally),
+# returning each shard's use and current share.
+SLOTS_LOCK_ALL = sa.text(
+    f"""
+    SELECT s.shard, s.used,
+           keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard) AS share
+      FROM keyed_slots s
+     WHERE s.key = :key
+     ORDER BY s.shard
+       FOR UPDATE
+    """
+)
+
+# slots_take: add one use to a shard the caller holds locked, if it still has room.
+SLOTS_TAKE = sa.text(
+    f"""
+    UPDATE keyed_slots s SET used = s.used + 1
+     WHERE s.key = :key AND s.shard = :shard
+       AND s.used < keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)
+    RETURNING s.shard
+    """
+)
+
+# slots_take_nowait: like slots_take for a caller that holds locks later in the lock order (promotion of a
+# group head): never waits; no row = busy or full, and the sweep or the lock holder promotes instead.
+SLOTS_TAKE_NOWAIT = sa.text(
+    f"""
+    WITH pick AS (
+        SELECT s.shard FROM keyed_slots s
+         WHERE s.key = :key
+           AND s.used < keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)
+         ORDER BY s.shard LIMIT 1
+         FOR UPDATE OF s SKIP LOCKED
+    )
+    UPDATE keyed_slots s SET used = s.used + 1 FROM pick
+     WHERE s.key = :key AND s.shard = pick.shard
+    RETURNING s.shard
+    """
+)
+
+# slots_give_back: one use less on the shard a deleted claim came from (release credits its own shard, D12).
+# Returns whether the shard now has room for a promotion.
+SLOTS_GIVE_BACK = sa.text(
+    f"""
+    UPDATE keyed_slots s SET used = s.used - 1
+     WHERE s.key = :key AND s.shard = :shard
+    RETURNING s.used < keyed_shard_share(keyed_effective_limit(s.name, {NOW}), keyed_name_shards(s.name), s.shard)
+              AS has_room
+    """
+)
+
+# slots_recount: set a locked shard row to the number of claims that exist for it (reconcile, after locking
+# the row in an earlier statement — D1: a single UPDATE ... = (SELECT count) would overwrite a concurrent claim).
+SLOTS_COUNT_CLAIMS = sa.text(
+    "SELECT shard, count(*) AS n FROM keyed_claims WHERE key = :key AND shard IS NOT NULL GROUP BY shard"
+)
+SLOTS_SET_USED = sa.text("UPDATE keyed_slots SET used = :used WHERE key = :key AND shard = :shard")
+
+# slots_drop_idle: delete the counter rows of a key with nothing held (reconcile; the caller holds the locks).
+SLOTS_DROP_KEY = sa.text("DELETE FROM keyed_slots WHERE key = :key AND used = 0")
+
+
+@dataclass(frozen=True)
+class ShardUse:
+    shard: int
+    used: int
+    share: int
+
+    @property
+    def has_room(self) -> bool:
+        return self.used < self.share
+
+
+def slots_claim_any(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> int | None:
+    """Fast path: claim one slot without waiting for locks; the shard taken, or None."""
+    return conn.execute(SLOTS_CLAIM_ANY, {"key": key, "name": name, "now": now}).scalar_one_or_none()
+
+
+def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> list[ShardUse]:
+    """Create missing shard rows, then lock all of them in shard order and return their use."""
+    conn.execute(SLOTS_ENSURE, {"key": key, "name": name})
+    rows = conn.execute(SLOTS_LOCK_ALL, {"key": key, "name": name, "now": now}).all()
+    return [ShardUse(r.shard, r.used, r.share) for r in rows]
+
+
+def slots_take(conn: sa.Connection, key: str, name: str, shard: int, *, now: Any = None) -> bool:
+    """Take a slot on a shard the caller holds locked; False when it has no room."""
+    params = {"key": key, "name": name, "shard": shard, "now": now}
+    return conn.execute(SLOTS_TAKE, params).first() is not None
+
+
+def slots_take_nowait(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> int | None:
+    """Take a slot on any shard with room that nobody holds locked, without waiting; the shard or None."""
+    return conn.execute(SLOTS_TAKE_NOWAIT, {"key": key, "name": name, "now": now}).scalar_one_or_none()
+
+
+def slots_give_back(conn: sa.Connection, key: str, shard: int, *, now: Any = None) -> bool:
+    """Return one slot to (key, shard), locking the row; True when the shard has room afterwards."""
+    row = conn.execute(SLOTS_GIVE_BACK, {"key": key, "shard": shard, "now": now}).first()
+    return bool(row and row.has_room)

@@ -1,0 +1,225 @@
+-- celery-keyed slot ledger: the whole current schema, for a fresh database.
+-- tests/migration checks that this file and every file of migrations/ applied in order give the same catalog.
+-- Every object is prefixed keyed_. Lock order (docs/ledger.md): keyed_slots rows by (key, shard), then
+-- keyed_keys rows by key, then keyed_groups rows by group_key. A statement that must take a lock out of this
+-- order uses SKIP LOCKED / NOWAIT and leaves the work to the sweep.
+
+-- Sequences: fences grow on every claim; arrival numbers order the waiting room (D10).
+CREATE SEQUENCE keyed_fence_seq;
+CREATE SEQUENCE keyed_arrival_seq;
+
+-- Names: the configured limit and waiting room of every key "name:*" (synced from settings).
+CREATE TABLE keyed_names (
+    name text PRIMARY KEY,
+    slot_limit integer NOT NULL,
+    shards integer NOT NULL DEFAULT 1,
+    max_waiting integer,
+    max_wait double precision,
+    overflow text NOT NULL DEFAULT 'reject',
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT keyed_names_limit_nonnegative CHECK (slot_limit >= 0),
+    CONSTRAINT keyed_names_shards_range CHECK (shards BETWEEN 1 AND 1024),
+    CONSTRAINT keyed_names_max_waiting_nonnegative CHECK (max_waiting >= 0),
+    CONSTRAINT keyed_names_max_wait_positive CHECK (max_wait > 0),
+    CONSTRAINT keyed_names_overflow_known CHECK (overflow IN ('reject', 'supersede'))
+);
+
+-- Overrides: an operator's runtime limit for a name (0 pauses), who, why, until when.
+CREATE TABLE keyed_overrides (
+    name text PRIMARY KEY,
+    slot_limit integer NOT NULL,
+    reason text NOT NULL,
+    author text NOT NULL DEFAULT '',
+    expires_at timestamptz,
+    set_at timestamptz NOT NULL,
+    CONSTRAINT keyed_overrides_limit_nonnegative CHECK (slot_limit >= 0),
+    CONSTRAINT keyed_overrides_reason_present CHECK (btrim(reason) <> '')
+);
+
+-- Override audit trail: one row per set, clear or lapse.
+CREATE TABLE keyed_override_log (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name text NOT NULL,
+    action text NOT NULL,
+    old_limit integer,
+    new_limit integer,
+    reason text NOT NULL DEFAULT '',
+    author text NOT NULL DEFAULT '',
+    expires_at timestamptz,
+    at timestamptz NOT NULL,
+    CONSTRAINT keyed_override_log_action_known CHECK (action IN ('set', 'clear', 'expire'))
+);
+CREATE INDEX keyed_override_log_name_idx ON keyed_override_log (name, at);
+
+-- Slots: one counter row per key and shard. used = claims that exist for (key, shard) (D1); the bound
+-- used < share(limit) is checked by the guarded UPDATE that claims, under this row's lock.
+CREATE TABLE keyed_slots (
+    key text NOT NULL,
+    shard integer NOT NULL,
+    name text NOT NULL,
+    used integer NOT NULL DEFAULT 0,
+    PRIMARY KEY (key, shard),
+    CONSTRAINT keyed_slots_used_nonnegative CHECK (used >= 0)
+);
+
+-- Keys: one head row per key. waiting = parked attempts of the key (D1), bounded by max_waiting.
+CREATE TABLE keyed_keys (
+    key text PRIMARY KEY,
+    name text NOT NULL,
+    waiting integer NOT NULL DEFAULT 0,
+    active_at timestamptz NOT NULL,
+    CONSTRAINT keyed_keys_waiting_nonnegative CHECK (waiting >= 0)
+);
+CREATE INDEX keyed_keys_name_idx ON keyed_keys (name);
+
+-- Holders: one row per worker process start (hostname + pid + start nonce, D6).
+CREATE TABLE keyed_holders (
+    holder text PRIMARY KEY,
+    hostname text NOT NULL,
+    pid integer NOT NULL,
+    started_at timestamptz NOT NULL,
+    seen_at timestamptz NOT NULL
+);
+
+-- Tasks: the books (D11). One row per task id that arrived; outcome is set exactly once, by a guarded
+-- UPDATE ... WHERE outcome IS NULL. finished_attempt: attempts numbered <= it are over (D8).
+CREATE TABLE keyed_tasks (
+    task_id text PRIMARY KEY,
+    task_name text NOT NULL DEFAULT '',
+    key text,
+    group_key text,
+    arrived_at timestamptz NOT NULL,
+    outcome text,
+    finished_attempt integer NOT NULL DEFAULT -1,
+    finished_at timestamptz,
+    detail text NOT NULL DEFAULT '',
+    duplicates integer NOT NULL DEFAULT 0,
+    notified boolean NOT NULL DEFAULT false,
+    CONSTRAINT keyed_tasks_outcome_known CHECK (outcome IN (
+        'completed', 'failed', 'dead_lettered', 'expired', 'rejected', 'superseded', 'revoked', 'lost')),
+    CONSTRAINT keyed_tasks_finished_when_outcome CHECK ((outcome IS NULL) = (finished_at IS NULL))
+);
+CREATE INDEX keyed_tasks_outcome_idx ON keyed_tasks (outcome, finished_at);
+-- Outcomes of tasks that never ran and whose result is not stored yet (D11).
+CREATE INDEX keyed_tasks_unnotified_idx ON keyed_tasks (finished_at)
+    WHERE NOT notified AND outcome IN ('dead_lettered', 'expired', 'rejected', 'superseded', 'revoked', 'lost');
+
+-- Claims: the right of one attempt to execute. A row here is a held slot (of key/shard and/or of its
+-- group); only the actor whose DELETE returns the row gives the slot back (release exactly once).
+-- state 'promoted': handed to a parked attempt, waiting to be bound by its nonce (D5); parked keeps the
+-- waiting row (message, place in line) so that a promotion nobody binds is put back where it was.
+CREATE TABLE keyed_claims (
+    task_id text NOT NULL,
+    attempt integer NOT NULL,
+    key text,
+    shard integer,
+    group_key text,
+    state text NOT NULL,
+    fence bigint NOT NULL,
+    holder text,
+    nonce uuid,
+    dispatch_deadline timestamptz,
+    lease_expires_at timestamptz NOT NULL,
+    claimed_at timestamptz NOT NULL,
+    parked jsonb,
+    PRIMARY KEY (task_id, attempt),
+    CONSTRAINT keyed_claims_state_known CHECK (state IN ('running', 'promoted')),
+    CONSTRAINT keyed_claims_holds_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
+    CONSTRAINT keyed_claims_shard_with_key CHECK ((key IS NULL) = (shard IS NULL)),
+    CONSTRAINT keyed_claims_promoted_has_nonce CHECK (state <> 'promoted' OR (nonce IS NOT NULL AND parked IS NOT NULL)),
+    CONSTRAINT keyed_claims_running_has_holder CHECK (state <> 'running' OR holder IS NOT NULL)
+);
+CREATE INDEX keyed_claims_slot_idx ON keyed_claims (key, shard);
+CREATE INDEX keyed_claims_holder_idx ON keyed_claims (holder);
+CREATE INDEX keyed_claims_lease_idx ON keyed_claims (lease_expires_at) WHERE state = 'running';
+CREATE INDEX keyed_claims_dispatch_idx ON keyed_claims (dispatch_deadline) WHERE state = 'promoted';
+-- Backs the group rule (one attempt of a group runs at a time); groups have no override, so this index can
+-- never conflict with a runtime limit (D1). The guard itself is the admission statement's head check.
+CREATE UNIQUE INDEX keyed_claims_one_per_group ON keyed_claims (group_key) WHERE group_key IS NOT NULL;
+
+-- Waiting room: parked attempts with their full message. A row is promotable when it is not a shadow
+-- (D8), not before its not_before time (cleared by the sweep when due, D2), and not blocked by its group.
+CREATE TABLE keyed_waiting (
+    task_id text NOT NULL,
+    attempt integer NOT NULL,
+    key text,
+    group_key text,
+    group_seq bigint,
+    priority integer NOT NULL DEFAULT 0,
+    arrival bigint NOT NULL,
+    arrived_at timestamptz NOT NULL,
+    not_before timestamptz,
+    deadline timestamptz,
+    supersede_key text,
+    shadow boolean NOT NULL DEFAULT false,
+    group_blocked boolean NOT NULL DEFAULT false,
+    queue text,
+    message jsonb NOT NULL,
+    PRIMARY KEY (task_id, attempt),
+    CONSTRAINT keyed_waiting_waits_for_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
+    CONSTRAINT keyed_waiting_group_seq_with_group CHECK ((group_key IS NULL) = (group_seq IS NULL))
+);
+-- FIFO per key by priority then arrival, over promotable rows only, so promotion never walks past rows that
+-- are not yet due, shadows or blocked group members.
+CREATE INDEX keyed_waiting_ready_idx ON keyed_waiting (key, priority DESC, arrival)
+    WHERE NOT shadow AND not_before IS NULL AND NOT group_blocked;
+CREATE INDEX keyed_waiting_group_idx ON keyed_waiting (group_key, group_seq) WHERE group_key IS NOT NULL;
+CREATE INDEX keyed_waiting_not_before_idx ON keyed_waiting (not_before) WHERE not_before IS NOT NULL;
+CREATE INDEX keyed_waiting_deadline_idx ON keyed_waiting (deadline) WHERE deadline IS NOT NULL;
+CREATE INDEX keyed_waiting_supersede_idx ON keyed_waiting (key, supersede_key) WHERE supersede_key IS NOT NULL;
+
+-- Groups: one row per group_key, the lock of the group's admission and its sequence counter (D10).
+CREATE TABLE keyed_groups (
+    group_key text PRIMARY KEY,
+    next_seq bigint NOT NULL DEFAULT 1
+);
+
+-- Group members: every task of a group from registration (at publish) or receipt until it finishes.
+-- The head of a group is its member with the lowest seq; only the head may run.
+CREATE TABLE keyed_group_members (
+    group_key text NOT NULL,
+    seq bigint NOT NULL,
+    task_id text NOT NULL,
+    received boolean NOT NULL DEFAULT false,
+    registered_at timestamptz NOT NULL,
+    PRIMARY KEY (group_key, seq),
+    CONSTRAINT keyed_group_members_task_once UNIQUE (task_id)
+);
+CREATE INDEX keyed_group_members_unreceived_idx ON keyed_group_members (registered_at) WHERE NOT received;
+
+-- Ledger facts: drift found by reconcile and forced releases (recorded breaches), for operators.
+CREATE TABLE keyed_events (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    kind text NOT NULL,
+    key text,
+    task_id text,
+    detail text NOT NULL DEFAULT '',
+    at timestamptz NOT NULL,
+    CONSTRAINT keyed_events_kind_known CHECK (kind IN ('drift', 'forced_release', 'reclaimed', 'duplicate'))
+);
+CREATE INDEX keyed_events_at_idx ON keyed_events (at);
+
+-- The effective limit of a name at a time: the live override, else the configured limit, else 1 (mutex).
+-- Read inside every claim statement, so a new override takes effect at the next claim with no cache.
+CREATE FUNCTION keyed_effective_limit(p_name text, p_now timestamptz) RETURNS integer
+LANGUAGE sql STABLE AS $$
+    SELECT COALESCE(
+        (SELECT o.slot_limit FROM keyed_overrides o
+          WHERE o.name = p_name AND (o.expires_at IS NULL OR o.expires_at > p_now)),
+        (SELECT c.slot_limit FROM keyed_names c WHERE c.name = p_name),
+        1)
+$$;
+
+-- Shards of a name (1 unless configured).
+CREATE FUNCTION keyed_name_shards(p_name text) RETURNS integer
+LANGUAGE sql STABLE AS $$
+    SELECT COALESCE((SELECT c.shards FROM keyed_names c WHERE c.name = p_name), 1)
+$$;
+
+-- The share of shard p_shard when p_limit slots are split over p_shards shards: shares sum to p_limit (D12);
+-- a shard beyond the current count (after shards were lowered) has share 0 and only drains.
+CREATE FUNCTION keyed_shard_share(p_limit integer, p_shards integer, p_shard integer) RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN p_shard >= p_shards THEN 0
+                ELSE p_limit / p_shards + CASE WHEN p_shard < p_limit % p_shards THEN 1 ELSE 0 END END
+$$;

@@ -1,0 +1,218 @@
+"""The waiting room: parked attempts with their full message (table ``keyed_waiting``).
+
+Order per key (D10): priority (higher first), then arrival number (the ledger's order of receipt). A row is
+*promotable* when it is not a shadow (D8), not before its ``not_before`` time (the sweep clears ``not_before``
+when due, D2) and not blocked behind its group's head; the partial index ``keyed_waiting_ready_idx`` holds
+exactly those rows, so a promotion never walks over rows that cannot start. Every insert and delete of a row
+with a key changes ``keyed_keys.waiting`` in the same transaction (keys.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.attempts import Arrival, Token
+from celery_keyed.ledger.clock import NOW
+
+_COLUMNS = (
+    "task_id, attempt, key, group_key, group_seq, priority, arrival, arrived_at, not_before, deadline, "
+    "supersede_key, shadow, group_blocked, queue, message"
+)
+
+# waiting_insert: park an attempt. The latest start is the earlier of Celery's expires and arrival + max_wait.
+# ON CONFLICT: the token is parked already (a duplicate raced us) → no row.
+WAITING_INSERT = sa.text(
+    f"""
+    INSERT INTO keyed_waiting ({_COLUMNS})
+    VALUES (:task_id, :attempt, :key, :group_key, :group_seq, :priority, nextval('keyed_arrival_seq'), {NOW},
+            CASE WHEN CAST(:not_before AS timestamptz) > {NOW} THEN CAST(:not_before AS timestamptz) END,
+            LEAST(CAST(:deadline AS timestamptz),
+                  {NOW} + (SELECT make_interval(secs => c.max_wait) FROM keyed_names c WHERE c.name = :name)),
+            :supersede_key, :shadow, :group_blocked, :queue, CAST(:message AS jsonb))
+    ON CONFLICT (task_id, attempt) DO NOTHING
+    RETURNING arrival
+    """
+)
+
+# waiting_next_for_key: the next promotable attempts of a key, in order, skipping rows another transaction is
+# promoting. Rows past their latest start are left to the sweep, which records them expired (D2, §3.6).
+WAITING_NEXT_FOR_KEY = sa.text(
+    f"""
+    SELECT {_COLUMNS} FROM keyed_waiting
+     WHERE key = :key AND NOT shadow AND not_before IS NULL AND NOT group_blocked
+       AND (deadline IS NULL OR deadline > {NOW})
+     ORDER BY priority DESC, arrival
+     LIMIT :limit
+       FOR UPDATE SKIP LOCKED
+    """
+)
+
+# waiting_group_member: the parked (non-shadow) row of a group member, locked, if it is not being promoted.
+WAITING_GROUP_MEMBER = sa.text(
+    f"""
+    SELECT {_COLUMNS} FROM keyed_waiting
+     WHERE group_key = :group_key AND group_seq = :seq AND NOT shadow
+       FOR UPDATE SKIP LOCKED
+    """
+)
+
+# waiting_take: remove a row that is being promoted; the whole row comes back as JSON so an unbound
+# promotion can be put back in its place (claims.parked).
+WAITING_TAKE = sa.text(
+    """
+    DELETE FROM keyed_waiting w WHERE w.task_id = :task_id AND w.attempt = :attempt AND NOT w.shadow
+    RETURNING to_jsonb(w.*) AS parked
+    """
+)
+
+# waiting_restore: put a voided promotion back where it was (same arrival number).
+WAITING_RESTORE = sa.text(
+    f"""
+    INSERT INTO keyed_waiting ({_COLUMNS})
+    SELECT {_COLUMNS} FROM jsonb_populate_record(NULL::keyed_waiting, CAST(:parked AS jsonb))
+    ON CONFLICT (task_id, attempt) DO NOTHING
+    RETURNING key
+    """
+)
+
+# waiting_unblock_group_head: the group's head moved to this member; it may now be promoted by its key.
+WAITING_UNBLOCK = sa.text(
+    "UPDATE keyed_waiting SET group_blocked = false WHERE group_key = :group_key AND group_seq = :seq"
+)
+
+# waiting_delete_superseded: remove the parked attempts of a key with this supersede key (never shadows).
+WAITING_DELETE_SUPERSEDED = sa.text(
+    """
+    DELETE FROM keyed_waiting
+     WHERE key = :key AND supersede_key = :supersede_key AND NOT shadow
+    RETURNING task_id, attempt, group_key
+    """
+)
+
+# waiting_delete_oldest: make a place in a full room under the 'supersede' policy: the attempt served last.
+WAITING_DELETE_LAST_SERVED = sa.text(
+    """
+    DELETE FROM keyed_waiting w USING (
+        SELECT task_id, attempt FROM keyed_waiting
+         WHERE key = :key AND NOT shadow ORDER BY priority, arrival LIMIT 1 FOR UPDATE SKIP LOCKED) v
+     WHERE w.task_id = v.task_id AND w.attempt = v.attempt
+    RETURNING w.task_id, w.attempt, w.group_key
+    """
+)
+
+# waiting_delete_expired: parked attempts past their latest start (the sweep records them expired).
+WAITING_DELETE_EXPIRED = sa.text(
+    f"""
+    DELETE FROM keyed_waiting w USING (
+        SELECT task_id, attempt FROM keyed_waiting
+         WHERE deadline <= {NOW} ORDER BY deadline LIMIT :batch FOR UPDATE SKIP LOCKED) v
+     WHERE w.task_id = v.task_id AND w.attempt = v.attempt
+    RETURNING w.task_id, w.attempt, w.key, w.group_key, w.shadow
+    """
+)
+
+# waiting_clear_due: not-before times that passed make their rows promotable (the sweep then promotes).
+WAITING_CLEAR_DUE = sa.text(
+    f"""
+    UPDATE keyed_waiting w SET not_before = NULL FROM (
+        SELECT task_id, attempt FROM keyed_waiting
+         WHERE not_before <= {NOW} ORDER BY not_before LIMIT :batch FOR UPDATE SKIP LOCKED) v
+     WHERE w.task_id = v.task_id AND w.attempt = v.attempt
+    RETURNING w.key, w.group_key
+    """
+)
+
+# waiting_delete_task: every parked row of a task id (revoke).
+WAITING_DELETE_TASK = sa.text(
+    "DELETE FROM keyed_waiting WHERE task_id = :task_id RETURNING task_id, attempt, key, group_key, shadow"
+)
+
+# waiting_shadow_drop / waiting_shadow_live: a live claim's duplicate follows the claim's fate (D8).
+WAITING_SHADOW_DROP = sa.text(
+    "DELETE FROM keyed_waiting WHERE task_id = :task_id AND attempt = :attempt AND shadow RETURNING key"
+)
+WAITING_SHADOW_LIVE = sa.text(
+    """
+    UPDATE keyed_waiting SET shadow = false
+     WHERE task_id = :task_id AND attempt = :attempt AND shadow
+    RETURNING key, group_key
+    """
+)
+
+# waiting_count_by_key: parked rows of a key (reconcile compares it with keyed_keys.waiting).
+WAITING_COUNT = sa.text("SELECT count(*) FROM keyed_waiting WHERE key = :key")
+
+# waiting_keys_promotable: keys that have a promotable row (the sweep checks them for room, D2 backstop).
+WAITING_KEYS_PROMOTABLE = sa.text(
+    f"""
+    SELECT DISTINCT key FROM keyed_waiting
+     WHERE key IS NOT NULL AND NOT shadow AND not_before IS NULL AND NOT group_blocked
+       AND (deadline IS NULL OR deadline > {NOW})
+     LIMIT :limit
+    """
+)
+WAITING_GROUPS_PROMOTABLE = sa.text(
+    f"""
+    SELECT DISTINCT group_key FROM keyed_waiting
+     WHERE group_key IS NOT NULL AND NOT shadow AND not_before IS NULL AND NOT group_blocked
+       AND (deadline IS NULL OR deadline > {NOW})
+     LIMIT :limit
+    """
+)
+
+
+def waiting_insert(
+    conn: sa.Connection,
+    arrival: Arrival,
+    *,
+    name: str | None,
+    group_seq: int | None,
+    shadow: bool = False,
+    group_blocked: bool = False,
+    now: Any = None,
+) -> int | None:
+    """Park ``arrival``; its arrival number, or None when the token is already parked."""
+    params = {
+        "task_id": arrival.task_id,
+        "attempt": arrival.attempt,
+        "key": arrival.key,
+        "group_key": arrival.group_key,
+        "group_seq": group_seq,
+        "priority": arrival.priority,
+        "not_before": arrival.not_before,
+        "deadline": arrival.deadline,
+        "name": name,
+        "supersede_key": arrival.supersede_key,
+        "shadow": shadow,
+        "group_blocked": group_blocked,
+        "queue": arrival.queue,
+        "message": json.dumps(arrival.message),
+        "now": now,
+    }
+    return conn.execute(WAITING_INSERT, params).scalar_one_or_none()
+
+
+def waiting_next_for_key(conn: sa.Connection, key: str, *, limit: int = 4, now: Any = None) -> list[sa.Row[Any]]:
+    return list(conn.execute(WAITING_NEXT_FOR_KEY, {"key": key, "limit": limit, "now": now}))
+
+
+def waiting_group_member(conn: sa.Connection, group_key: str, seq: int) -> sa.Row[Any] | None:
+    return conn.execute(WAITING_GROUP_MEMBER, {"group_key": group_key, "seq": seq}).first()
+
+
+def waiting_take(conn: sa.Connection, token: Token) -> str | None:
+    """Remove a row being promoted; the row as JSON text, or None if it is gone."""
+    parked = conn.execute(WAITING_TAKE, {"task_id": token.task_id, "attempt": token.attempt}).scalar_one_or_none()
+    return None if parked is None else json.dumps(parked)
+
+
+def waiting_restore(conn: sa.Connection, parked: Any) -> bool:
+    text = parked if isinstance(parked, str) else json.dumps(parked)
+    return conn.execute(WAITING_RESTORE, {"parked": text}).first() is not None
+
+
+def waiting_unblock(conn: sa.Connection, group_key: str, seq: int) -> None:
+    conn.execute(WAITING_UNBLOCK, {"group_key": group_key, "seq": seq})
