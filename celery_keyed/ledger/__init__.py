@@ -12,13 +12,20 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
 from celery_keyed.ledger import admission, overrides, reconcile
-from celery_keyed.ledger.admission import DEFAULT_DISPATCH_TIMEOUT, bind, promote_group, promote_key, release, revoke
+from celery_keyed.ledger.admission import (
+    DEFAULT_DISPATCH_TIMEOUT,
+    bind,
+    promote_group,
+    promote_key,
+    release,
+    revoke,
+)
 from celery_keyed.ledger.attempts import Admission, Arrival, Outcome, Promotion, ReleaseReport, Token, Verdict
 from celery_keyed.ledger.books import books_balance
 from celery_keyed.ledger.claims import HeldClaim, claims_renew
@@ -87,8 +94,14 @@ class Ledger:
     long a promoted attempt may wait to be bound.
     """
 
-    def __init__(self, engine: sa.Engine, *, holder: str | None = None, lease: float = 60.0,
-                 dispatch: float = DEFAULT_DISPATCH_TIMEOUT) -> None:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        holder: str | None = None,
+        lease: float = 60.0,
+        dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    ) -> None:
         self.engine = engine
         self.holder = holder or new_holder()
         self.lease = lease
@@ -101,8 +114,7 @@ class Ledger:
                 with self.engine.begin() as conn:
                     return work(conn)
             except DBAPIError as exc:
-                code = getattr(getattr(exc.orig, "diag", None), "sqlstate", None) or getattr(
-                    exc.orig, "sqlstate", None)
+                code = getattr(getattr(exc.orig, "diag", None), "sqlstate", None) or getattr(exc.orig, "sqlstate", None)
                 if code not in _RETRYABLE or attempt == attempts - 1:
                     raise
                 time.sleep(0.001 * (2**attempt))
@@ -116,16 +128,18 @@ class Ledger:
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         return self.transaction(
-            lambda conn: admission.admit(conn, arrival, holder=self.holder, lease=self.lease, now=now))
+            lambda conn: admission.admit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
+        )
 
     def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:
-        return self.transaction(
-            lambda conn: bind(conn, token, nonce, holder=self.holder, lease=self.lease, now=now))
+        return self.transaction(lambda conn: bind(conn, token, nonce, holder=self.holder, lease=self.lease, now=now))
 
-    def release(self, token: Token, fence: int, outcome: Outcome, *, detail: str = "",
-                now: datetime | None = None) -> ReleaseReport:
+    def release(
+        self, token: Token, fence: int, outcome: Outcome, *, detail: str = "", now: datetime | None = None
+    ) -> ReleaseReport:
         return self.transaction(
-            lambda conn: release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, now=now))
+            lambda conn: release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, now=now)
+        )
 
     def renew(self, held: Iterable[HeldClaim], *, now: datetime | None = None) -> set[HeldClaim]:
         held = list(held)
@@ -134,26 +148,42 @@ class Ledger:
     def revoke(self, task_id: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: revoke(conn, task_id, dispatch=self.dispatch, now=now))
 
-    def set_override(self, name: str, limit: int, *, reason: str, author: str = "",
-                     expires_at: datetime | None = None, now: datetime | None = None) -> list[Promotion]:
-        return self.transaction(lambda conn: set_override(
-            conn, name, limit, reason=reason, author=author, expires_at=expires_at, now=now))
+    def set_override(
+        self,
+        name: str,
+        limit: int,
+        *,
+        reason: str,
+        author: str = "",
+        expires_at: datetime | None = None,
+        now: datetime | None = None,
+    ) -> list[Promotion]:
+        return self.transaction(
+            lambda conn: set_override(conn, name, limit, reason=reason, author=author, expires_at=expires_at, now=now)
+        )
 
-    def clear_override(self, name: str, *, reason: str = "", author: str = "",
-                       now: datetime | None = None) -> list[Promotion]:
+    def clear_override(
+        self, name: str, *, reason: str = "", author: str = "", now: datetime | None = None
+    ) -> list[Promotion]:
         return self.transaction(lambda conn: clear_override(conn, name, reason=reason, author=author, now=now))
 
     def promote_key(self, key: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: promote_key(conn, key, dispatch=self.dispatch, now=now))
 
     def sweep(self, *, now: datetime | None = None, group_arrival_timeout: float = 300.0) -> Report:
-        return sweep_once(self.engine, now=now, group_arrival_timeout=group_arrival_timeout,
-                          dispatch=self.dispatch)
+        return sweep_once(self.engine, now=now, group_arrival_timeout=group_arrival_timeout, dispatch=self.dispatch)
 
-    def reconcile(self, *, now: datetime | None = None, idle: float = 3600.0,
-                  group_arrival_timeout: float = 300.0) -> Report:
-        return reconcile_once(self.engine, lease=self.lease, now=now, idle=idle,
-                              group_arrival_timeout=group_arrival_timeout, dispatch=self.dispatch)
+    def reconcile(
+        self, *, now: datetime | None = None, idle: float = 3600.0, group_arrival_timeout: float = 300.0
+    ) -> Report:
+        return reconcile_once(
+            self.engine,
+            lease=self.lease,
+            now=now,
+            idle=idle,
+            group_arrival_timeout=group_arrival_timeout,
+            dispatch=self.dispatch,
+        )
 
     def explain(self, task_id: str, *, now: datetime | None = None) -> Explanation:
         with self.engine.connect() as conn:

@@ -14,6 +14,7 @@ shard row while it looks for waiters — so whichever commits second sees the ot
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -129,7 +130,7 @@ def admit(
         )
         return Admission(Verdict.ADMITTED, fence=fence, shard=room)
 
-    superseded: list[str] = []
+    superseded: list[str] | None = []
     if arrival.key and name:
         superseded = _make_place(conn, arrival, name, now=now)
         if superseded is None:
@@ -137,7 +138,7 @@ def admit(
             _finish_never_ran(conn, token, "rejected", detail=detail, now=now)
             return Admission(Verdict.REJECTED, detail=detail)
     waiting.waiting_insert(conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, now=now)
-    return Admission(Verdict.PARKED, superseded=tuple(superseded))
+    return Admission(Verdict.PARKED, superseded=tuple(superseded or ()))
 
 
 def bind(
@@ -218,8 +219,9 @@ def _final_outcome(outcome: Outcome, *, grouped: bool) -> str | None:
     return outcome.value
 
 
-def promote_key(conn: sa.Connection, key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-                now: Any = None) -> list[Promotion]:
+def promote_key(
+    conn: sa.Connection, key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+) -> list[Promotion]:
     """Give every free slot of ``key`` to its next promotable waiters (after an override, a limit raise, a
     reclaimed lease, a not-before time passing). Locks the key's shard rows, then its head row."""
     name = key_name(key)
@@ -268,8 +270,9 @@ def _promote_waiters(
     return promoted
 
 
-def promote_group(conn: sa.Connection, group_key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-                  now: Any = None) -> list[Promotion]:
+def promote_group(
+    conn: sa.Connection, group_key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+) -> list[Promotion]:
     """Start the head of ``group_key`` if it is parked, due, and its group is free. A head that also needs a
     key slot takes one only if free without waiting (SKIP LOCKED: out of lock order); otherwise the key's
     own promotions pick it up, since it is no longer blocked by its group."""
@@ -285,7 +288,8 @@ def promote_group(conn: sa.Connection, group_key: str, *, dispatch: float = DEFA
     shard: int | None = None
     if cand.key is not None:
         locked = conn.execute(
-            sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE SKIP LOCKED"), {"key": cand.key}
+            sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE SKIP LOCKED"),
+            {"key": cand.key},
         ).first()
         if locked is None:
             return []
@@ -296,16 +300,24 @@ def promote_group(conn: sa.Connection, group_key: str, *, dispatch: float = DEFA
     return [_promote_row(conn, cand, key=cand.key, shard=shard, dispatch=dispatch, now=now)]
 
 
-def _promote_row(conn: sa.Connection, cand: Any, *, key: str | None, shard: int | None, dispatch: float,
-                 now: Any) -> Promotion:
+def _promote_row(
+    conn: sa.Connection, cand: Any, *, key: str | None, shard: int | None, dispatch: float, now: Any
+) -> Promotion:
     """Move a locked waiting row into a promoted claim with a fresh nonce (D5)."""
     token = Token(cand.task_id, cand.attempt)
     parked = waiting.waiting_take(conn, token)
     assert parked is not None, "a locked waiting row cannot vanish"
     nonce = uuid.uuid4()
     fence = claims.claims_insert_promoted(
-        conn, token, key=key, shard=shard, group_key=cand.group_key, nonce=nonce, dispatch=dispatch,
-        parked=parked, now=now,
+        conn,
+        token,
+        key=key,
+        shard=shard,
+        group_key=cand.group_key,
+        nonce=nonce,
+        dispatch=dispatch,
+        parked=parked,
+        now=now,
     )
     return Promotion(
         task_id=cand.task_id,
@@ -319,8 +331,9 @@ def _promote_row(conn: sa.Connection, cand: Any, *, key: str | None, shard: int 
     )
 
 
-def revoke(conn: sa.Connection, task_id: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-           now: Any = None) -> list[Promotion]:
+def revoke(
+    conn: sa.Connection, task_id: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+) -> list[Promotion]:
     """Store a revoke in the ledger (Celery's in-memory revoke list expires, D11): parked attempts leave the
     waiting room with outcome ``revoked``; an unseen task id is recorded so its later arrival is dropped.
     Running attempts are revoked by Celery and released by their worker with ``Outcome.REVOKED``."""
@@ -337,12 +350,25 @@ def revoke(conn: sa.Connection, task_id: str, *, dispatch: float = DEFAULT_DISPA
         if r.key is not None:
             keys.keys_lock(conn, r.key, key_name(r.key), now=now)
             keys.keys_remove_waiting(conn, r.key, now=now)
-    return _finish_never_ran(conn, Token(task_id, rows[0].attempt), "revoked", detail="revoked while waiting",
-                             dispatch=dispatch, now=now)
+    return _finish_never_ran(
+        conn,
+        Token(task_id, rows[0].attempt),
+        "revoked",
+        detail="revoked while waiting",
+        dispatch=dispatch,
+        now=now,
+    )
 
 
-def _finish_never_ran(conn: sa.Connection, token: Token, outcome: str, *, detail: str,
-                      dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None) -> list[Promotion]:
+def _finish_never_ran(
+    conn: sa.Connection,
+    token: Token,
+    outcome: str,
+    *,
+    detail: str,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: Any = None,
+) -> list[Promotion]:
     """Record the final outcome of a task that will not run; if it was a group member, the group moves on."""
     books.books_finish(conn, token.task_id, outcome, attempt=token.attempt, detail=detail, now=now)
     member = groups.members_get(conn, token.task_id)
@@ -372,16 +398,23 @@ def _group_seq(conn: sa.Connection, arrival: Arrival, *, now: Any) -> int:
     return groups.groups_register(conn, arrival.group_key, arrival.task_id, received=True, now=now)
 
 
-def _duplicate(conn: sa.Connection, arrival: Arrival, kind: str, detail: str, *, name: str | None,
-               now: Any) -> Admission:
+def _duplicate(
+    conn: sa.Connection, arrival: Arrival, kind: str, detail: str, *, name: str | None, now: Any
+) -> Admission:
     """A known attempt token arrived again (D8): count it; a duplicate of a running attempt is kept as its
     shadow (promoted if that attempt's lease is reclaimed, dropped when it finishes)."""
     books.books_count_duplicate(conn, arrival.task_id)
     if kind == "claim" and detail == "running":
         if arrival.key and name:
             keys.keys_lock(conn, arrival.key, name, now=now)
-        inserted = waiting.waiting_insert(conn, arrival, name=name, group_seq=None if not arrival.group_key
-                                          else _member_seq(conn, arrival.task_id), shadow=True, now=now)
+        inserted = waiting.waiting_insert(
+            conn,
+            arrival,
+            name=name,
+            group_seq=None if not arrival.group_key else _member_seq(conn, arrival.task_id),
+            shadow=True,
+            now=now,
+        )
         if inserted is not None and arrival.key:
             keys.keys_add_waiting(conn, arrival.key, force=True)
         return Admission(Verdict.DUPLICATE, detail="shadow of a running attempt")
@@ -396,7 +429,7 @@ def _member_seq(conn: sa.Connection, task_id: str) -> int | None:
 def _make_place(conn: sa.Connection, arrival: Arrival, name: str, *, now: Any) -> list[str] | None:
     """Count the arrival in its key's waiting room (max_waiting). Under the overflow policy 'supersede' a
     newer arrival first replaces the parked attempt with the same supersede key, and when the room is full,
-    the attempt that would be served last. Returns the replaced task ids, or None when there is no place."""
+    the oldest parked attempt of the lowest priority. Returns the replaced task ids, or None when there is no place."""
     assert arrival.key is not None
     policy = conn.execute(
         sa.text("SELECT overflow FROM keyed_names WHERE name = :name"), {"name": name}
@@ -411,7 +444,7 @@ def _make_place(conn: sa.Connection, arrival: Arrival, name: str, *, now: Any) -
         return replaced
     if policy != "supersede":
         return None
-    rows = conn.execute(waiting.WAITING_DELETE_LAST_SERVED, {"key": arrival.key}).all()
+    rows = conn.execute(waiting.WAITING_DELETE_OLDEST, {"key": arrival.key}).all()
     if not rows:
         return None
     replaced += _supersede(conn, arrival, rows, now=now)
@@ -419,23 +452,26 @@ def _make_place(conn: sa.Connection, arrival: Arrival, name: str, *, now: Any) -
     return replaced
 
 
-def _supersede(conn: sa.Connection, arrival: Arrival, rows: list[Any], *, now: Any) -> list[str]:
+def _supersede(conn: sa.Connection, arrival: Arrival, rows: Sequence[Any], *, now: Any) -> list[str]:
     assert arrival.key is not None
     if rows:
         keys.keys_remove_waiting(conn, arrival.key, len(rows), now=now)
     for r in rows:
-        _finish_never_ran(conn, Token(r.task_id, r.attempt), "superseded",
-                          detail=f"replaced by {arrival.task_id}", now=now)
+        _finish_never_ran(
+            conn, Token(r.task_id, r.attempt), "superseded", detail=f"replaced by {arrival.task_id}", now=now
+        )
     return [r.task_id for r in rows]
 
 
 def _is_future(conn: sa.Connection, when: Any, now: Any) -> bool:
-    return bool(conn.execute(sa.text(f"SELECT CAST(:when AS timestamptz) > {NOW}"),
-                             {"when": when, "now": now}).scalar_one())
+    return bool(
+        conn.execute(sa.text(f"SELECT CAST(:when AS timestamptz) > {NOW}"), {"when": when, "now": now}).scalar_one()
+    )
 
 
 def _is_past(conn: sa.Connection, when: Any, now: Any) -> bool:
     if when is None:
         return False
-    return bool(conn.execute(sa.text(f"SELECT CAST(:when AS timestamptz) <= {NOW}"),
-                             {"when": when, "now": now}).scalar_one())
+    return bool(
+        conn.execute(sa.text(f"SELECT CAST(:when AS timestamptz) <= {NOW}"), {"when": when, "now": now}).scalar_one()
+    )

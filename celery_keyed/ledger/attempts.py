@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
@@ -57,7 +57,7 @@ class Arrival:
         return Token(self.task_id, self.attempt)
 
 
-class Verdict(str, Enum):
+class Verdict(StrEnum):
     """What admission decided for an arrival."""
 
     ADMITTED = "admitted"  # a slot is held; run it now (fence given)
@@ -98,7 +98,7 @@ class Promotion:
         return Token(self.task_id, self.attempt)
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     """How an attempt ended, as told to ``release``."""
 
     COMPLETED = "completed"  # success: the task is finished

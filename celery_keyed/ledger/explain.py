@@ -58,33 +58,65 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
     member = conn.execute(EXPLAIN_MEMBER, {"task_id": task_id}).mappings().first()
     if task is None:
         if member is not None:
-            return Explanation(task_id, "registered",
-                               f"registered as number {member['seq']} of group {member['group_key']}, "
-                               "not received by a worker yet", dict(member))
-        return Explanation(task_id, "unknown", "the ledger has no record of this task id (not keyed, or not "
-                           "received yet)")
+            return Explanation(
+                task_id,
+                "registered",
+                f"registered as number {member['seq']} of group {member['group_key']}, not received by a worker yet",
+                dict(member),
+            )
+        return Explanation(
+            task_id, "unknown", "the ledger has no record of this task id (not keyed, or not received yet)"
+        )
     if task["outcome"] is not None:
-        return Explanation(task_id, "finished", f"finished: {task['outcome']}"
-                           + (f" ({task['detail']})" if task["detail"] else ""), dict(task))
+        return Explanation(
+            task_id,
+            "finished",
+            f"finished: {task['outcome']}" + (f" ({task['detail']})" if task["detail"] else ""),
+            dict(task),
+        )
     claim = conn.execute(EXPLAIN_CLAIM, {"task_id": task_id, "now": now}).mappings().first()
     if claim is not None:
-        holds = " and ".join(x for x in (
-            f"key {claim['key']} (shard {claim['shard']})" if claim["key"] else "",
-            f"group {claim['group_key']}" if claim["group_key"] else "") if x)
+        holds = " and ".join(
+            x
+            for x in (
+                f"key {claim['key']} (shard {claim['shard']})" if claim["key"] else "",
+                f"group {claim['group_key']}" if claim["group_key"] else "",
+            )
+            if x
+        )
         if claim["state"] == "promoted":
-            return Explanation(task_id, "promoted", f"attempt {claim['attempt']} was given a slot of {holds} and "
-                               f"is being dispatched (deadline {claim['dispatch_deadline']})", dict(claim))
-        return Explanation(task_id, "running", f"attempt {claim['attempt']} is running under {holds}, fence "
-                           f"{claim['fence']}, holder {claim['holder']}, lease left "
-                           f"{float(claim['lease_left']):.1f}s", dict(claim))
+            return Explanation(
+                task_id,
+                "promoted",
+                f"attempt {claim['attempt']} was given a slot of {holds} and "
+                f"is being dispatched (deadline {claim['dispatch_deadline']})",
+                dict(claim),
+            )
+        return Explanation(
+            task_id,
+            "running",
+            f"attempt {claim['attempt']} is running under {holds}, fence "
+            f"{claim['fence']}, holder {claim['holder']}, lease left "
+            f"{float(claim['lease_left']):.1f}s",
+            dict(claim),
+        )
     wait = conn.execute(EXPLAIN_WAITING, {"task_id": task_id, "now": now}).mappings().first()
     if wait is None:
-        return Explanation(task_id, "between_attempts", "no attempt is running or waiting: between attempts "
-                           "(retry backoff or in transit)", dict(task))
+        return Explanation(
+            task_id,
+            "between_attempts",
+            "no attempt is running or waiting: between attempts (retry backoff or in transit)",
+            dict(task),
+        )
     facts = dict(wait)
     if wait["shadow"]:
-        return Explanation(task_id, "shadow", "a duplicate delivery kept as the shadow of its running attempt "
-                           "(it runs only if that attempt's worker is lost)", facts)
+        return Explanation(
+            task_id,
+            "shadow",
+            "a duplicate delivery kept as the shadow of its running attempt "
+            "(it runs only if that attempt's worker is lost)",
+            facts,
+        )
     if wait["not_due"]:
         return Explanation(task_id, "not_before", f"not before {wait['not_before']}", facts)
     if wait["group_key"] is not None:
@@ -92,14 +124,29 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
         if head is not None and (head["seq"] != wait["group_seq"] or head["running"] is not None):
             blocker = head["running"] or head["task_id"]
             facts["blocked_by"] = blocker
-            why = "is running" if head["running"] else ("has not arrived yet" if not head["received"]
-                                                        else "has not finished")
-            return Explanation(task_id, "blocked", f"number {wait['group_seq']} of group {wait['group_key']}: "
-                               f"the group head, task {blocker}, {why}", facts)
+            why = (
+                "is running"
+                if head["running"]
+                else ("has not arrived yet" if not head["received"] else "has not finished")
+            )
+            return Explanation(
+                task_id,
+                "blocked",
+                f"number {wait['group_seq']} of group {wait['group_key']}: the group head, task {blocker}, {why}",
+                facts,
+            )
     if wait["key"] is not None:
         if wait["k"] == 0:
-            return Explanation(task_id, "paused", f"key {wait['key']} is paused (limit 0); "
-                               f"{wait['ahead']} waiting ahead", facts)
-        return Explanation(task_id, "waiting", f"waiting behind {wait['ahead']} others for key {wait['key']} "
-                           f"(in flight {wait['in_flight']}/{wait['k']})", facts)
+            return Explanation(
+                task_id,
+                "paused",
+                f"key {wait['key']} is paused (limit 0); {wait['ahead']} waiting ahead",
+                facts,
+            )
+        return Explanation(
+            task_id,
+            "waiting",
+            f"waiting behind {wait['ahead']} others for key {wait['key']} (in flight {wait['in_flight']}/{wait['k']})",
+            facts,
+        )
     return Explanation(task_id, "waiting", f"waiting for group {wait['group_key']}", facts)

@@ -71,8 +71,9 @@ MEMBERS_DELETE_LOST = sa.text(
 )
 
 
-def groups_register(conn: sa.Connection, group_key: str, task_id: str, *, received: bool = False,
-                    now: Any = None) -> int:
+def groups_register(
+    conn: sa.Connection, group_key: str, task_id: str, *, received: bool = False, now: Any = None
+) -> int:
     """Allocate the next number of ``group_key`` for ``task_id``; call it in the producer's transaction so the
     number exists exactly when the task is published."""
     params = {"group_key": group_key, "task_id": task_id, "received": received, "now": now}

@@ -40,9 +40,7 @@ def normalize_key(key: Any) -> str:
         if not isinstance(name, str):
             raise InvalidKey(f"the name of a tuple key must be a str, got {type(name).__name__}: {key!r}")
         if isinstance(ident, bool) or not isinstance(ident, _IDENT_TYPES):
-            raise InvalidKey(
-                f"the ident of a tuple key must be a str or int, got {type(ident).__name__}: {key!r}"
-            )
+            raise InvalidKey(f"the ident of a tuple key must be a str or int, got {type(ident).__name__}: {key!r}")
         ident_text = str(ident)
         if ident_text == "":
             raise InvalidKey(f"the ident of a tuple key must not be empty: {key!r}")

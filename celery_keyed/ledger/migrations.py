@@ -32,9 +32,7 @@ def migration_files() -> list[tuple[str, str]]:
     """All migrations shipped with the package, as ``(version, sql)`` in the order they apply."""
     folder = resources.files("celery_keyed.ledger") / "sql" / "migrations"
     files = sorted(
-        (entry.name, entry.read_text(encoding="utf-8"))
-        for entry in folder.iterdir()
-        if entry.name.endswith(".sql")
+        (entry.name, entry.read_text(encoding="utf-8")) for entry in folder.iterdir() if entry.name.endswith(".sql")
     )
     return [(name.removesuffix(".sql"), sql) for name, sql in files]
 

@@ -143,7 +143,9 @@ def names_effective_limit(conn: sa.Connection, name: str, *, now: Any = None) ->
 
 def configure_names(conn: sa.Connection, configs: Mapping[str, NameConfig], *, now: Any = None) -> list[Any]:
     """Store every config (a worker does this at start) and promote waiters a raised limit lets in (D2)."""
-    from celery_keyed.ledger.overrides import promote_name  # overrides builds on admission, which builds on us
+    from celery_keyed.ledger.overrides import (
+        promote_name,
+    )  # overrides builds on admission, which builds on us
 
     promotions: list[Any] = []
     for name in sorted(configs):

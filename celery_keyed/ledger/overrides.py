@@ -73,8 +73,14 @@ def set_override(
         raise InvalidConfig(f"an override limit must be a non-negative integer (0 pauses), got {limit!r}")
     if not isinstance(reason, str) or not reason.strip():
         raise InvalidConfig("an override needs a reason")
-    params = {"name": name, "limit": limit, "reason": reason, "author": author, "expires_at": expires_at,
-              "now": now}
+    params = {
+        "name": name,
+        "limit": limit,
+        "reason": reason,
+        "author": author,
+        "expires_at": expires_at,
+        "now": now,
+    }
     old = conn.execute(OVERRIDES_SET, params).scalar_one_or_none()
     conn.execute(OVERRIDE_LOG_INSERT, {**params, "action": "set", "old_limit": old, "new_limit": limit})
     return promote_name(conn, name, now=now)
@@ -89,8 +95,16 @@ def clear_override(
         return []
     conn.execute(
         OVERRIDE_LOG_INSERT,
-        {"name": name, "action": "clear", "old_limit": old, "new_limit": None, "reason": reason,
-         "author": author, "expires_at": None, "now": now},
+        {
+            "name": name,
+            "action": "clear",
+            "old_limit": old,
+            "new_limit": None,
+            "reason": reason,
+            "author": author,
+            "expires_at": None,
+            "now": now,
+        },
     )
     return promote_name(conn, name, now=now)
 
@@ -101,15 +115,24 @@ def expire_overrides(conn: sa.Connection, *, now: Any = None) -> list[Promotion]
     for row in conn.execute(OVERRIDES_DELETE_EXPIRED, {"now": now}).all():
         conn.execute(
             OVERRIDE_LOG_INSERT,
-            {"name": row.name, "action": "expire", "old_limit": row.slot_limit, "new_limit": None,
-             "reason": "expired", "author": "", "expires_at": None, "now": now},
+            {
+                "name": row.name,
+                "action": "expire",
+                "old_limit": row.slot_limit,
+                "new_limit": None,
+                "reason": "expired",
+                "author": "",
+                "expires_at": None,
+                "now": now,
+            },
         )
         promotions += promote_name(conn, row.name, now=now)
     return promotions
 
 
-def promote_name(conn: sa.Connection, name: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-                 now: Any = None) -> list[Promotion]:
+def promote_name(
+    conn: sa.Connection, name: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+) -> list[Promotion]:
     """Promote waiters of every key of ``name`` that has room now (D2: run wherever room may appear)."""
     promotions: list[Promotion] = []
     for key in conn.execute(KEYS_OF_NAME_WAITING, {"name": name}).scalars().all():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import sqlalchemy as sa
 
@@ -90,8 +89,13 @@ class Report:
         return self
 
 
-def sweep_once(engine: sa.Engine, *, now: datetime | None = None, group_arrival_timeout: float = 300.0,
-               dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT) -> Report:
+def sweep_once(
+    engine: sa.Engine,
+    *,
+    now: datetime | None = None,
+    group_arrival_timeout: float = 300.0,
+    dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+) -> Report:
     """Everything time makes happen (D2): not-before times that passed, waiters past their latest start,
     overrides that lapse, registered group numbers never received, and — as the backstop for any wakeup
     a lock-order skip left behind — promotion of every key and group that has promotable waiters."""
@@ -106,9 +110,14 @@ def sweep_once(engine: sa.Engine, *, now: datetime | None = None, group_arrival_
                 if r.key is not None:
                     keys.keys_remove_waiting(conn, r.key, now=now)
                 if not r.shadow:
-                    report.promotions += admission._finish_never_ran(  # noqa: SLF001 (same layer)
-                        conn, Token(r.task_id, r.attempt), "expired", detail="not started before its deadline",
-                        dispatch=dispatch, now=now)
+                    report.promotions += admission._finish_never_ran(
+                        conn,
+                        Token(r.task_id, r.attempt),
+                        "expired",
+                        detail="not started before its deadline",
+                        dispatch=dispatch,
+                        now=now,
+                    )
                     report.finished.append((r.task_id, "expired"))
                     report.expired += 1
         if not rows:
@@ -117,8 +126,9 @@ def sweep_once(engine: sa.Engine, *, now: datetime | None = None, group_arrival_
         report.promotions += overrides.expire_overrides(conn, now=now)
     while True:
         with engine.begin() as conn:
-            lost = conn.execute(groups.MEMBERS_DELETE_LOST,
-                                {"timeout": group_arrival_timeout, "batch": 1, "now": now}).all()
+            lost = conn.execute(
+                groups.MEMBERS_DELETE_LOST, {"timeout": group_arrival_timeout, "batch": 1, "now": now}
+            ).all()
             for m in lost:
                 conn.execute(
                     sa.text(f"""
@@ -126,7 +136,12 @@ def sweep_once(engine: sa.Engine, *, now: datetime | None = None, group_arrival_
                         VALUES (:task_id, :group_key, :registered_at, 'lost', {NOW},
                                 'registered group number never received')
                         ON CONFLICT (task_id) DO NOTHING"""),
-                    {"task_id": m.task_id, "group_key": m.group_key, "registered_at": m.registered_at, "now": now},
+                    {
+                        "task_id": m.task_id,
+                        "group_key": m.group_key,
+                        "registered_at": m.registered_at,
+                        "now": now,
+                    },
                 )
                 report.finished.append((m.task_id, "lost"))
                 report.lost += 1
@@ -137,8 +152,9 @@ def sweep_once(engine: sa.Engine, *, now: datetime | None = None, group_arrival_
     return report
 
 
-def promote_all(engine: sa.Engine, *, now: datetime | None = None,
-                dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT) -> Report:
+def promote_all(
+    engine: sa.Engine, *, now: datetime | None = None, dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT
+) -> Report:
     """Promote waiters of every key and group that has promotable rows and room (one transaction each)."""
     report = Report()
     with engine.connect() as conn:
@@ -153,8 +169,13 @@ def promote_all(engine: sa.Engine, *, now: datetime | None = None,
     return report
 
 
-def reclaim_once(engine: sa.Engine, *, lease: float, now: datetime | None = None,
-                 dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT) -> Report:
+def reclaim_once(
+    engine: sa.Engine,
+    *,
+    lease: float,
+    now: datetime | None = None,
+    dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+) -> Report:
     """Reclaim running claims whose lease expired (D7) and void promotions nobody bound in time (D5).
 
     ``lease`` is the lease length: claims are only reclaimed once the database server has been up for that
@@ -166,22 +187,33 @@ def reclaim_once(engine: sa.Engine, *, lease: float, now: datetime | None = None
         candidates = conn.execute(CLAIMS_EXPIRED_CANDIDATES, {"lease": lease, "batch": _BATCH, "now": now}).all()
     for c in candidates:
         with engine.begin() as conn:
-            row = conn.execute(CLAIMS_DELETE_EXPIRED_ONE, {"task_id": c.task_id, "attempt": c.attempt,
-                                                           "fence": c.fence, "now": now}).first()
+            row = conn.execute(
+                CLAIMS_DELETE_EXPIRED_ONE,
+                {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, "now": now},
+            ).first()
             if row is None:
                 continue
-            events_record(conn, "reclaimed", key=row.key or row.group_key, task_id=row.task_id,
-                          detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder}", now=now)
-            released = admission._after_claim_removed(  # noqa: SLF001 (same layer)
-                conn, row, Outcome.WORKER_LOST, detail="lease expired", dispatch=dispatch, now=now)
+            events_record(
+                conn,
+                "reclaimed",
+                key=row.key or row.group_key,
+                task_id=row.task_id,
+                detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder}",
+                now=now,
+            )
+            released = admission._after_claim_removed(
+                conn, row, Outcome.WORKER_LOST, detail="lease expired", dispatch=dispatch, now=now
+            )
             report.promotions += released.promotions
             report.reclaimed.append(Token(row.task_id, row.attempt))
     with engine.connect() as conn:
         stale = conn.execute(CLAIMS_STALE_PROMOTED_CANDIDATES, {"batch": _BATCH, "now": now}).all()
     for c in stale:
         with engine.begin() as conn:
-            row = conn.execute(CLAIMS_DELETE_STALE_PROMOTED_ONE, {"task_id": c.task_id, "attempt": c.attempt,
-                                                                  "fence": c.fence, "now": now}).first()
+            row = conn.execute(
+                CLAIMS_DELETE_STALE_PROMOTED_ONE,
+                {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, "now": now},
+            ).first()
             if row is None:
                 continue
             report.voided.append(Token(row.task_id, row.attempt))
@@ -193,8 +225,9 @@ def reclaim_once(engine: sa.Engine, *, lease: float, now: datetime | None = None
             if row.key is not None:
                 keys.keys_add_waiting(conn, row.key, force=True)
                 if room:
-                    report.promotions += admission._promote_waiters(  # noqa: SLF001 (same layer)
-                        conn, row.key, [row.shard], dispatch=dispatch, now=now)
+                    report.promotions += admission._promote_waiters(
+                        conn, row.key, [row.shard], dispatch=dispatch, now=now
+                    )
             if row.group_key is not None:
                 report.promotions += admission.promote_group(conn, row.group_key, dispatch=dispatch, now=now)
     return report
@@ -252,7 +285,8 @@ def drop_idle_keys_once(engine: sa.Engine, *, idle: float = 3600.0, now: datetim
     for key in candidates:
         with engine.begin() as conn:
             locked = conn.execute(
-                sa.text("SELECT used FROM keyed_slots WHERE key = :key ORDER BY shard FOR UPDATE"), {"key": key}
+                sa.text("SELECT used FROM keyed_slots WHERE key = :key ORDER BY shard FOR UPDATE"),
+                {"key": key},
             ).all()
             if any(r.used for r in locked):
                 continue
@@ -269,9 +303,15 @@ def drop_idle_keys_once(engine: sa.Engine, *, idle: float = 3600.0, now: datetim
     return dropped
 
 
-def reconcile_once(engine: sa.Engine, *, lease: float, now: datetime | None = None, idle: float = 3600.0,
-                   group_arrival_timeout: float = 300.0,
-                   dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT) -> Report:
+def reconcile_once(
+    engine: sa.Engine,
+    *,
+    lease: float,
+    now: datetime | None = None,
+    idle: float = 3600.0,
+    group_arrival_timeout: float = 300.0,
+    dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+) -> Report:
     """The periodic repair (beat task): reclaim dead leases and void unbound promotions, run the sweep,
     check counters against the claims that exist, drop idle keys. Returns a report."""
     report = reclaim_once(engine, lease=lease, now=now, dispatch=dispatch)

@@ -92,8 +92,9 @@ WAITING_DELETE_SUPERSEDED = sa.text(
     """
 )
 
-# waiting_delete_oldest: make a place in a full room under the 'supersede' policy: the attempt served last.
-WAITING_DELETE_LAST_SERVED = sa.text(
+# waiting_delete_oldest: make a place in a full room under the 'supersede' policy: the oldest parked attempt
+# of the lowest priority (its work is the stalest).
+WAITING_DELETE_OLDEST = sa.text(
     """
     DELETE FROM keyed_waiting w USING (
         SELECT task_id, attempt FROM keyed_waiting
