@@ -116,19 +116,22 @@ def admit(
     not_due = arrival.not_before is not None and _is_future(conn, arrival.not_before, now)
 
     if (arrival.key is None or room is not None) and head_ready and not not_due:
-        if arrival.key and name and room is not None:
-            slots.slots_take(conn, arrival.key, name, room, now=now)
-        fence = claims.claims_insert_running(
-            conn,
-            token,
-            key=arrival.key,
-            shard=room if arrival.key else None,
-            group_key=arrival.group_key,
-            holder=holder,
-            lease=lease,
-            now=now,
+        # The guarded UPDATE is the authority: the limit may have changed since the rows were read.
+        took = arrival.key is None or (
+            name is not None and room is not None and slots.slots_take(conn, arrival.key, name, room, now=now)
         )
-        return Admission(Verdict.ADMITTED, fence=fence, shard=room)
+        if took:
+            fence = claims.claims_insert_running(
+                conn,
+                token,
+                key=arrival.key,
+                shard=room if arrival.key else None,
+                group_key=arrival.group_key,
+                holder=holder,
+                lease=lease,
+                now=now,
+            )
+            return Admission(Verdict.ADMITTED, fence=fence, shard=room)
 
     superseded: list[str] | None = []
     if arrival.key and name:
