@@ -1,3 +1,129 @@
-"""celery-keyed: keyed concurrency for Celery, backed by a Postgres slot ledger."""
+"""celery-keyed: keyed concurrency for Celery, backed by a Postgres slot ledger.
+
+    import celery_keyed
+    from celery_keyed import keyed_task
+
+    app.conf.keyed_database_url = "postgresql+psycopg://..."
+    app.conf.keyed_concurrency_limits = {"stripe": {"limit": 100, "shards": 10}}
+    celery_keyed.install(app)
+
+    @keyed_task(concurrency_key="account:{account_id}")
+    def sync_account(account_id): ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_keyed.exceptions import (
+    KeyedDeadLettered,
+    KeyedExpired,
+    KeyedLost,
+    KeyedOutcome,
+    KeyedRejected,
+    KeyedRevoked,
+    KeyedSuperseded,
+)
+from celery_keyed.task import KeyedTask, keyed_task
 
 __version__ = "0.1.0.dev0"
+
+__all__ = [
+    "KeyedDeadLettered",
+    "KeyedExpired",
+    "KeyedLost",
+    "KeyedOutcome",
+    "KeyedRejected",
+    "KeyedRevoked",
+    "KeyedSuperseded",
+    "KeyedTask",
+    "__version__",
+    "clear_limit",
+    "install",
+    "keyed_task",
+    "revoke",
+    "set_limit",
+]
+
+
+def install(app: Any) -> None:
+    """Install the gate on ``app``: the consumer bootstep, the reconciler beat task and its schedule, and the
+    revoke handler. Call it once, where the app is defined (before workers or beat start)."""
+    if getattr(app, "_keyed_installed", False):
+        return
+    app._keyed_installed = True
+    from celery import signals
+
+    from celery_keyed.beat import RECONCILE_TASK, reconcile
+    from celery_keyed.bootstep import KeyedGate
+
+    app.steps["consumer"].add(KeyedGate)
+
+    @app.task(name=RECONCILE_TASK, ignore_result=True, shared=False)
+    def reconcile_task() -> dict[str, Any]:
+        return reconcile(app)
+
+    def _schedule(sender: Any, **kwargs: Any) -> None:
+        interval = sender.conf.get("keyed_reconcile_schedule") or 30.0
+        sender.add_periodic_task(float(interval), reconcile_task.s(), name=RECONCILE_TASK)
+
+    if app.configured:
+        _schedule(app)
+    else:
+        app.on_after_configure.connect(_schedule, weak=False)
+
+    @signals.task_revoked.connect(weak=False)
+    def _on_revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
+        from celery_keyed.gate import current_gate
+        from celery_keyed.ledger import Outcome
+
+        gate = current_gate()
+        if gate is not None and request is not None and getattr(request, "keyed_claim", None) is not None:
+            gate.release(request, Outcome.REVOKED)
+
+
+def _ledger(app: Any) -> Any:
+    from celery_keyed.ledger import Ledger
+    from celery_keyed.publisher import publisher_for
+
+    publisher = publisher_for(app)
+    if publisher is None:
+        raise RuntimeError("celery-keyed: keyed_database_url is not configured")
+    return Ledger(publisher.engine, lease=publisher.settings.lease, dispatch=publisher.settings.dispatch_timeout)
+
+
+def _dispatch(app: Any, promotions: list[Any]) -> None:
+    from celery_keyed.messages import republish
+
+    for promotion in promotions:
+        republish(app, promotion.message, nonce=str(promotion.nonce))
+
+
+def set_limit(app: Any, name: str, limit: int, *, reason: str, author: str = "", expires_at: Any = None,
+              connection: Any = None) -> None:
+    """Override the limit of ``name`` at runtime (0 pauses). With ``connection`` (an open SQLAlchemy
+    connection in a transaction) the override commits or rolls back with the caller's own work; promotions it
+    causes are then made by the sweepers within one sweep interval."""
+    from celery_keyed.ledger import set_override
+
+    if connection is not None:
+        set_override(connection, name, limit, reason=reason, author=author, expires_at=expires_at)
+        return
+    _dispatch(app, _ledger(app).set_override(name, limit, reason=reason, author=author, expires_at=expires_at))
+
+
+def clear_limit(app: Any, name: str, *, reason: str = "", author: str = "", connection: Any = None) -> None:
+    """Remove the override of ``name``: its configured limit applies again."""
+    from celery_keyed.ledger import clear_override
+
+    if connection is not None:
+        clear_override(connection, name, reason=reason, author=author)
+        return
+    _dispatch(app, _ledger(app).clear_override(name, reason=reason, author=author))
+
+
+def revoke(app: Any, task_id: str, **kwargs: Any) -> None:
+    """Revoke a task everywhere: Celery's revoke for running or reserved copies, and the ledger for a parked
+    one (Celery's in-memory revoke list expires; the ledger's record does not, D11)."""
+    app.control.revoke(task_id, **kwargs)
+    _dispatch(app, _ledger(app).revoke(task_id))

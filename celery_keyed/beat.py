@@ -1,0 +1,54 @@
+"""The reconciler beat task ``celery_keyed.reconcile`` (registered by ``install(app)``): reclaim dead leases,
+void stuck promotions, sweep, check counters against claims, drop idle keys. Safe in several beats at once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery_keyed.ledger import Ledger
+from celery_keyed.messages import republish
+from celery_keyed.publisher import publisher_for
+
+logger = logging.getLogger("celery_keyed")
+
+RECONCILE_TASK = "celery_keyed.reconcile"
+
+#: When this process last failed to reach the ledger (monotonic): leases are only reclaimed by a reconciler
+#: that has reached the ledger for a full lease since (D7).
+_last_unreachable = time.monotonic()
+
+
+def reconcile(app: Any) -> dict[str, Any]:
+    global _last_unreachable
+    publisher = publisher_for(app)
+    if publisher is None:
+        raise RuntimeError("celery-keyed: keyed_database_url is not configured")
+    settings = publisher.settings
+    ledger = Ledger(publisher.engine, lease=settings.lease, dispatch=settings.dispatch_timeout)
+    try:
+        if time.monotonic() - _last_unreachable < settings.lease:
+            report = ledger.sweep(group_arrival_timeout=settings.group_arrival_timeout)
+            reclaim = "skipped (ledger reachable for less than a lease)"
+        else:
+            report = ledger.reconcile(idle=settings.idle_key_ttl, group_arrival_timeout=settings.group_arrival_timeout)
+            reclaim = f"{len(report.reclaimed)} reclaimed"
+    except Exception:
+        _last_unreachable = time.monotonic()
+        raise
+    for promotion in report.promotions:
+        republish(app, promotion.message, nonce=str(promotion.nonce))
+    if report.drift:
+        logger.error("celery-keyed reconcile repaired drift (a bug, please report): %s", report.drift)
+    summary = {
+        "reclaim": reclaim,
+        "voided": len(report.voided),
+        "promoted": len(report.promotions),
+        "expired": report.expired,
+        "lost": report.lost,
+        "drift": report.drift,
+        "dropped_keys": report.dropped_keys,
+    }
+    logger.info("celery-keyed reconcile: %s", summary)
+    return summary

@@ -1,0 +1,474 @@
+"""The consumer gate: admission of keyed requests, release of their slots, dispatch of promotions, the lease
+heartbeat (D7), the due-time sweeper (D2) and the circuit breaker (D9). One ``GateService`` per worker
+process, owned by the ``KeyedGate`` consumer bootstep (bootstep.py).
+
+Threads: admission and release run on the consumer's loop thread (one short transaction each, bounded by
+``keyed_statement_timeout``); the heartbeat and the sweeper run on threads of their own with their own
+connections, so a busy or blocked loop (``--pool=solo``) never lets a lease lapse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from celery.exceptions import TaskRevokedError
+from celery.worker import state as worker_state
+from celery.worker.strategy import default as default_strategy
+
+from celery_keyed import exceptions
+from celery_keyed.engine import create_ledger_engine
+from celery_keyed.ledger import Arrival, Ledger, Outcome, Promotion, Token, Verdict, new_holder
+from celery_keyed.ledger.books import books_mark_notified, books_unnotified
+from celery_keyed.ledger.claims import HeldClaim
+from celery_keyed.ledger.errors import InvalidKey
+from celery_keyed.ledger.keyspec import normalize_key
+from celery_keyed.messages import context_from_record, record_message, republish, restore_message
+from celery_keyed.settings import KeyedSettings
+from celery_keyed.task import (
+    HEADER_GROUP,
+    HEADER_GROUP_SEQ,
+    HEADER_KEY,
+    HEADER_NONCE,
+    HEADER_SUPERSEDE,
+    evaluate_key,
+)
+
+logger = logging.getLogger("celery_keyed")
+
+_current: GateService | None = None
+
+
+def current_gate() -> GateService | None:
+    """The gate of this worker process, or None outside a worker with ``install(app)``."""
+    return _current
+
+
+def keyed_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
+    """Task strategy of keyed tasks: Celery's default strategy. The gate acts through the request class
+    (``KeyedRequest``), when the pool is ready to start the request (D3); receipt itself is Celery's: revoked
+    and expired messages are dropped by it, unkeyed calls pass through untouched."""
+    return default_strategy(task, app, consumer, **kwargs)
+
+
+class _Unreachable(Exception):
+    """The ledger could not be reached; the breaker is open (D9)."""
+
+
+@dataclass
+class _Running:
+    request: Any
+    token: Token
+    fence: int
+
+
+class GateService:
+    """The gate of one worker process."""
+
+    def __init__(self, app: Any, consumer: Any, settings: KeyedSettings) -> None:
+        self.app = app
+        self.consumer = consumer
+        self.settings = settings
+        self.engine = create_ledger_engine(settings)
+        self.ledger = Ledger(
+            self.engine,
+            holder=new_holder(getattr(consumer, "hostname", None)),
+            lease=settings.lease,
+            dispatch=settings.dispatch_timeout,
+        )
+        self._lock = threading.Lock()
+        self._running: dict[Token, _Running] = {}
+        self._pending_releases: deque[tuple[Token, int, Outcome]] = deque()
+        self._held: deque[Any] = deque()  # requests waiting for the ledger to come back (D9)
+        self._republish: deque[Promotion] = deque()  # promotions to publish from a background thread
+        self._breaker_open = False
+        self._last_renewal = time.monotonic()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._timers: list[Any] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        global _current
+        _current = self
+        try:
+            self.ledger.register_holder()
+            self.ledger.configure(self.settings.limits)
+            self._warn_prefix_capture()
+        except sa.exc.OperationalError as exc:
+            self._open_breaker(exc)
+        self._last_renewal = time.monotonic()
+        self._stop.clear()
+        for target, name in ((self._heartbeat_loop, "keyed-heartbeat"), (self._sweep_loop, "keyed-sweeper")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        timer = getattr(self.consumer, "timer", None)
+        if timer is not None:
+            self._timers.append(timer.call_repeatedly(self.settings.probe_interval, self._resubmit_held))
+
+    def stop(self) -> None:
+        """Stop the threads. Running attempts keep their claims (their outcome hooks release them); safe to
+        call twice (it runs from signal handlers)."""
+        self._stop.set()
+        for entry in self._timers:
+            with contextlib.suppress(Exception):
+                entry.cancel()
+        self._timers.clear()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads.clear()
+
+    def shutdown(self) -> None:
+        global _current
+        self.stop()
+        self._flush_pending_releases()
+        if _current is self:
+            _current = None
+        self.engine.dispose()
+
+    def _warn_prefix_capture(self) -> None:
+        """§3.11: configuring a name turns every ``name:*`` key from a mutex into a gate. Say so, at start, for
+        each configured name whose keys the ledger has already seen as K = 1 identities."""
+        names = sorted(self.settings.limits)
+        if not names:
+            return
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.text("""SELECT k.name, count(*) AS n, min(k.key) AS example FROM keyed_keys k
+                            WHERE k.name = ANY(:names) AND k.active_at < (
+                                  SELECT c.updated_at FROM keyed_names c WHERE c.name = k.name)
+                              AND NOT EXISTS (SELECT 1 FROM keyed_override_log o WHERE o.name = k.name)
+                            GROUP BY k.name"""),
+                {"names": names},
+            ).all()
+        for row in rows:
+            limit = self.settings.limits[row.name].limit
+            logger.warning(
+                "celery-keyed: name %r is configured (limit %d): its %d known keys (e.g. %r) were mutexes "
+                "(K = 1) before; every %s:* key is now a gate of %d",
+                row.name, limit, row.n, row.example, row.name, limit,
+            )
+
+    # -- admission (consumer loop thread) --------------------------------------------------------------
+
+    def is_keyed(self, request: Any) -> bool:
+        headers = request._request_dict
+        if any(h in headers for h in (HEADER_KEY, HEADER_GROUP)):
+            return True
+        task = request.task
+        return getattr(task, "concurrency_key", None) is not None or getattr(task, "group_key", None) is not None
+
+    def execute(self, request: Any, submit: Callable[[], Any]) -> Any:
+        """Admit ``request`` now that a pool process can start it: run it, or park / drop it and free the
+        pool slot (raising ``TaskRevokedError`` makes Celery release its pool semaphore, nothing else)."""
+        try:
+            arrival = self.arrival_for(request)
+        except InvalidKey as exc:
+            self._finish_without_running(request, "rejected", f"malformed keys: {exc}", record_in_ledger=True)
+            raise TaskRevokedError(request.id) from None
+        if arrival is None:  # this call carries no key after all: Celery's own path
+            return submit()
+        if self._breaker_open:
+            self._hold(request)
+            raise TaskRevokedError(request.id)
+        try:
+            fence = self._bind_promoted(request, arrival)
+            admission = None if fence is not None else self.ledger.admit(arrival)
+        except sa.exc.OperationalError as exc:
+            self._open_breaker(exc)
+            self._hold(request)
+            raise TaskRevokedError(request.id) from None
+        if admission is not None:
+            if admission.verdict is Verdict.ADMITTED:
+                fence = admission.fence
+            else:
+                self._not_admitted(request, admission)
+                raise TaskRevokedError(request.id)
+        assert fence is not None
+        request.keyed_claim = (arrival.token, fence)
+        with self._lock:
+            self._running[arrival.token] = _Running(request, arrival.token, fence)
+        return submit()
+
+    def arrival_for(self, request: Any) -> Arrival | None:
+        """The ledger's view of a request: its token, keys (from headers, else computed from the arguments:
+        ``send_task`` sends none), deadline and stored message. Malformed keys raise ``InvalidKey``."""
+        headers = request._request_dict
+        task = request.task
+        key = headers.get(HEADER_KEY)
+        group = headers.get(HEADER_GROUP)
+        supersede = headers.get(HEADER_SUPERSEDE)
+        if key is None and group is None and HEADER_KEY not in headers:
+            key = evaluate_key(getattr(task, "concurrency_key", None), task, tuple(request.args),
+                               dict(request.kwargs))
+            group = evaluate_key(getattr(task, "group_key", None), task, tuple(request.args),
+                                 dict(request.kwargs), option="group_key")
+            supersede = evaluate_key(getattr(task, "supersede_key", None), task, tuple(request.args),
+                                     dict(request.kwargs), option="supersede_key")
+        else:
+            key = None if key is None else normalize_key(key)
+            group = None if group is None else normalize_key(group)
+            supersede = None if supersede is None else str(supersede)
+        if key is None and group is None:
+            return None
+        seq = headers.get(HEADER_GROUP_SEQ)
+        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int)):
+            raise InvalidKey(f"header {HEADER_GROUP_SEQ} must be an integer, got {seq!r}")
+        retries = headers.get("retries") or 0
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InvalidKey(f"header retries must be a non-negative integer, got {retries!r}")
+        priority = (request.delivery_info or {}).get("priority") or 0
+        return Arrival(
+            task_id=request.id,
+            attempt=retries,
+            key=key,
+            group_key=group,
+            group_seq=seq,
+            task_name=request.name,
+            priority=int(priority),
+            deadline=request._expires,
+            supersede_key=supersede,
+            queue=(request.delivery_info or {}).get("routing_key"),
+            message=record_message(request._message, task_name=request.name),
+        )
+
+    def _bind_promoted(self, request: Any, arrival: Arrival) -> int | None:
+        nonce = request._request_dict.get(HEADER_NONCE)
+        if not nonce:
+            return None
+        try:
+            parsed = uuid.UUID(str(nonce))
+        except ValueError:
+            logger.warning("celery-keyed: task %s carries a malformed admission token; admitting it as usual",
+                           request.id)
+            return None
+        return self.ledger.bind(arrival.token, parsed)  # None: not a live promotion → ordinary admission
+
+    def _not_admitted(self, request: Any, admission: Any) -> None:
+        if admission.verdict is Verdict.PARKED:
+            request.acknowledge()  # the parked row is committed: the ledger holds the message now
+            worker_state.task_ready(request)
+            for task_id in admission.superseded:
+                self._store_never_ran(task_id, "superseded", f"replaced by {request.id}", None)
+        elif admission.verdict is Verdict.DUPLICATE:
+            logger.info("celery-keyed: duplicate delivery of %s[%s] dropped (%s)", request.name, request.id,
+                        admission.detail)
+            request.acknowledge()
+            worker_state.task_ready(request)
+        else:
+            self._finish_without_running(request, admission.verdict.value, admission.detail)
+
+    def _finish_without_running(self, request: Any, outcome: str, detail: str, *,
+                                record_in_ledger: bool = False) -> None:
+        if record_in_ledger:
+            with contextlib.suppress(sa.exc.SQLAlchemyError), self.engine.begin() as conn:
+                conn.execute(
+                    sa.text("""INSERT INTO keyed_tasks (task_id, task_name, arrived_at, outcome, finished_at, detail)
+                               VALUES (:id, :name, now(), :outcome, now(), :detail)
+                               ON CONFLICT (task_id) DO NOTHING"""),
+                    {"id": request.id, "name": request.name, "outcome": outcome, "detail": detail},
+                )
+        logger.warning("celery-keyed: %s[%s] %s: %s", request.name, request.id, outcome, detail)
+        exc = exceptions.BY_OUTCOME[outcome](detail)
+        request.task.backend.mark_as_failure(request.id, exc, request=request._context, store_result=True)
+        request.acknowledge()
+        worker_state.task_ready(request)
+        with contextlib.suppress(sa.exc.SQLAlchemyError):
+            self.ledger.transaction(lambda conn: books_mark_notified(conn, [request.id]))
+
+    # -- release (consumer loop thread) ----------------------------------------------------------------
+
+    def release(self, request: Any, outcome: Outcome) -> None:
+        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice)."""
+        claim = request.keyed_claim
+        if claim is None:
+            return
+        request.keyed_claim = None
+        token, fence = claim
+        with self._lock:
+            self._running.pop(token, None)
+        try:
+            report = self.ledger.release(token, fence, outcome)
+        except sa.exc.OperationalError as exc:
+            self._open_breaker(exc)
+            self._pending_releases.append((token, fence, outcome))  # a slot held longer is safe (D9)
+            return
+        for task_id, final in report.finished:
+            if final == "dead_lettered":
+                logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on",
+                             request.name, task_id)
+        self.dispatch(report.promotions, local=True)
+
+    def _flush_pending_releases(self) -> None:
+        while self._pending_releases:
+            token, fence, outcome = self._pending_releases[0]
+            try:
+                report = self.ledger.release(token, fence, outcome)
+            except sa.exc.OperationalError:
+                return
+            self._pending_releases.popleft()
+            self.dispatch(report.promotions, local=False)
+
+    # -- promotions ------------------------------------------------------------------------------------
+
+    def dispatch(self, promotions: list[Promotion], *, local: bool) -> None:
+        """Start promoted attempts: here from the stored message when allowed and this worker consumes their
+        queue (D4), else republished with their nonce (D5). ``local`` only on the consumer loop thread."""
+        for promotion in promotions:
+            if local and self.settings.local_handoff and self._consumes(promotion):
+                try:
+                    self._run_here(promotion)
+                    continue
+                except Exception:
+                    logger.exception("celery-keyed: local handoff of %s failed; republishing", promotion.task_id)
+            self._republish_now(promotion)
+
+    def _consumes(self, promotion: Promotion) -> bool:
+        record = promotion.message or {}
+        task_consumer = getattr(self.consumer, "task_consumer", None)
+        if task_consumer is None or record.get("task") not in self.consumer.strategies:
+            return False
+        names = {q.name for q in getattr(task_consumer, "queues", ())}
+        routing_keys = {q.routing_key for q in getattr(task_consumer, "queues", ())}
+        return record.get("routing_key") in names | routing_keys
+
+    def _run_here(self, promotion: Promotion) -> None:
+        record = promotion.message
+        message = restore_message(record, nonce=str(promotion.nonce))
+        strategy = self.consumer.strategies[record["task"]]
+        strategy(message, None, _already_acked, _already_acked, set())
+
+    def _republish_now(self, promotion: Promotion) -> None:
+        try:
+            republish(self.app, promotion.message, nonce=str(promotion.nonce))
+        except Exception:
+            # The promotion stays in the ledger; the reaper re-parks it after the dispatch timeout (D5).
+            logger.exception("celery-keyed: could not republish promoted %s", promotion.task_id)
+
+    # -- heartbeat thread (D7) -------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_interval):
+            self.heartbeat_once()
+
+    def heartbeat_once(self) -> None:
+        """Renew the leases of the attempts this process runs; notice lost slots; self-fence when the ledger
+        has been unreachable for too long; retry releases that failed; probe the breaker."""
+        with self._lock:
+            running = list(self._running.values())
+        held = {HeldClaim(r.token.task_id, r.token.attempt, r.fence): r for r in running}
+        try:
+            renewed = self.ledger.renew(held.keys())
+        except sa.exc.OperationalError as exc:
+            self._open_breaker(exc)
+            deadline = self._last_renewal + self.settings.lease - self.settings.self_fence_margin
+            if running and time.monotonic() > deadline:
+                self._self_fence([r for r in running if r.request.keyed_claim is not None],
+                                 "the ledger has been unreachable for a lease")
+            return
+        self._last_renewal = time.monotonic()
+        self._close_breaker()
+        lost = [r for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
+        if lost:
+            self._self_fence(lost, "its slot was reclaimed (lease expired)")
+        self._flush_pending_releases()
+
+    def _self_fence(self, running: list[_Running], why: str) -> None:
+        for r in running:
+            logger.error("celery-keyed: %s[%s] lost its slot: %s", r.request.name, r.token.task_id, why)
+            with self._lock:
+                self._running.pop(r.token, None)
+            r.request.keyed_claim = None  # its release would be fenced anyway
+            if self.settings.self_fence and self._can_terminate():
+                with contextlib.suppress(Exception):
+                    r.request.terminate(self.consumer.pool, signal="SIGKILL")
+
+    def _can_terminate(self) -> bool:
+        pool = getattr(self.consumer, "pool", None)
+        return pool is not None and type(pool).__module__.startswith("celery.concurrency.prefork")
+
+    # -- sweeper thread (D2) ---------------------------------------------------------------------------
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.settings.sweep_interval):
+            if self._breaker_open:
+                continue
+            try:
+                self.sweep_once()
+            except sa.exc.OperationalError as exc:
+                self._open_breaker(exc)
+            except Exception:
+                logger.exception("celery-keyed: sweep failed")
+
+    def sweep_once(self) -> None:
+        report = self.ledger.sweep(group_arrival_timeout=self.settings.group_arrival_timeout)
+        self.dispatch(report.promotions, local=False)
+        self.notify_never_ran()
+
+    def notify_never_ran(self) -> None:
+        """Store a failure result for every task that got a final outcome without running (D11)."""
+        with self.engine.connect() as conn:
+            rows = books_unnotified(conn)
+        done = []
+        for row in rows:
+            self._store_never_ran(row.task_id, row.outcome, row.detail, None, task_name=row.task_name)
+            done.append(row.task_id)
+        if done:
+            self.ledger.transaction(lambda conn: books_mark_notified(conn, done))
+
+    def _store_never_ran(self, task_id: str, outcome: str, detail: str, record: dict[str, Any] | None,
+                         task_name: str = "") -> None:
+        exc = exceptions.BY_OUTCOME.get(outcome, exceptions.KeyedOutcome)(detail)
+        context = context_from_record(record) if record else {"id": task_id, "task": task_name}
+        try:
+            task = self.app.tasks.get(context.get("task") or task_name)
+            backend = task.backend if task is not None else self.app.backend
+            from celery.app.task import Context
+
+            backend.mark_as_failure(task_id, exc, request=Context(context), store_result=True)
+        except Exception:
+            logger.exception("celery-keyed: could not store the %s outcome of %s", outcome, task_id)
+
+    # -- circuit breaker (D9) --------------------------------------------------------------------------
+
+    def _open_breaker(self, exc: BaseException) -> None:
+        if not self._breaker_open:
+            logger.error("celery-keyed: the ledger is unreachable (%s); keyed tasks wait until it is back", exc)
+        self._breaker_open = True
+
+    def _close_breaker(self) -> None:
+        if self._breaker_open:
+            logger.warning("celery-keyed: the ledger is reachable again; keyed intake resumes")
+        self._breaker_open = False
+
+    def _hold(self, request: Any) -> None:
+        """Keep a keyed request in memory (unacked) while the ledger is down; it stays in the broker's hands."""
+        self._held.append(request)
+
+    def _resubmit_held(self) -> None:
+        """Consumer loop timer: probe the ledger when the breaker is open; give held requests back to the pool
+        once it is closed."""
+        if self._breaker_open:
+            try:
+                with self.engine.connect() as conn:
+                    conn.execute(sa.text("SELECT 1"))
+            except sa.exc.OperationalError:
+                return
+            self._close_breaker()
+        while self._held and not self._breaker_open:
+            request = self._held.popleft()
+            self.consumer.on_task_request(request)
+
+
+def _already_acked(*args: Any, **kwargs: Any) -> None:
+    """ack/reject of a message restored from the ledger: it was acked when it was parked."""

@@ -1,0 +1,95 @@
+"""Broker messages kept in the ledger while an attempt is parked, and brought back when it is promoted:
+run here from the stored message (local handoff, D4) or republished with an admission nonce (D5)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from kombu.message import Message
+
+from celery_keyed.task import HEADER_NONCE
+
+#: Message properties worth keeping (the rest are per-delivery: delivery tags, body encoding…).
+_KEPT_PROPERTIES = ("priority", "correlation_id", "reply_to")
+
+
+def record_message(message: Any, *, task_name: str) -> dict[str, Any]:
+    """A JSON-able record of a received message: enough to run it again or publish it again."""
+    body = message.body
+    if isinstance(body, str):
+        body = body.encode("utf-8")
+    delivery_info = message.delivery_info or {}
+    properties = message.properties or {}
+    headers = {k: v for k, v in dict(message.headers or {}).items() if k != HEADER_NONCE}
+    return {
+        "task": task_name,
+        "body": base64.b64encode(bytes(body)).decode("ascii"),
+        "content_type": message.content_type,
+        "content_encoding": message.content_encoding,
+        "headers": headers,
+        "properties": {k: properties[k] for k in _KEPT_PROPERTIES if properties.get(k) is not None},
+        "exchange": delivery_info.get("exchange") or "",
+        "routing_key": delivery_info.get("routing_key") or "",
+    }
+
+
+def restore_message(record: dict[str, Any], *, nonce: str | None = None) -> Message:
+    """A kombu message rebuilt from its record, carrying the admission nonce, for the local strategy."""
+    headers = dict(record["headers"])
+    if nonce is not None:
+        headers[HEADER_NONCE] = nonce
+    return Message(
+        body=base64.b64decode(record["body"]),
+        content_type=record["content_type"],
+        content_encoding=record["content_encoding"],
+        headers=headers,
+        properties=dict(record["properties"]),
+        delivery_info={"exchange": record["exchange"], "routing_key": record["routing_key"], "redelivered": False},
+    )
+
+
+def republish(app: Any, record: dict[str, Any], *, nonce: str) -> None:
+    """Publish a promoted attempt's stored message again, with its nonce (thread-safe: uses the pool)."""
+    headers = dict(record["headers"])
+    headers[HEADER_NONCE] = nonce
+    with app.producer_pool.acquire(block=True) as producer:
+        producer.publish(
+            base64.b64decode(record["body"]),
+            exchange=record["exchange"],
+            routing_key=record["routing_key"],
+            headers=headers,
+            content_type=record["content_type"],
+            content_encoding=record["content_encoding"],
+            retry=True,
+            **record["properties"],
+        )
+
+
+def context_from_record(record: dict[str, Any]) -> dict[str, Any]:
+    """Request context (id, group, chord, errbacks…) of a stored message, for storing its result (D11)."""
+    headers = record.get("headers") or {}
+    context: dict[str, Any] = {
+        "id": headers.get("id"),
+        "task": headers.get("task"),
+        "group": headers.get("group"),
+        "group_index": headers.get("group_index"),
+        "root_id": headers.get("root_id"),
+        "parent_id": headers.get("parent_id"),
+        "reply_to": (record.get("properties") or {}).get("reply_to"),
+        "correlation_id": (record.get("properties") or {}).get("correlation_id"),
+    }
+    if record.get("content_type") == "application/json":
+        try:
+            import json
+
+            _args, _kwargs, embed = json.loads(base64.b64decode(record["body"]))
+            context.update(
+                chord=embed.get("chord"),
+                callbacks=embed.get("callbacks"),
+                errbacks=embed.get("errbacks"),
+                chain=embed.get("chain"),
+            )
+        except (ValueError, TypeError):
+            pass
+    return context

@@ -1,0 +1,41 @@
+"""The producer side's access to the ledger (group registration at publish, D10): one engine per process
+and app, created on first use (a forked pool child creates its own)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.engine import create_ledger_engine
+from celery_keyed.settings import KeyedSettings, read_settings
+
+_lock = threading.Lock()
+
+
+@dataclass
+class Publisher:
+    settings: KeyedSettings
+    engine: sa.Engine
+    pid: int
+
+
+def publisher_for(app: Any) -> Publisher | None:
+    """The ledger access of ``app`` in this process, or None when the app has no ledger configured."""
+    current: Publisher | None = getattr(app, "_keyed_publisher", None)
+    if current is not None and current.pid == os.getpid():
+        return current
+    with _lock:
+        current = getattr(app, "_keyed_publisher", None)
+        if current is not None and current.pid == os.getpid():
+            return current
+        try:
+            settings = read_settings(app.conf)
+        except Exception:
+            return None
+        current = Publisher(settings, create_ledger_engine(settings), os.getpid())
+        app._keyed_publisher = current
+        return current

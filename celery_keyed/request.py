@@ -1,0 +1,111 @@
+"""The worker-side request of a keyed task: admission when the pool can start it (D3), release on every
+outcome from the main process (§3.3).
+
+Celery generates a request class per task (``create_request_cls``) that defines its own
+``execute_using_pool`` and ``on_success`` and never calls ``super()``; a subclass method would be shadowed. So
+``KeyedRequest.__init__`` wraps those methods **per instance** (an instance attribute wins over the class).
+A request whose call carries no key is left completely alone: Celery's own path, no database call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from billiard.exceptions import WorkerLostError
+from celery.exceptions import Ignore, Reject, Retry, Terminated, TimeLimitExceeded
+from celery.worker.request import Request
+
+from celery_keyed.ledger.attempts import Outcome
+
+
+class KeyedRequest(Request):  # type: ignore[misc]
+    """Request of a :class:`~celery_keyed.task.KeyedTask`. Its keyed state lives in ``keyed_claim``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.keyed_claim: Any = None  # (Token, fence) while this request holds a slot
+        self.keyed_started = False
+        from celery_keyed.gate import current_gate
+
+        gate = current_gate()
+        if gate is None:
+            return  # not in a worker with the gate (e.g. eager or a worker without install())
+        if not gate.is_keyed(self):
+            return
+        cls = type(self)
+        original_execute = cls.execute_using_pool
+        original_success = cls.on_success
+        original_failure = cls.on_failure
+        original_timeout = cls.on_timeout
+        original_accepted = cls.on_accepted
+        original_cancel = cls.cancel
+
+        def execute_using_pool(pool: Any, **kw: Any) -> Any:
+            return gate.execute(self, lambda: original_execute(self, pool, **kw))
+
+        def on_success(failed__retval__runtime: Any, **kw: Any) -> Any:
+            result = original_success(self, failed__retval__runtime, **kw)
+            if not failed__retval__runtime[0]:  # a failure went through on_failure (our wrapper)
+                gate.release(self, Outcome.COMPLETED)
+            return result
+
+        def on_failure(exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+            try:
+                return original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+            finally:
+                gate.release(self, failure_outcome(self, exc_info))
+
+        def on_timeout(soft: bool, timeout: float) -> Any:
+            result = original_timeout(self, soft, timeout)
+            if not soft:  # a hard limit killed the attempt (on_failure fires too: release is idempotent)
+                gate.release(self, hard_timeout_outcome(self))
+            return result
+
+        def on_accepted(pid: int, time_accepted: float) -> Any:
+            self.keyed_started = True
+            return original_accepted(self, pid, time_accepted)
+
+        def cancel(pool: Any, signal: Any = None, emit_retry: bool = True) -> Any:
+            result = original_cancel(self, pool, signal=signal, emit_retry=emit_retry)
+            gate.release(self, Outcome.WORKER_LOST)  # cancelled on connection loss: it will be redelivered
+            return result
+
+        self.execute_using_pool = execute_using_pool
+        self.on_success = on_success
+        self.on_failure = on_failure
+        self.on_timeout = on_timeout
+        self.on_accepted = on_accepted
+        self.cancel = cancel
+
+
+def failure_outcome(request: Any, exc_info: Any) -> Outcome:
+    """What an ``on_failure`` means for the attempt: will the task come back (retry / redelivery), or not."""
+    exc = getattr(exc_info, "exception", None)
+    exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback
+    task = request.task
+    if isinstance(exc, Retry):
+        return Outcome.RETRY
+    if isinstance(exc, Terminated):
+        return Outcome.WORKER_LOST if getattr(request, "_already_cancelled", False) else Outcome.REVOKED
+    if isinstance(exc, SystemExit | KeyboardInterrupt):
+        return Outcome.WORKER_LOST
+    if isinstance(exc, Reject):
+        return Outcome.WORKER_LOST if exc.requeue else Outcome.FAILED
+    if isinstance(exc, Ignore):
+        return Outcome.COMPLETED
+    if isinstance(exc, WorkerLostError):
+        if task.acks_late and task.reject_on_worker_lost:
+            return Outcome.WORKER_LOST
+        if getattr(task, "retry_on_worker_lost", False):
+            return Outcome.RETRY
+        return Outcome.FAILED
+    if isinstance(exc, TimeLimitExceeded):
+        return hard_timeout_outcome(request)
+    return Outcome.FAILED
+
+
+def hard_timeout_outcome(request: Any) -> Outcome:
+    task = request.task
+    if task.acks_late and not task.acks_on_timeout:
+        return Outcome.WORKER_LOST  # the message is requeued: the same attempt comes back
+    return Outcome.FAILED

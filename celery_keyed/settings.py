@@ -1,0 +1,110 @@
+"""Settings of celery-keyed, read from the Celery app's configuration.
+
+Every setting is documented in the README (section "Settings"). In Django, put them in settings.py with the
+``CELERY_`` prefix (``CELERY_KEYED_DATABASE_URL``) when the app is configured with
+``app.config_from_object("django.conf:settings", namespace="CELERY")``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_keyed.ledger.errors import InvalidConfig
+from celery_keyed.ledger.names import NameConfig, parse_limits
+
+#: Defaults of every setting (name without the ``keyed_`` prefix → value).
+DEFAULTS: dict[str, Any] = {
+    "database_url": None,  # SQLAlchemy URL of the ledger; env KEYED_DATABASE_URL when unset
+    "concurrency_limits": {},  # by name: an int (the limit) or {limit, shards, max_waiting, max_wait, overflow}
+    "lease": 60.0,  # seconds a claim lives without renewal (D7)
+    "heartbeat_interval": None,  # seconds between renewals; default lease / 6
+    "self_fence": True,  # terminate keyed tasks of a prefork worker that cannot renew in time (D7)
+    "self_fence_margin": None,  # seconds before lease expiry at which to self-fence; default lease / 6
+    "sweep_interval": 1.0,  # seconds between due-time sweeps (D2): the bound for time-triggered starts
+    "dispatch_timeout": 30.0,  # seconds a promoted attempt may take to be bound before it is re-parked
+    "reconcile_schedule": 30.0,  # seconds between beat runs of celery_keyed.reconcile
+    "idle_key_ttl": 3600.0,  # seconds after which an idle key's rows are dropped
+    "group_arrival_timeout": 300.0,  # seconds a registered group number may take to arrive (D10)
+    "register_groups": True,  # allocate group numbers at publish (in Postgres)
+    "local_handoff": True,  # run a promoted attempt here when this worker consumes its queue (D4)
+    "hold_max": 100,  # keyed messages held in memory while Postgres is unreachable (D9)
+    "probe_interval": 1.0,  # seconds between probes of an unreachable Postgres (D9)
+    "connect_timeout": 3.0,  # seconds to connect to Postgres
+    "statement_timeout": 5.0,  # seconds a ledger statement may take (bounds a blocked consumer loop)
+    "pool_size": 5,  # ledger connections per worker process
+}
+
+
+@dataclass(frozen=True)
+class KeyedSettings:
+    database_url: str
+    limits: dict[str, NameConfig] = field(default_factory=dict)
+    lease: float = 60.0
+    heartbeat_interval: float = 10.0
+    self_fence: bool = True
+    self_fence_margin: float = 10.0
+    sweep_interval: float = 1.0
+    dispatch_timeout: float = 30.0
+    reconcile_schedule: float = 30.0
+    idle_key_ttl: float = 3600.0
+    group_arrival_timeout: float = 300.0
+    register_groups: bool = True
+    local_handoff: bool = True
+    hold_max: int = 100
+    probe_interval: float = 1.0
+    connect_timeout: float = 3.0
+    statement_timeout: float = 5.0
+    pool_size: int = 5
+
+
+def read_settings(conf: Any) -> KeyedSettings:
+    """Read and validate the ``keyed_*`` settings of a Celery app's ``conf``; a bad value is a clear error."""
+
+    def get(name: str) -> Any:
+        value = conf.get(f"keyed_{name}")
+        return DEFAULTS[name] if value is None else value
+
+    url = get("database_url") or os.environ.get("KEYED_DATABASE_URL")
+    if not url:
+        raise InvalidConfig(
+            "celery-keyed needs a ledger: set app.conf.keyed_database_url (or CELERY_KEYED_DATABASE_URL in Django,"
+            " or the KEYED_DATABASE_URL environment variable) to a postgresql+psycopg:// URL"
+        )
+    url = str(url)
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    lease = _positive(get("lease"), "keyed_lease")
+    heartbeat = get("heartbeat_interval")
+    heartbeat = lease / 6 if heartbeat is None else _positive(heartbeat, "keyed_heartbeat_interval")
+    if heartbeat >= lease / 2:
+        raise InvalidConfig(f"keyed_heartbeat_interval ({heartbeat}) must be well below keyed_lease ({lease})")
+    margin = get("self_fence_margin")
+    margin = lease / 6 if margin is None else _positive(margin, "keyed_self_fence_margin")
+    return KeyedSettings(
+        database_url=url,
+        limits=parse_limits(get("concurrency_limits")),
+        lease=lease,
+        heartbeat_interval=heartbeat,
+        self_fence=bool(get("self_fence")),
+        self_fence_margin=margin,
+        sweep_interval=_positive(get("sweep_interval"), "keyed_sweep_interval"),
+        dispatch_timeout=_positive(get("dispatch_timeout"), "keyed_dispatch_timeout"),
+        reconcile_schedule=_positive(get("reconcile_schedule"), "keyed_reconcile_schedule"),
+        idle_key_ttl=_positive(get("idle_key_ttl"), "keyed_idle_key_ttl"),
+        group_arrival_timeout=_positive(get("group_arrival_timeout"), "keyed_group_arrival_timeout"),
+        register_groups=bool(get("register_groups")),
+        local_handoff=bool(get("local_handoff")),
+        hold_max=int(_positive(get("hold_max"), "keyed_hold_max")),
+        probe_interval=_positive(get("probe_interval"), "keyed_probe_interval"),
+        connect_timeout=_positive(get("connect_timeout"), "keyed_connect_timeout"),
+        statement_timeout=_positive(get("statement_timeout"), "keyed_statement_timeout"),
+        pool_size=int(_positive(get("pool_size"), "keyed_pool_size")),
+    )
+
+
+def _positive(value: Any, setting: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidConfig(f"{setting} must be a positive number, got {value!r}")
+    return float(value)

@@ -1,0 +1,174 @@
+"""The task side: ``KeyedTask``, the ``keyed_task`` decorator, and the keys a call carries in its headers.
+
+Keys are computed at publish from the task's arguments (a ``str.format`` template over the bound arguments, a
+callable taking the same arguments, a tuple ``(name, ident)``) and sent as message headers; a worker that gets
+a message without them (``send_task`` from a foreign producer) computes them from the arguments again.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery import Task, shared_task
+
+from celery_keyed.ledger.errors import InvalidKey
+from celery_keyed.ledger.keyspec import normalize_key
+
+logger = logging.getLogger("celery_keyed")
+
+#: Message headers of the gate. ``keyed_nonce`` is an admission token (D5) and never survives a retry or a copy.
+HEADER_KEY = "keyed_key"
+HEADER_GROUP = "keyed_group"
+HEADER_GROUP_SEQ = "keyed_group_seq"
+HEADER_SUPERSEDE = "keyed_supersede"
+HEADER_NONCE = "keyed_nonce"
+GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE)
+
+KeySpec = str | tuple[str, Any] | Callable[..., Any] | None
+
+
+class KeyedTask(Task):  # type: ignore[misc]
+    """Base class of keyed tasks. Class attributes (set through ``keyed_task(...)`` options):
+
+    - ``concurrency_key``: at most K attempts of this key run at once (K from ``keyed_concurrency_limits``
+      by name, else 1);
+    - ``group_key``: attempts of one group run strictly one at a time in publish order;
+    - ``supersede_key``: under the overflow policy ``supersede``, a newer call with the same supersede key
+      replaces a parked one.
+
+    Per call, ``apply_async(..., concurrency_key=..., group_key=..., supersede_key=...)`` wins over the class.
+    ``apply_async(..., keyed_connection=conn)`` registers the group number inside the caller's open
+    SQLAlchemy transaction (D10).
+    """
+
+    concurrency_key: KeySpec = None
+    group_key: KeySpec = None
+    supersede_key: KeySpec = None
+    Strategy = "celery_keyed.gate:keyed_strategy"
+    Request = "celery_keyed.request:KeyedRequest"
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any) -> Any:
+        args = tuple(args or ())
+        kwargs = dict(kwargs or {})
+        explicit = {name: options.pop(name) for name in ("concurrency_key", "group_key", "supersede_key")
+                    if name in options}
+        connection = options.pop("keyed_connection", None)
+        headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k != HEADER_NONCE}
+        inherited = {h: headers.pop(h) for h in (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ)
+                     if h in headers}
+        computed = self.keyed_headers(args, kwargs, explicit)
+        # A retry or a copy keeps the keys it was sent with, unless the call names new ones.
+        for header, option in ((HEADER_KEY, "concurrency_key"), (HEADER_GROUP, "group_key"),
+                               (HEADER_SUPERSEDE, "supersede_key")):
+            if option not in explicit and header in inherited:
+                computed[header] = inherited[header]
+        if HEADER_GROUP in computed:
+            same_group = inherited.get(HEADER_GROUP) == computed[HEADER_GROUP]
+            if same_group and HEADER_GROUP_SEQ in inherited:
+                computed[HEADER_GROUP_SEQ] = inherited[HEADER_GROUP_SEQ]
+            else:
+                task_id = task_id or str(uuid.uuid4())
+                seq = _register_group(self, computed[HEADER_GROUP], task_id, connection)
+                if seq is not None:
+                    computed[HEADER_GROUP_SEQ] = seq
+        headers.update(computed)
+        options["headers"] = headers
+        return super().apply_async(args, kwargs, task_id=task_id, **options)
+
+    def keyed_headers(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The gate headers for a call with these arguments (raises :class:`InvalidKey` for a bad key)."""
+        explicit = explicit or {}
+        headers: dict[str, Any] = {}
+        for header, option in ((HEADER_KEY, "concurrency_key"), (HEADER_GROUP, "group_key"),
+                               (HEADER_SUPERSEDE, "supersede_key")):
+            spec = explicit[option] if option in explicit else getattr(self, option, None)
+            value = evaluate_key(spec, self, args, kwargs, option=option)
+            if value is not None:
+                headers[header] = value
+        return headers
+
+
+def evaluate_key(spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                 option: str = "concurrency_key") -> str | None:
+    """Evaluate a key spec against a call's arguments; the normalised key or None (unkeyed for this call)."""
+    if spec is None:
+        return None
+    if callable(spec) and not isinstance(spec, str | tuple):
+        value = spec(*args, **kwargs)
+        if value is None:
+            return None
+        return _normalize(value, task, option)
+    if isinstance(spec, str) and "{" in spec:
+        arguments = bind_arguments(task, args, kwargs)
+        try:
+            rendered = spec.format(**arguments)
+        except (KeyError, IndexError, AttributeError) as exc:
+            raise InvalidKey(
+                f"{task.name}: {option} template {spec!r} names {exc} which the call's arguments "
+                f"({sorted(arguments)}) do not have"
+            ) from None
+        return _normalize(rendered, task, option)
+    if isinstance(spec, list):
+        raise InvalidKey(f"{task.name}: {option} must be one key; several keys on one task are not supported yet")
+    return _normalize(spec, task, option)
+
+
+def bind_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by parameter name, defaults applied (for key templates)."""
+    try:
+        bound = inspect.signature(task.run).bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise InvalidKey(f"{task.name}: cannot bind arguments {args!r} {kwargs!r} to compute its key: {exc}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    for name, param in inspect.signature(task.run).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+    return arguments
+
+
+def _normalize(value: Any, task: Any, option: str) -> str:
+    try:
+        return normalize_key(value)
+    except InvalidKey as exc:
+        raise InvalidKey(f"{task.name}: {option}: {exc}") from None
+
+
+def _register_group(task: Any, group_key: str, task_id: str, connection: Any) -> int | None:
+    """Allocate the group number at publish (D10); None (ordered by receipt) when registration is off or the
+    ledger cannot be reached — the call is still published, never lost."""
+    from celery_keyed.ledger.groups import groups_register
+    from celery_keyed.publisher import publisher_for
+
+    if connection is not None:
+        return groups_register(connection, group_key, task_id)
+    publisher = publisher_for(task.app)
+    if publisher is None or not publisher.settings.register_groups:
+        return None
+    try:
+        with publisher.engine.begin() as conn:
+            return groups_register(conn, group_key, task_id)
+    except Exception as exc:  # the ledger is down: publish unregistered (ordered by receipt), do not fail
+        logger.warning("celery-keyed: could not register %s in group %s (%s); ordered by receipt", task_id,
+                       group_key, exc)
+        return None
+
+
+def keyed_task(*args: Any, **options: Any) -> Any:
+    """Declare a keyed task: ``@keyed_task(concurrency_key="account:{account_id}")``.
+
+    Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``group_key`` and
+    ``supersede_key``. Pass ``app=`` to register on a specific app instead of every app (shared_task).
+    """
+    app = options.pop("app", None)
+    options.setdefault("base", KeyedTask)
+    if not issubclass(options["base"], KeyedTask):
+        raise TypeError("keyed_task(base=...) must be a subclass of celery_keyed.KeyedTask")
+    if app is not None:
+        return app.task(*args, **options)
+    return shared_task(*args, **options)

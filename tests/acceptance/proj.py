@@ -1,0 +1,94 @@
+"""The Celery app the acceptance tests run in real worker processes.
+
+Configured from the environment (KEYED_DATABASE_URL, CELERY_BROKER_URL, KEYED_LIMITS as JSON). Every task
+writes its start and end into ``observed`` (its own table, written on its own connection, committed at once):
+the independent observer the tests check overlaps against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import psycopg
+from celery import Celery
+
+import celery_keyed
+from celery_keyed import keyed_task
+
+
+def make_app(env: Mapping[str, str]) -> Any:
+    """A Celery app and its tasks for one cluster (the workers build it from their environment, the test
+    process from the cluster's)."""
+    app = Celery("acceptance", set_as_current=False)
+    app.conf.update(
+        broker_url=env["CELERY_BROKER_URL"],
+        result_backend=env.get("CELERY_RESULT_BACKEND", env["CELERY_BROKER_URL"]),
+        keyed_database_url=env["KEYED_DATABASE_URL"],
+        keyed_concurrency_limits=json.loads(env.get("KEYED_LIMITS", "{}")),
+        keyed_lease=float(env.get("KEYED_LEASE", "10")),
+        keyed_sweep_interval=0.2,
+        worker_prefetch_multiplier=1,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        broker_transport_options={"visibility_timeout": float(env.get("VISIBILITY_TIMEOUT", "3600"))},
+        worker_hijack_root_logger=False,
+    )
+    celery_keyed.install(app)
+    dsn = env["KEYED_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
+    ns = SimpleNamespace(app=app, dsn=dsn)
+    _define_tasks(app, ns)
+    return ns
+
+
+def observe(dsn: str, kind: str, task_id: str, key: str, note: str = "") -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO observed (kind, task_id, key, note, pid, at) VALUES (%s, %s, %s, %s, %s, clock_timestamp())",
+            (kind, task_id, key, note, os.getpid()),
+        )
+
+
+def _define_tasks(app: Any, ns: Any) -> None:
+    @keyed_task(app=app, name="acceptance.hold", bind=True, concurrency_key="{key}", acks_late=True)
+    def hold(self, key: str, seconds: float, note: str = "") -> str:
+        observe(ns.dsn, "start", self.request.id, key, note)
+        time.sleep(seconds)
+        observe(ns.dsn, "end", self.request.id, key, note)
+        return note
+
+    @keyed_task(app=app, name="acceptance.ordered", bind=True, group_key="{group}", max_retries=5, acks_late=True)
+    def ordered(self, group: str, seq: int, fail_times: int = 0, seconds: float = 0.05) -> int:
+        observe(ns.dsn, "start", self.request.id, group, str(seq))
+        time.sleep(seconds)
+        if self.request.retries < fail_times:
+            observe(ns.dsn, "fail", self.request.id, group, str(seq))
+            raise self.retry(countdown=0.3, max_retries=fail_times if fail_times < 5 else 5)
+        observe(ns.dsn, "end", self.request.id, group, str(seq))
+        return seq
+
+    @keyed_task(app=app, name="acceptance.flaky", bind=True, concurrency_key="{key}", acks_late=True, max_retries=3)
+    def flaky(self, key: str, seconds: float, backoff: float) -> str:
+        observe(ns.dsn, "start", self.request.id, key, str(self.request.retries))
+        time.sleep(seconds)
+        if self.request.retries == 0:
+            observe(ns.dsn, "end", self.request.id, key, "retry")
+            raise self.retry(countdown=backoff)
+        observe(ns.dsn, "end", self.request.id, key, "done")
+        return "done"
+
+    @app.task(name="acceptance.unkeyed", bind=True)
+    def unkeyed(self, note: str = "") -> str:
+        observe(ns.dsn, "start", self.request.id, "", note)
+        observe(ns.dsn, "end", self.request.id, "", note)
+        return note
+
+    ns.hold, ns.ordered, ns.flaky, ns.unkeyed = hold, ordered, flaky, unkeyed
+
+
+if "CELERY_BROKER_URL" in os.environ and "KEYED_DATABASE_URL" in os.environ:
+    app = make_app(os.environ).app

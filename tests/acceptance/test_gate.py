@@ -1,0 +1,122 @@
+"""The gate with real workers: two prefork workers with different hostnames, real Redis, real Postgres, and
+an independent observer (the ``observed`` table the tasks write)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pytest
+
+from tests.acceptance.conftest import Cluster, peak_overlap
+
+SERVICE = 0.2  # seconds: one time unit of service
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_mutex_per_account_accounts_in_parallel(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    t0 = time.time()
+    for i in range(10):
+        for account in ("account:1", "account:2", "account:3"):
+            producer.hold.delay(account, SERVICE, note=str(i))
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 30, timeout=60)
+    makespan = time.time() - t0
+    for account in ("account:1", "account:2", "account:3"):
+        intervals = cluster.intervals(account)
+        assert len(intervals) == 10
+        assert peak_overlap(intervals) == 1, f"two tasks of {account} overlapped"
+    assert peak_overlap(cluster.intervals()) >= 2  # accounts ran in parallel
+    assert makespan < 10 * SERVICE * 2.5, f"makespan {makespan:.1f}s: accounts did not run in parallel"
+    assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 0
+    assert cluster.scalar("SELECT coalesce(sum(used), 0) FROM keyed_slots") == 0
+
+
+@pytest.mark.parametrize("cluster", [{"gate": 5}], indirect=True)
+def test_gate_k5_across_two_workers(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1", concurrency=4)
+    cluster.start_worker("w2", concurrency=4)
+    for i in range(30):
+        producer.hold.delay("gate:stripe", SERVICE, note=str(i))
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 30, timeout=60)
+    assert peak_overlap(cluster.intervals("gate:stripe")) == 5
+    pids = {r.pid for r in cluster.rows("SELECT DISTINCT pid FROM observed")}
+    assert len(pids) >= 5
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_unkeyed_tasks_keep_celerys_path(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1", concurrency=2)
+    results = [producer.unkeyed.delay(str(i)) for i in range(10)]
+    assert [r.get(timeout=30) for r in results] == [str(i) for i in range(10)]
+    assert cluster.scalar("SELECT count(*) FROM keyed_tasks") == 0  # no ledger row, no round trip
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_group_order_across_two_workers(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    for seq in range(50):
+        producer.ordered.delay("order:1", seq, seconds=0.01)
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 50, timeout=90)
+    starts = [int(r.note) for r in cluster.rows("SELECT note FROM observed WHERE kind = 'start' ORDER BY at")]
+    assert starts == list(range(50))
+    assert peak_overlap(cluster.intervals("order:1")) == 1
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_group_head_retries_block_the_group_then_it_continues(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    producer.ordered.delay("order:7", 0, fail_times=2)
+    for seq in (1, 2):
+        producer.ordered.delay("order:7", seq)
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 3, timeout=60)
+    rows = cluster.rows("SELECT kind, note FROM observed ORDER BY at")
+    assert [(r.kind, r.note) for r in rows] == [
+        ("start", "0"), ("fail", "0"), ("start", "0"), ("fail", "0"), ("start", "0"), ("end", "0"),
+        ("start", "1"), ("end", "1"), ("start", "2"), ("end", "2"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_retry_backoff_frees_the_key(cluster: Cluster, producer) -> None:
+    """§3.5: during one task's retry backoff, another task of the same key runs."""
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    producer.flaky.delay("acct:9", 0.1, backoff=1.0)
+    time.sleep(0.05)
+    producer.hold.delay("acct:9", 0.2, note="other")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 3, timeout=60)
+    rows = cluster.rows("SELECT kind, note FROM observed ORDER BY at")
+    notes = [(r.kind, r.note) for r in rows]
+    assert notes.index(("start", "other")) < notes.index(("start", "1"))  # ran during the backoff
+    assert peak_overlap(cluster.intervals("acct:9")) == 1
+
+
+@pytest.mark.parametrize(
+    "cluster", [{"research": {"limit": 2, "max_waiting": 3, "max_wait": 6 * SERVICE * 2}}], indirect=True
+)
+def test_eight_arrivals_counts_timing_and_books(cluster: Cluster, producer) -> None:
+    unit = SERVICE * 2
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    results = [producer.hold.delay("research:x", 4 * unit, note=c) for c in "ABCDEFGH"]
+    outcomes = defaultdict(int)
+    for r in results:
+        try:
+            r.get(timeout=60)
+            outcomes["completed"] += 1
+        except Exception as exc:
+            outcomes[type(exc).__name__] += 1
+    assert outcomes == {"completed": 4, "KeyedRejected": 3, "KeyedExpired": 1}
+    starts = sorted(
+        float(r.t) for r in cluster.rows("SELECT extract(epoch FROM at) AS t FROM observed WHERE kind = 'start'")
+    )
+    assert len(starts) == 4
+    assert starts[1] - starts[0] < unit  # two start at once
+    assert 3.5 * unit < starts[2] - starts[0] < 5.5 * unit  # the next two start at 4
+    assert abs(starts[3] - starts[2]) < unit
+    books = {r.outcome: r.n for r in cluster.rows("SELECT outcome, count(*) AS n FROM keyed_tasks GROUP BY outcome")}
+    assert books == {"completed": 4, "expired": 1, "rejected": 3}
