@@ -1,14 +1,14 @@
 """celery-keyed: keyed concurrency for Celery, backed by a Postgres slot ledger.
 
-    import celery_keyed
-    from celery_keyed import keyed_task
+import celery_keyed
+from celery_keyed import keyed_task
 
-    app.conf.keyed_database_url = "postgresql+psycopg://..."
-    app.conf.keyed_concurrency_limits = {"stripe": {"limit": 100, "shards": 10}}
-    celery_keyed.install(app)
+app.conf.keyed_database_url = "postgresql+psycopg://..."
+app.conf.keyed_concurrency_limits = {"stripe": {"limit": 100, "shards": 10}}
+celery_keyed.install(app)
 
-    @keyed_task(concurrency_key="account:{account_id}")
-    def sync_account(account_id): ...
+@keyed_task(concurrency_key="account:{account_id}")
+def sync_account(account_id): ...
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def _dispatch(app: Any, promotions: list[Any]) -> None:
         republish(app, promotion.message, nonce=str(promotion.nonce))
 
 
-def set_limit(app: Any, name: str, limit: int, *, reason: str, author: str = "", expires_at: Any = None,
-              connection: Any = None) -> None:
+def set_limit(
+    app: Any, name: str, limit: int, *, reason: str, author: str = "", expires_at: Any = None, connection: Any = None
+) -> None:
     """Override the limit of ``name`` at runtime (0 pauses). With ``connection`` (an open SQLAlchemy
     connection in a transaction) the override commits or rolls back with the caller's own work; promotions it
     causes are then made by the sweepers within one sweep interval."""

@@ -156,7 +156,12 @@ class GateService:
             logger.warning(
                 "celery-keyed: name %r is configured (limit %d): its %d known keys (e.g. %r) were mutexes "
                 "(K = 1) before; every %s:* key is now a gate of %d",
-                row.name, limit, row.n, row.example, row.name, limit,
+                row.name,
+                limit,
+                row.n,
+                row.example,
+                row.name,
+                limit,
             )
 
     # -- admission (consumer loop thread) --------------------------------------------------------------
@@ -209,12 +214,17 @@ class GateService:
         group = headers.get(HEADER_GROUP)
         supersede = headers.get(HEADER_SUPERSEDE)
         if key is None and group is None and HEADER_KEY not in headers:
-            key = evaluate_key(getattr(task, "concurrency_key", None), task, tuple(request.args),
-                               dict(request.kwargs))
-            group = evaluate_key(getattr(task, "group_key", None), task, tuple(request.args),
-                                 dict(request.kwargs), option="group_key")
-            supersede = evaluate_key(getattr(task, "supersede_key", None), task, tuple(request.args),
-                                     dict(request.kwargs), option="supersede_key")
+            key = evaluate_key(getattr(task, "concurrency_key", None), task, tuple(request.args), dict(request.kwargs))
+            group = evaluate_key(
+                getattr(task, "group_key", None), task, tuple(request.args), dict(request.kwargs), option="group_key"
+            )
+            supersede = evaluate_key(
+                getattr(task, "supersede_key", None),
+                task,
+                tuple(request.args),
+                dict(request.kwargs),
+                option="supersede_key",
+            )
         else:
             key = None if key is None else normalize_key(key)
             group = None if group is None else normalize_key(group)
@@ -249,8 +259,9 @@ class GateService:
         try:
             parsed = uuid.UUID(str(nonce))
         except ValueError:
-            logger.warning("celery-keyed: task %s carries a malformed admission token; admitting it as usual",
-                           request.id)
+            logger.warning(
+                "celery-keyed: task %s carries a malformed admission token; admitting it as usual", request.id
+            )
             return None
         return self.ledger.bind(arrival.token, parsed)  # None: not a live promotion → ordinary admission
 
@@ -261,15 +272,17 @@ class GateService:
             for task_id in admission.superseded:
                 self._store_never_ran(task_id, "superseded", f"replaced by {request.id}", None)
         elif admission.verdict is Verdict.DUPLICATE:
-            logger.info("celery-keyed: duplicate delivery of %s[%s] dropped (%s)", request.name, request.id,
-                        admission.detail)
+            logger.info(
+                "celery-keyed: duplicate delivery of %s[%s] dropped (%s)", request.name, request.id, admission.detail
+            )
             request.acknowledge()
             worker_state.task_ready(request)
         else:
             self._finish_without_running(request, admission.verdict.value, admission.detail)
 
-    def _finish_without_running(self, request: Any, outcome: str, detail: str, *,
-                                record_in_ledger: bool = False) -> None:
+    def _finish_without_running(
+        self, request: Any, outcome: str, detail: str, *, record_in_ledger: bool = False
+    ) -> None:
         if record_in_ledger:
             with contextlib.suppress(sa.exc.SQLAlchemyError), self.engine.begin() as conn:
                 conn.execute(
@@ -305,8 +318,7 @@ class GateService:
             return
         for task_id, final in report.finished:
             if final == "dead_lettered":
-                logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on",
-                             request.name, task_id)
+                logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", request.name, task_id)
         self.dispatch(report.promotions, local=True)
 
     def _flush_pending_releases(self) -> None:
@@ -373,8 +385,10 @@ class GateService:
             self._open_breaker(exc)
             deadline = self._last_renewal + self.settings.lease - self.settings.self_fence_margin
             if running and time.monotonic() > deadline:
-                self._self_fence([r for r in running if r.request.keyed_claim is not None],
-                                 "the ledger has been unreachable for a lease")
+                self._self_fence(
+                    [r for r in running if r.request.keyed_claim is not None],
+                    "the ledger has been unreachable for a lease",
+                )
             return
         self._last_renewal = time.monotonic()
         self._close_breaker()
@@ -426,8 +440,9 @@ class GateService:
         if done:
             self.ledger.transaction(lambda conn: books_mark_notified(conn, done))
 
-    def _store_never_ran(self, task_id: str, outcome: str, detail: str, record: dict[str, Any] | None,
-                         task_name: str = "") -> None:
+    def _store_never_ran(
+        self, task_id: str, outcome: str, detail: str, record: dict[str, Any] | None, task_name: str = ""
+    ) -> None:
         exc = exceptions.BY_OUTCOME.get(outcome, exceptions.KeyedOutcome)(detail)
         context = context_from_record(record) if record else {"id": task_id, "task": task_name}
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 from celery.exceptions import Ignore, Reject, Retry, Terminated, TimeLimitExceeded
 from celery.worker.request import Request
@@ -81,7 +82,8 @@ class KeyedRequest(Request):  # type: ignore[misc]
 def failure_outcome(request: Any, exc_info: Any) -> Outcome:
     """What an ``on_failure`` means for the attempt: will the task come back (retry / redelivery), or not."""
     exc = getattr(exc_info, "exception", None)
-    exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback
+    if isinstance(exc, ExceptionWithTraceback):
+        exc = exc.exc
     task = request.task
     if isinstance(exc, Retry):
         return Outcome.RETRY

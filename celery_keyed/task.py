@@ -54,16 +54,21 @@ class KeyedTask(Task):  # type: ignore[misc]
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any) -> Any:
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
-        explicit = {name: options.pop(name) for name in ("concurrency_key", "group_key", "supersede_key")
-                    if name in options}
+        explicit = {
+            name: options.pop(name) for name in ("concurrency_key", "group_key", "supersede_key") if name in options
+        }
         connection = options.pop("keyed_connection", None)
         headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k != HEADER_NONCE}
-        inherited = {h: headers.pop(h) for h in (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ)
-                     if h in headers}
+        inherited = {
+            h: headers.pop(h) for h in (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ) if h in headers
+        }
         computed = self.keyed_headers(args, kwargs, explicit)
         # A retry or a copy keeps the keys it was sent with, unless the call names new ones.
-        for header, option in ((HEADER_KEY, "concurrency_key"), (HEADER_GROUP, "group_key"),
-                               (HEADER_SUPERSEDE, "supersede_key")):
+        for header, option in (
+            (HEADER_KEY, "concurrency_key"),
+            (HEADER_GROUP, "group_key"),
+            (HEADER_SUPERSEDE, "supersede_key"),
+        ):
             if option not in explicit and header in inherited:
                 computed[header] = inherited[header]
         if HEADER_GROUP in computed:
@@ -79,13 +84,17 @@ class KeyedTask(Task):  # type: ignore[misc]
         options["headers"] = headers
         return super().apply_async(args, kwargs, task_id=task_id, **options)
 
-    def keyed_headers(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def keyed_headers(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """The gate headers for a call with these arguments (raises :class:`InvalidKey` for a bad key)."""
         explicit = explicit or {}
         headers: dict[str, Any] = {}
-        for header, option in ((HEADER_KEY, "concurrency_key"), (HEADER_GROUP, "group_key"),
-                               (HEADER_SUPERSEDE, "supersede_key")):
+        for header, option in (
+            (HEADER_KEY, "concurrency_key"),
+            (HEADER_GROUP, "group_key"),
+            (HEADER_SUPERSEDE, "supersede_key"),
+        ):
             spec = explicit[option] if option in explicit else getattr(self, option, None)
             value = evaluate_key(spec, self, args, kwargs, option=option)
             if value is not None:
@@ -93,8 +102,9 @@ class KeyedTask(Task):  # type: ignore[misc]
         return headers
 
 
-def evaluate_key(spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                 option: str = "concurrency_key") -> str | None:
+def evaluate_key(
+    spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, option: str = "concurrency_key"
+) -> str | None:
     """Evaluate a key spec against a call's arguments; the normalised key or None (unkeyed for this call)."""
     if spec is None:
         return None
@@ -154,8 +164,9 @@ def _register_group(task: Any, group_key: str, task_id: str, connection: Any) ->
         with publisher.engine.begin() as conn:
             return groups_register(conn, group_key, task_id)
     except Exception as exc:  # the ledger is down: publish unregistered (ordered by receipt), do not fail
-        logger.warning("celery-keyed: could not register %s in group %s (%s); ordered by receipt", task_id,
-                       group_key, exc)
+        logger.warning(
+            "celery-keyed: could not register %s in group %s (%s); ordered by receipt", task_id, group_key, exc
+        )
         return None
 
 
