@@ -31,6 +31,7 @@ from celery_keyed.ledger.books import books_mark_notified, books_unnotified
 from celery_keyed.ledger.claims import HeldClaim
 from celery_keyed.ledger.errors import InvalidKey
 from celery_keyed.ledger.keyspec import normalize_key
+from celery_keyed.ledger.reconcile import reclaim_once
 from celery_keyed.messages import context_from_record, record_message, republish, restore_message
 from celery_keyed.settings import KeyedSettings
 from celery_keyed.task import (
@@ -90,6 +91,8 @@ class GateService:
         self._held: deque[Any] = deque()  # requests waiting for the ledger to come back (D9)
         self._republish: deque[Promotion] = deque()  # promotions to publish from a background thread
         self._breaker_open = False
+        self._reachable_since = time.monotonic()
+        self._last_reclaim = 0.0
         self._last_renewal = time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -425,8 +428,22 @@ class GateService:
                 logger.exception("celery-keyed: sweep failed")
 
     def sweep_once(self) -> None:
+        """Time-triggered work (D2); every quarter lease also the reaper (D7), but only once this process has
+        reached the ledger for a full lease: a worker that was cut off cannot tell a dead peer from a peer
+        that was cut off too."""
         report = self.ledger.sweep(group_arrival_timeout=self.settings.group_arrival_timeout)
         self.dispatch(report.promotions, local=False)
+        now = time.monotonic()
+        if now - self._reachable_since >= self.settings.lease and now - self._last_reclaim >= self.settings.lease / 4:
+            self._last_reclaim = now
+            reclaimed = reclaim_once(self.engine, lease=self.settings.lease, dispatch=self.settings.dispatch_timeout)
+            for token in reclaimed.reclaimed:
+                logger.warning(
+                    "celery-keyed: reclaimed the slot of %s attempt %d (its lease expired)",
+                    token.task_id,
+                    token.attempt,
+                )
+            self.dispatch(reclaimed.promotions, local=False)
         self.notify_never_ran()
 
     def notify_never_ran(self) -> None:
@@ -460,10 +477,12 @@ class GateService:
         if not self._breaker_open:
             logger.error("celery-keyed: the ledger is unreachable (%s); keyed tasks wait until it is back", exc)
         self._breaker_open = True
+        self._reachable_since = float("inf")
 
     def _close_breaker(self) -> None:
         if self._breaker_open:
             logger.warning("celery-keyed: the ledger is reachable again; keyed intake resumes")
+            self._reachable_since = time.monotonic()
         self._breaker_open = False
 
     def _hold(self, request: Any) -> None:

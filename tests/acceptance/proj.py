@@ -35,7 +35,11 @@ def make_app(env: Mapping[str, str]) -> Any:
         worker_prefetch_multiplier=1,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        broker_transport_options={"visibility_timeout": float(env.get("VISIBILITY_TIMEOUT", "3600"))},
+        broker_transport_options={
+            "visibility_timeout": float(env.get("VISIBILITY_TIMEOUT", "3600")),
+            "unacked_restore_interval": 1,  # scan for messages of dead workers every second (kombu: 100 s)
+            "unacked_restore_throttle": 1,
+        },
         worker_hijack_root_logger=False,
     )
     celery_keyed.install(app)

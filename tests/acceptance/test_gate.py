@@ -122,3 +122,35 @@ def test_eight_arrivals_counts_timing_and_books(cluster: Cluster, producer) -> N
     cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome IS NOT NULL", 8)
     books = {r.outcome: r.n for r in cluster.rows("SELECT outcome, count(*) AS n FROM keyed_tasks GROUP BY outcome")}
     assert books == {"completed": 4, "expired": 1, "rejected": 3}
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_sigkill_worker_mid_task_redelivered_reclaimed_completed(cluster: Cluster, producer) -> None:
+    """acks_late + SIGKILL: the broker redelivers (visibility timeout), the survivor keeps the copy as a shadow
+    of the live claim (D8), the lease lapses and the reaper reclaims (D7), the copy runs; never two at once."""
+    cluster.env.update(KEYED_LEASE="3", VISIBILITY_TIMEOUT="2")
+    cluster.start_worker("w1", concurrency=1)
+    victim = producer.hold.delay("acct:kill", 2.0, note="victim")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    cluster.start_worker("w2", concurrency=2)
+    producer.hold.delay("acct:kill", 0.2, note="next")
+    time.sleep(0.3)
+    cluster.kill_worker("w1")
+    killed_at = time.time()
+    assert victim.get(timeout=60) == "victim"
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 2, timeout=60)
+    starts = cluster.rows("SELECT note, extract(epoch FROM at) AS ts FROM observed WHERE kind = 'start' ORDER BY at")
+    assert starts[0].note == "victim"
+    assert all(float(r.ts) > killed_at for r in starts[1:]), "a task of the key started before the kill"
+    # the killed attempt ran from its start until the kill; every later start is after the kill
+    rows = cluster.rows("SELECT kind, task_id, extract(epoch FROM at) AS ts FROM observed ORDER BY at")
+    intervals, open_ = [(victim.id, float(rows[0].ts), killed_at)], {}
+    for r in rows[1:]:
+        if r.kind == "start":
+            open_[r.task_id] = float(r.ts)
+        else:
+            intervals.append((r.task_id, open_.pop(r.task_id), float(r.ts)))
+    assert peak_overlap(intervals) == 1
+    assert cluster.scalar("SELECT count(*) FROM keyed_events WHERE kind = 'reclaimed'") == 1
+    cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'", 2)
+    assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 0
