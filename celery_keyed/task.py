@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +30,9 @@ HEADER_NONCE = "keyed_nonce"
 GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE)
 
 KeySpec = str | tuple[str, Any] | Callable[..., Any] | None
+
+#: A template that is one whole field, like "{key}": the argument's value is the key, type-checked as such.
+_WHOLE_FIELD = re.compile(r"^\{(\w+)\}$")
 
 
 class KeyedTask(Task):  # type: ignore[misc]
@@ -115,6 +119,10 @@ def evaluate_key(
         return _normalize(value, task, option)
     if isinstance(spec, str) and "{" in spec:
         arguments = bind_arguments(task, args, kwargs)
+        whole = _WHOLE_FIELD.match(spec)
+        if whole and whole.group(1) in arguments:  # "{key}": the argument itself (a str or a tuple key)
+            value = arguments[whole.group(1)]
+            return None if value is None else _normalize(value, task, option)
         try:
             rendered = spec.format(**arguments)
         except (KeyError, IndexError, AttributeError) as exc:

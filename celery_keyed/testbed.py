@@ -239,6 +239,19 @@ class _ManagedServer:
             self._terminate(timeout)
             self._launch()
 
+    def suspend(self, timeout: float = 10.0) -> None:
+        """Stop the process but keep its files, for an outage of any length; ``resume`` starts it again."""
+        with self._lock:
+            self._terminate(timeout)
+
+    def resume(self) -> None:
+        """Start a suspended server again on the same port with the same files."""
+        with self._lock:
+            if self._removed:
+                raise TestbedError(f"{self.kind} on port {self.port} was stopped for good; cannot resume")
+            if not self.running:
+                self._launch()
+
     def __enter__(self) -> Self:
         return self
 

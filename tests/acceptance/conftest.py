@@ -142,7 +142,11 @@ def peak_overlap(intervals: list[tuple[str, float, float]]) -> int:
 @pytest.fixture
 def cluster(database_url: str, redis_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     limits = getattr(request, "param", None) or {}
-    engine = sa.create_engine(database_url)
+    yield from make_cluster(database_url, redis_url, tmp_path, limits)
+
+
+def make_cluster(database_url: str, redis_url: str, tmp_path: Path, limits: dict[str, Any]) -> Iterator[Cluster]:
+    engine = sa.create_engine(database_url, pool_pre_ping=True)
     with engine.begin() as conn:
         conn.execute(sa.text(OBSERVED))
     env = dict(os.environ)

@@ -32,6 +32,9 @@ def make_app(env: Mapping[str, str]) -> Any:
         keyed_concurrency_limits=json.loads(env.get("KEYED_LIMITS", "{}")),
         keyed_lease=float(env.get("KEYED_LEASE", "10")),
         keyed_sweep_interval=0.2,
+        keyed_self_fence=env.get("KEYED_SELF_FENCE", "1") == "1",
+        keyed_statement_timeout=2.0,
+        keyed_connect_timeout=1.0,
         worker_prefetch_multiplier=1,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
@@ -44,7 +47,7 @@ def make_app(env: Mapping[str, str]) -> Any:
     )
     celery_keyed.install(app)
     dsn = env["KEYED_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
-    ns = SimpleNamespace(app=app, dsn=dsn)
+    ns = SimpleNamespace(app=app, dsn=dsn, url=env["KEYED_DATABASE_URL"])
     _define_tasks(app, ns)
     return ns
 
@@ -91,7 +94,39 @@ def _define_tasks(app: Any, ns: Any) -> None:
         observe(ns.dsn, "end", self.request.id, "", note)
         return note
 
+    @keyed_task(app=app, name="acceptance.override_in_task", bind=True, concurrency_key="{key}")
+    def override_in_task(self, key: str, name: str, limit: int, fail: bool) -> str:
+        """Writes its own row and an override in one transaction of the caller's connection (§3.7)."""
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(ns.url, poolclass=sa.pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text("INSERT INTO observed (kind, task_id, key, note, at) VALUES ('work', :id, :k, '', now())"),
+                {"id": self.request.id, "k": key},
+            )
+            celery_keyed.set_limit(app, name, limit, reason="set by a task", connection=conn)
+            if fail:
+                raise RuntimeError("the task's own work failed")
+        return "ok"
+
+    @keyed_task(app=app, name="acceptance.parent", bind=True, concurrency_key="{key}")
+    def parent(self, key: str) -> str:
+        """Needs a child under its own key: launches it with a callback instead of waiting for it (waiting
+        inside the slot would deadlock when K = 1: the child parks behind its parent)."""
+        observe(ns.dsn, "start", self.request.id, key, "parent")
+        (hold.si(key, 0.05, note="child") | after.si(key)).apply_async()
+        observe(ns.dsn, "end", self.request.id, key, "parent")
+        return "parent"
+
+    @keyed_task(app=app, name="acceptance.after", bind=True, concurrency_key="{key}")
+    def after(self, key: str) -> str:
+        observe(ns.dsn, "start", self.request.id, key, "after")
+        observe(ns.dsn, "end", self.request.id, key, "after")
+        return "after"
+
     ns.hold, ns.ordered, ns.flaky, ns.unkeyed = hold, ordered, flaky, unkeyed
+    ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
 
 if "CELERY_BROKER_URL" in os.environ and "KEYED_DATABASE_URL" in os.environ:

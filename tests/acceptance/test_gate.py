@@ -154,3 +154,73 @@ def test_sigkill_worker_mid_task_redelivered_reclaimed_completed(cluster: Cluste
     assert cluster.scalar("SELECT count(*) FROM keyed_events WHERE kind = 'reclaimed'") == 1
     cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'", 2)
     assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 0
+
+
+@pytest.mark.parametrize("cluster", [{"api": 2}], indirect=True)
+def test_override_pauses_and_resumes_and_commits_with_the_tasks_work(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    first = [producer.hold.delay("api:x", 1.0, note=f"first{i}") for i in range(2)]
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 2)
+    import celery_keyed
+
+    celery_keyed.set_limit(producer.app, "api", 0, reason="acceptance pause", author="test")
+    paused_at = time.time()
+    later = [producer.hold.delay("api:x", 0.1, note=f"later{i}") for i in range(3)]
+    assert [r.get(timeout=30) for r in first] == ["first0", "first1"]  # running tasks finish
+    time.sleep(1.0)
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'start' AND note LIKE 'later%'") == 0
+    assert "paused" in cluster.scalar("SELECT 'paused' FROM keyed_overrides WHERE slot_limit = 0")
+    celery_keyed.clear_limit(producer.app, "api", reason="done")
+    assert sorted(r.get(timeout=30) for r in later) == ["later0", "later1", "later2"]
+    starts = cluster.rows(
+        "SELECT extract(epoch FROM at) AS ts FROM observed WHERE kind = 'start' AND note LIKE 'later%'"
+    )
+    assert all(float(r.ts) > paused_at + 1.0 for r in starts)
+    # an override written inside a task commits with the task's own work, and rolls back with it
+    with pytest.raises(Exception, match="own work failed"):
+        producer.override_in_task.delay("other:1", "api", 0, True).get(timeout=30)
+    assert cluster.scalar("SELECT count(*) FROM keyed_overrides") == 0
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'work'") == 0
+    assert producer.override_in_task.delay("other:1", "api", 1, False).get(timeout=30) == "ok"
+    assert cluster.scalar("SELECT slot_limit FROM keyed_overrides WHERE name = 'api'") == 1
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'work'") == 1
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_parent_needing_a_child_under_its_key_completes_through_a_callback(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1")
+    assert producer.parent.delay("acct:fam").get(timeout=30) == "parent"
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 3, timeout=30)
+    notes = [r.note for r in cluster.rows("SELECT note FROM observed WHERE kind = 'start' ORDER BY at")]
+    assert notes == ["parent", "child", "after"]
+    assert peak_overlap(cluster.intervals("acct:fam")) == 1
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_bad_input_is_a_clear_error_or_a_recorded_rejection(cluster: Cluster, producer) -> None:
+    from celery_keyed import KeyedRejected
+    from celery_keyed.ledger import InvalidKey
+
+    cluster.start_worker("w1")
+    with pytest.raises(InvalidKey, match="must be a str or a"):
+        producer.hold.delay(["not", "a", "key"], 0.01)  # wrong type: refused at the producer
+    with pytest.raises(InvalidKey, match="at most 200"):
+        producer.hold.delay("k:" + "x" * 300, 0.01)
+    # a foreign producer's malformed headers: recorded as a rejection, the result completes, nothing hangs
+    foreign = producer.app.send_task("acceptance.hold", ("acct:1", 0.01), headers={"keyed_key": 12345})
+    with pytest.raises(KeyedRejected, match="malformed keys"):
+        foreign.get(timeout=30)
+    assert cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=foreign.id) == "rejected"
+    # send_task without headers: the worker computes the key from the arguments
+    plain = producer.app.send_task("acceptance.hold", ("acct:2", 0.01), kwargs={"note": "sent"})
+    assert plain.get(timeout=30) == "sent"
+    assert cluster.scalar("SELECT key FROM keyed_tasks WHERE task_id = :id", id=plain.id) == "acct:2"
+    # a forged admission token: ordinary admission
+    forged = producer.hold.apply_async(
+        ("acct:3", 0.01), {"note": "forged"}, headers={"keyed_nonce": "6f1f1d7e-0000-4000-8000-000000000000"}
+    )
+    assert forged.get(timeout=30) == "forged"
+    garbage = producer.hold.apply_async(("acct:3", 0.01), {"note": "garbage"}, headers={"keyed_nonce": "zzz"})
+    assert garbage.get(timeout=30) == "garbage"
+    assert producer.unkeyed.delay("alive").get(timeout=30) == "alive"  # the worker keeps running
