@@ -1,0 +1,426 @@
+"""Ledger claim+release throughput against the raw two-commit pattern (DESIGN §8), side by side in one run.
+
+    python -m bench.ledger [--seconds 5] [--rounds 1] [--clients 4]
+
+Starts its own durable PostgreSQL (fsync on; ``celery_keyed.testbed.start_postgres(durable=True)``) unless
+``KEYED_DATABASE_URL`` names a server, creates and migrates a database of its own, and drives every scenario
+with the same client processes (spawned once, each with its own SQLAlchemy Core engine on psycopg 3 and one
+connection):
+
+- ledger, 1,000 uncontended mutex keys — each client cycles over its own quarter of the keys;
+- ledger, one hot gate, K = 100 (the clients never fill it, so nothing parks), 1 shard;
+- ledger, the same gate with 8 shards;
+- raw, single row:  ``UPDATE counter SET n = n + 1 WHERE id = 1; COMMIT; UPDATE … n - 1 …; COMMIT``;
+- raw, 1,000 rows:  the same, each client cycling over its own quarter of the rows.
+
+A cycle is one claim transaction then one release transaction; the claim latency is the wall time of the
+first. Ratios: mutex keys vs raw 1,000 rows, hot gate vs raw single row (target ≥ 0.7), 8 shards vs 1 shard
+(target ≥ 1.25). With ``--rounds N`` the scenarios are interleaved N times and the medians are reported.
+
+A profile (one client, no contention) follows the table: the statements each claim and release sends, their
+mean time, and the WAL each cycle writes — the "why" when a ratio misses its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, migrate
+
+KEYS = 1000
+GATE_LIMIT = 100
+
+RAW_CREATE = sa.text("CREATE TABLE counter (id integer PRIMARY KEY, n bigint NOT NULL DEFAULT 0)")
+RAW_FILL = sa.text("INSERT INTO counter (id) SELECT g FROM generate_series(1, :rows) AS g")
+RAW_TAKE = sa.text("UPDATE counter SET n = n + 1 WHERE id = :id")
+RAW_GIVE = sa.text("UPDATE counter SET n = n - 1 WHERE id = :id")
+WAL_LSN = sa.text("SELECT pg_current_wal_lsn()")
+WAL_DIFF = sa.text("SELECT pg_wal_lsn_diff(CAST(:b AS pg_lsn), CAST(:a AS pg_lsn))")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    label: str
+    kind: str  # "ledger" | "raw"
+    key: str | None = None  # one hot key, or None for the per-client spread over KEYS keys / rows
+
+
+SCENARIOS = [
+    Scenario("raw1", "raw two-commit, single row", "raw"),
+    Scenario("raw1000", "raw two-commit, 1,000 rows", "raw"),
+    Scenario("mutex", "ledger, 1,000 mutex keys", "ledger"),
+    Scenario("gate1", f"ledger, hot gate K={GATE_LIMIT}, 1 shard", "ledger", key="gate1:stripe"),
+    Scenario("gate8", f"ledger, hot gate K={GATE_LIMIT}, 8 shards", "ledger", key="gate8:stripe"),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+NAMES = {
+    "gate1": NameConfig("gate1", limit=GATE_LIMIT, shards=1),
+    "gate8": NameConfig("gate8", limit=GATE_LIMIT, shards=8),
+}
+# Each ledger scenario is compared with the raw pattern that touches the same number of rows.
+BASELINE = {"mutex": "raw1000", "gate1": "raw1", "gate8": "raw1"}
+
+
+# -- the driver (one per client process) ----------------------------------------------------------------------
+
+
+class Driver:
+    """One client: a cycle function per scenario, on one engine with one connection."""
+
+    def __init__(self, engine: sa.Engine, index: int, clients: int) -> None:
+        self.engine = engine
+        self.ledger = Ledger(self.engine, lease=60)
+        self.index = index
+        self.mine = list(range(index, KEYS, clients))  # this client's keys / rows
+        self.prefix = f"c{index}-{uuid.uuid4().hex[:8]}"
+        self.seq = 0
+        # Statements sent per claim and per release (under load: fast-path misses take the slow path).
+        self.statements = 0
+        self.counted = {"claim": 0, "release": 0}
+        sa.event.listen(self.engine, "before_cursor_execute", self._count)
+
+    def _count(self, *args: Any) -> None:
+        self.statements += 1
+
+    def cycle_for(self, scenario: Scenario) -> Callable[[int], float]:
+        if scenario.kind == "raw":
+            if scenario.name == "raw1":
+                return lambda i: self.raw_cycle(1)
+            return lambda i: self.raw_cycle(1 + self.mine[i % len(self.mine)])
+        if scenario.key is not None:
+            key = scenario.key
+            return lambda i: self.ledger_cycle(key)
+        return lambda i: self.ledger_cycle(f"acct:{self.mine[i % len(self.mine)]}")
+
+    def prepare(self, scenario: Scenario) -> None:
+        """Untimed: touch every key / row this client will use (first use of a key creates its rows)."""
+        cycle = self.cycle_for(scenario)
+        for i in range(len(self.mine) if scenario.key is None and scenario.name != "raw1" else 10):
+            cycle(i)
+
+    def ledger_cycle(self, key: str) -> float:
+        self.seq += 1
+        task_id = f"{self.prefix}-{self.seq}"
+        sent = self.statements
+        started = time.perf_counter()
+        admission = self.ledger.admit(Arrival(task_id=task_id, key=key))
+        claim = time.perf_counter() - started
+        if admission.verdict is not Verdict.ADMITTED or admission.fence is None:
+            raise RuntimeError(f"{key}: {admission} (the benchmark never fills a key)")
+        self.counted["claim"] += self.statements - sent
+        sent = self.statements
+        report = self.ledger.release(Token(task_id, 0), admission.fence, Outcome.COMPLETED)
+        if not report.released or report.promotions:
+            raise RuntimeError(f"{key}: unexpected release report {report}")
+        self.counted["release"] += self.statements - sent
+        return claim
+
+    def raw_cycle(self, row: int) -> float:
+        started = time.perf_counter()
+        with self.engine.begin() as conn:
+            conn.execute(RAW_TAKE, {"id": row})
+        claim = time.perf_counter() - started
+        with self.engine.begin() as conn:
+            conn.execute(RAW_GIVE, {"id": row})
+        return claim
+
+
+def _client(url: str, index: int, clients: int, barrier: Any, commands: Any, results: Any) -> None:
+    """A client process: run the scenarios the parent sends until it sends None."""
+    driver = Driver(sa.create_engine(url, pool_size=1, max_overflow=0), index, clients)
+    try:
+        while (command := commands.get()) is not None:
+            name, warmup, seconds = command
+            scenario = BY_NAME[name]
+            cycle = driver.cycle_for(scenario)
+            driver.prepare(scenario)
+            barrier.wait()
+            start = time.monotonic()
+            measure_from, end = start + warmup, start + warmup + seconds
+            latencies: list[float] = []
+            total = 0
+            driver.counted = {"claim": 0, "release": 0}
+            while (now := time.monotonic()) < end:
+                claim = cycle(total)
+                total += 1
+                if now >= measure_from:
+                    latencies.append(claim)
+            results.put((index, total, latencies, dict(driver.counted)))
+    finally:
+        driver.engine.dispose()
+
+
+# -- the parent -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measure:
+    rates: list[float] = field(default_factory=list)  # cycles/s, one per round
+    latencies: list[float] = field(default_factory=list)  # claim seconds, all rounds
+    wal: list[float] = field(default_factory=list)  # WAL bytes per cycle, one per round
+    statements: list[dict[str, float]] = field(default_factory=list)  # per claim / release, one per round
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.rates)
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+class Clients:
+    def __init__(self, url: str, clients: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.barrier = ctx.Barrier(clients + 1)
+        self.commands = [ctx.Queue() for _ in range(clients)]
+        self.results = ctx.Queue()
+        self.processes = [
+            ctx.Process(target=_client, args=(url, i, clients, self.barrier, self.commands[i], self.results),
+                        name=f"bench-client-{i}", daemon=True)
+            for i in range(clients)
+        ]
+        for p in self.processes:
+            p.start()
+
+    def run(self, engine: sa.Engine, name: str, warmup: float, seconds: float) -> tuple[float, list[float], float,
+                                                                                    dict[str, float]]:
+        """Run one scenario on every client: cycles/s, the claim latencies, WAL bytes per cycle, statements per
+        claim and per release."""
+        for queue in self.commands:
+            queue.put((name, warmup, seconds))
+        self.barrier.wait(timeout=600)
+        with engine.connect() as conn:
+            lsn0 = conn.execute(WAL_LSN).scalar_one()
+        cycles = 0
+        total = 0
+        latencies: list[float] = []
+        statements = {"claim": 0, "release": 0}
+        for _ in self.processes:
+            _, n, lat, counted = self.results.get(timeout=warmup + seconds + 600)
+            total += n
+            cycles += len(lat)
+            latencies += lat
+            for phase in statements:
+                statements[phase] += counted[phase]
+        with engine.connect() as conn:
+            lsn1 = conn.execute(WAL_LSN).scalar_one()
+            wal = float(conn.execute(WAL_DIFF, {"a": str(lsn0), "b": str(lsn1)}).scalar_one())
+        per_cycle = {phase: n / max(total, 1) for phase, n in statements.items()}
+        return cycles / seconds, latencies, wal / max(total, 1), per_cycle
+
+    def close(self) -> None:
+        for queue in self.commands:
+            queue.put(None)
+        for p in self.processes:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+
+
+@contextmanager
+def bench_database() -> Iterator[tuple[str, str]]:
+    """A fresh migrated database on a durable server; yields (SQLAlchemy URL, server description)."""
+    from celery_keyed.testbed import start_postgres
+
+    with start_postgres(durable=True) as server:
+        admin_url = make_url(server.url).set(drivername="postgresql").render_as_string(hide_password=False)
+        name = f"keyed_bench_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+            version = admin.execute("SHOW server_version").fetchone()
+            fsync = admin.execute("SHOW fsync").fetchone()
+            sync_commit = admin.execute("SHOW synchronous_commit").fetchone()
+        url = server.url_for(name)
+        described = (f"PostgreSQL {version[0] if version else '?'}, fsync={fsync[0] if fsync else '?'}, "
+                     f"synchronous_commit={sync_commit[0] if sync_commit else '?'}, "
+                     f"{'KEYED_DATABASE_URL' if not server.managed else 'started by the benchmark'}")
+        try:
+            engine = sa.create_engine(url)
+            try:
+                migrate(engine)
+                with engine.begin() as conn:
+                    conn.execute(RAW_CREATE)
+                    conn.execute(RAW_FILL, {"rows": KEYS})
+                Ledger(engine).configure(NAMES)
+            finally:
+                engine.dispose()
+            yield url, described
+        finally:
+            with psycopg.connect(admin_url, autocommit=True) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# -- the profile: what one claim and one release send ----------------------------------------------------------
+
+
+def _statement_names() -> dict[int, str]:
+    """id(TextClause) → "module.CONSTANT" for every named statement of the ledger."""
+    from celery_keyed.ledger import admission, books, claims, keys, slots, waiting
+
+    names: dict[int, str] = {id(RAW_TAKE): "RAW_TAKE", id(RAW_GIVE): "RAW_GIVE"}
+    for module in (admission, books, claims, keys, slots, waiting):
+        for attr, value in vars(module).items():
+            if isinstance(value, sa.TextClause):
+                names[id(value)] = f"{module.__name__.rsplit('.', 1)[1]}.{attr}"
+    return names
+
+
+def profile(url: str, cycles: int = 300) -> list[str]:
+    """One client, no contention: the statements per claim and per release, and their mean time."""
+    names = _statement_names()
+    engine = sa.create_engine(url, pool_size=1, max_overflow=0)
+    timings: dict[tuple[str, str], list[float]] = defaultdict(list)
+    phase = ["-"]
+    pending: dict[int, float] = {}
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def before(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        pending[id(cursor)] = time.perf_counter()
+
+    @sa.event.listens_for(engine, "after_cursor_execute")
+    def after(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        elapsed = time.perf_counter() - pending.pop(id(cursor), time.perf_counter())
+        compiled = getattr(context, "compiled", None)
+        clause = getattr(compiled, "statement", None)
+        label = names.get(id(clause), statement.split()[0] if statement else "?")
+        timings[(phase[0], label)].append(elapsed)
+
+    driver = Driver(engine, 0, 1)
+    lines: list[str] = []
+    try:
+        for scenario_name, key in (("mutex", "acct:profile"), ("gate1", "gate1:stripe"), ("gate8", "gate8:stripe")):
+            for _ in range(20):  # warm: psycopg prepares a statement after 5 executions
+                driver.ledger_cycle(key)
+            timings.clear()
+            totals = {"claim": 0.0, "release": 0.0}
+            for _ in range(cycles):
+                driver.seq += 1
+                task_id = f"{driver.prefix}-{driver.seq}"
+                phase[0] = "claim"
+                t0 = time.perf_counter()
+                adm = driver.ledger.admit(Arrival(task_id=task_id, key=key))
+                t1 = time.perf_counter()
+                phase[0] = "release"
+                driver.ledger.release(Token(task_id, 0), adm.fence or 0, Outcome.COMPLETED)
+                t2 = time.perf_counter()
+                totals["claim"] += t1 - t0
+                totals["release"] += t2 - t1
+            lines.append(f"{scenario_name} ({key}), 1 client, {cycles} cycles:")
+            for ph in ("claim", "release"):
+                entries = [(label, ts) for (p, label), ts in timings.items() if p == ph]
+                per = sum(len(ts) for _, ts in entries) / cycles
+                in_sql = sum(sum(ts) for _, ts in entries) / cycles * 1000
+                whole = totals[ph] / cycles * 1000
+                lines.append(f"  {ph}: {per:.0f} statements + BEGIN + COMMIT per transaction; "
+                             f"{whole:.3f} ms per transaction, of which {in_sql:.3f} ms in statements")
+                for label, ts in sorted(entries, key=lambda e: -sum(e[1])):
+                    lines.append(f"    {label:<36} {len(ts) / cycles:4.1f}x  {statistics.mean(ts) * 1000:7.3f} ms")
+        phase[0] = "raw"
+        timings.clear()
+        t0 = time.perf_counter()
+        for _ in range(cycles):
+            driver.raw_cycle(1)
+        whole = (time.perf_counter() - t0) / cycles / 2 * 1000
+        raw = timings[("raw", "RAW_TAKE")] + timings[("raw", "RAW_GIVE")]
+        lines.append(f"raw single row, 1 client: 1 statement + BEGIN + COMMIT per transaction; "
+                     f"{whole:.3f} ms per transaction, {statistics.mean(raw) * 1000:.3f} ms in the UPDATE")
+    finally:
+        engine.dispose()
+    return lines
+
+
+# -- main ---------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ledger", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per scenario (default 5)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each (default 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; medians reported")
+    parser.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the single-client statement profile")
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    measures = {s.name: Measure() for s in SCENARIOS}
+    with bench_database() as (url, server):
+        print(f"server: {server}; {args.clients} clients; {args.rounds} round(s) of "
+              f"{args.warmup:g} s warm-up + {args.seconds:g} s per scenario", flush=True)
+        engine = sa.create_engine(url, pool_size=1, max_overflow=0)
+        clients = Clients(url, args.clients)
+        try:
+            for r in range(args.rounds):
+                for scenario in SCENARIOS:
+                    rate, latencies, wal, statements = clients.run(engine, scenario.name, args.warmup, args.seconds)
+                    m = measures[scenario.name]
+                    m.rates.append(rate)
+                    m.latencies += latencies
+                    m.wal.append(wal)
+                    m.statements.append(statements)
+                    print(f"  round {r + 1}: {scenario.label:<36} {rate:8.0f} cycles/s", flush=True)
+        finally:
+            clients.close()
+            engine.dispose()
+        lines = [] if args.no_profile else profile(url)
+
+    print()
+    print(table(measures, args.rounds))
+    if lines:
+        print()
+        print("Profile (single client, no contention):")
+        print("\n".join(lines))
+    print(f"\n(total {time.monotonic() - started:.0f} s)")
+    return 0
+
+
+def table(measures: dict[str, Measure], rounds: int) -> str:
+    """The results as a Markdown table, then the ratios against their targets."""
+    rows = ["| scenario | cycles/s | p50 claim ms | p99 claim ms | statements per claim / release | WAL B/cycle "
+            "| ratio vs baseline |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    for s in SCENARIOS:
+        m = measures[s.name]
+        spread = f" ({min(m.rates):.0f}-{max(m.rates):.0f})" if rounds > 1 else ""
+        ratio = ""
+        if s.name in BASELINE:
+            base = measures[BASELINE[s.name]]
+            ratio = f"{m.rate / base.rate:.2f} vs {BY_NAME[BASELINE[s.name]].label} (target ≥ 0.7)"
+        if s.kind == "ledger":
+            claim = statistics.mean(x["claim"] for x in m.statements)
+            release = statistics.mean(x["release"] for x in m.statements)
+            sent = f"{claim:.2f} / {release:.2f}"
+        else:
+            sent = "1 / 1"
+        rows.append(f"| {s.label} | {m.rate:.0f}{spread} | {m.percentile(0.50):.2f} | {m.percentile(0.99):.2f} "
+                    f"| {sent} | {statistics.median(m.wal):.0f} | {ratio} |")
+    g1, g8 = measures["gate1"], measures["gate8"]
+    rows.append("")
+    rows.append(f"hot gate, 8 shards vs 1 shard: {g8.rate / g1.rate:.2f}x throughput (target ≥ 1.25x); "
+                f"p99 claim {g8.percentile(0.99):.2f} ms vs {g1.percentile(0.99):.2f} ms")
+    if rounds > 1:
+        per_round = [a / b for a, b in zip(g8.rates, g1.rates, strict=True)]
+        rows.append(f"  per round: {', '.join(f'{x:.2f}' for x in per_round)}")
+        for name, base in BASELINE.items():
+            ratios = [a / b for a, b in zip(measures[name].rates, measures[base].rates, strict=True)]
+            rows.append(f"  {name} vs {base} per round: {', '.join(f'{x:.2f}' for x in ratios)}")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
