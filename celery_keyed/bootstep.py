@@ -14,7 +14,7 @@ from celery_keyed.gate import GateService
 from celery_keyed.settings import read_settings
 
 
-class KeyedGate(bootsteps.StartStopStep):  # type: ignore[misc]
+class KeyedGate(bootsteps.StartStopStep):
     """Admit or park every keyed message this worker consumes."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)

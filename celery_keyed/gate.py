@@ -41,6 +41,7 @@ from celery_keyed.task import (
     HEADER_NONCE,
     HEADER_SUPERSEDE,
     evaluate_key,
+    key_spec,
 )
 
 logger = logging.getLogger("celery_keyed")
@@ -174,7 +175,7 @@ class GateService:
         if any(h in headers for h in (HEADER_KEY, HEADER_GROUP)):
             return True
         task = request.task
-        return getattr(task, "concurrency_key", None) is not None or getattr(task, "group_key", None) is not None
+        return key_spec(task, "concurrency_key") is not None or key_spec(task, "group_key") is not None
 
     def execute(self, request: Any, submit: Callable[[], Any]) -> Any:
         """Admit ``request`` now that a pool process can start it: run it, or park / drop it and free the

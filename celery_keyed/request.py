@@ -19,7 +19,7 @@ from celery.worker.request import Request
 from celery_keyed.ledger.attempts import Outcome
 
 
-class KeyedRequest(Request):  # type: ignore[misc]
+class KeyedRequest(Request):
     """Request of a :class:`~celery_keyed.task.KeyedTask`. Its keyed state lives in ``keyed_claim``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -33,7 +33,7 @@ class KeyedRequest(Request):  # type: ignore[misc]
             return  # not in a worker with the gate (e.g. eager or a worker without install())
         if not gate.is_keyed(self):
             return
-        cls = type(self)
+        cls: Any = type(self)
         original_execute = cls.execute_using_pool
         original_success = cls.on_success
         original_failure = cls.on_failure
@@ -71,12 +71,16 @@ class KeyedRequest(Request):  # type: ignore[misc]
             gate.release(self, Outcome.WORKER_LOST)  # cancelled on connection loss: it will be redelivered
             return result
 
-        self.execute_using_pool = execute_using_pool
-        self.on_success = on_success
-        self.on_failure = on_failure
-        self.on_timeout = on_timeout
-        self.on_accepted = on_accepted
-        self.cancel = cancel
+        # Instance attributes shadow the generated class's methods (which Celery looks up at call time).
+        for name, wrapper in (
+            ("execute_using_pool", execute_using_pool),
+            ("on_success", on_success),
+            ("on_failure", on_failure),
+            ("on_timeout", on_timeout),
+            ("on_accepted", on_accepted),
+            ("cancel", cancel),
+        ):
+            setattr(self, name, wrapper)
 
 
 def failure_outcome(request: Any, exc_info: Any) -> Outcome:

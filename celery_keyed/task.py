@@ -35,7 +35,7 @@ KeySpec = str | tuple[str, Any] | Callable[..., Any] | None
 _WHOLE_FIELD = re.compile(r"^\{(\w+)\}$")
 
 
-class KeyedTask(Task):  # type: ignore[misc]
+class KeyedTask(Task):
     """Base class of keyed tasks. Class attributes (set through ``keyed_task(...)`` options):
 
     - ``concurrency_key``: at most K attempts of this key run at once (K from ``keyed_concurrency_limits``
@@ -58,7 +58,7 @@ class KeyedTask(Task):  # type: ignore[misc]
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any) -> Any:
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
-        explicit = {
+        explicit: dict[str, Any] = {
             name: options.pop(name) for name in ("concurrency_key", "group_key", "supersede_key") if name in options
         }
         connection = options.pop("keyed_connection", None)
@@ -99,11 +99,20 @@ class KeyedTask(Task):  # type: ignore[misc]
             (HEADER_GROUP, "group_key"),
             (HEADER_SUPERSEDE, "supersede_key"),
         ):
-            spec = explicit[option] if option in explicit else getattr(self, option, None)
+            spec = explicit[option] if option in explicit else key_spec(self, option)
             value = evaluate_key(spec, self, args, kwargs, option=option)
             if value is not None:
                 headers[header] = value
         return headers
+
+
+def key_spec(task: Any, option: str) -> KeySpec:
+    """A task's key spec as declared: a callable class attribute is not bound to the task (it gets the call's
+    arguments, not ``self``)."""
+    value = inspect.getattr_static(task, option, None)
+    if isinstance(value, staticmethod | classmethod):
+        value = value.__get__(None, type(task))
+    return value
 
 
 def evaluate_key(
@@ -113,7 +122,7 @@ def evaluate_key(
     if spec is None:
         return None
     if callable(spec) and not isinstance(spec, str | tuple):
-        value = spec(*args, **kwargs)
+        value = spec(**bind_arguments(task, args, kwargs))  # by parameter name: lambda tenant_id, **_: ...
         if value is None:
             return None
         return _normalize(value, task, option)
