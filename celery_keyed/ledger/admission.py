@@ -13,8 +13,9 @@ shard row while it looks for waiters — so whichever commits second sees the ot
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -50,6 +51,79 @@ TOKEN_STATE = sa.text(
 )
 
 
+# claim_new: the fast path of a first arrival, in one statement: record the arrival (or lock the task's row,
+# as ARRIVE_OR_LOCK) and, for a new task id that has not expired, take a slot on any shard with room that no
+# other transaction holds and insert the claim. The task row is locked before any slot row (lock order): the
+# slot rows are only reached through the join with ``arr``. Also returns the name's shard count (see
+# _fast_claim for why it matters).
+CLAIM_NEW = sa.text(
+    f"""
+    WITH arr AS (
+        INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
+        VALUES (:task_id, :task_name, :key, NULL, {NOW})
+        ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
+        RETURNING (xmax = 0) AS new, outcome, finished_attempt,
+                  COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
+    ), lim AS (
+        SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n
+    ), pick AS (
+        SELECT s.shard FROM keyed_slots s, lim, arr
+         WHERE arr.new AND NOT arr.expired
+           AND s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+         ORDER BY random() LIMIT 1
+         FOR UPDATE OF s SKIP LOCKED
+    ), took AS (
+        UPDATE keyed_slots s SET used = s.used + 1
+          FROM pick, lim
+         WHERE s.key = :key AND s.shard = pick.shard AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+        RETURNING s.shard
+    ), claimed AS (
+        INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
+                                  lease_expires_at, claimed_at)
+        SELECT :task_id, :attempt, :key, took.shard, NULL, 'running', nextval('keyed_fence_seq'), :holder,
+               {NOW} + make_interval(secs => :lease), {NOW}
+          FROM took
+        RETURNING fence, shard
+    )
+    SELECT arr.new, arr.outcome, arr.finished_attempt, arr.expired, lim.n AS shards,
+           (SELECT fence FROM claimed) AS fence, (SELECT shard FROM claimed) AS shard
+      FROM arr, lim
+    """
+)
+
+#: Shard counts by name seen by this process, with the monotonic time they go stale (see _fast_claim).
+_shards_seen: dict[str, tuple[int, float]] = {}
+_SHARDS_TTL = 30.0
+
+
+def _known_single_shard(name: str) -> bool:
+    seen = _shards_seen.get(name)
+    return seen is not None and seen[0] == 1 and seen[1] > time.monotonic()
+
+
+def _fast_claim(conn: sa.Connection, name: str, run: Callable[[], Any]) -> Any:
+    """Run a fast-path claim statement ``run()`` (it returns a row with ``shard``, NULL on a miss, and
+    ``shards``).
+
+    A SKIP LOCKED pick can end up holding the lock of a shard row it did not take (the row changed between
+    the snapshot and the lock, and the re-check failed). The slow path then locks every shard in order while
+    holding that one: out of lock order, a deadlock with another slow path. So on a sharded name the fast path
+    runs in a savepoint and a miss rolls it back, which drops the stray lock; an unsharded name needs none (its
+    only row is first in the order). Returns the row, or None after a rolled-back miss."""
+    if _known_single_shard(name):
+        row = run()
+        _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
+        return row
+    savepoint = conn.begin_nested()
+    row = run()
+    _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
+    if row.shard is not None:
+        savepoint.commit()
+        return row
+    savepoint.rollback()
+    return None
+
+
 def admit(
     conn: sa.Connection,
     arrival: Arrival,
@@ -66,17 +140,27 @@ def admit(
     """
     token = arrival.token
     name = key_name(arrival.key) if arrival.key else None
-    row = conn.execute(
-        ARRIVE_OR_LOCK,
-        {
-            "task_id": arrival.task_id,
-            "task_name": arrival.task_name,
-            "key": arrival.key,
-            "group_key": arrival.group_key,
-            "deadline": arrival.deadline,
-            "now": now,
-        },
-    ).one()
+    params = {
+        "task_id": arrival.task_id,
+        "attempt": arrival.attempt,
+        "task_name": arrival.task_name,
+        "key": arrival.key,
+        "group_key": arrival.group_key,
+        "deadline": arrival.deadline,
+        "name": name,
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+    fast = arrival.key is not None and name is not None and not arrival.group_key and arrival.not_before is None
+    row: Any = None
+    if fast:
+        assert name is not None
+        row = _fast_claim(conn, name, lambda: conn.execute(CLAIM_NEW, params).one())
+        if row is not None and row.shard is not None:
+            return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
+    if row is None:
+        row = conn.execute(ARRIVE_OR_LOCK, params).one()
     if not row.new:
         if row.outcome is not None or row.finished_attempt >= arrival.attempt:
             books.books_count_duplicate(conn, arrival.task_id)
@@ -91,14 +175,15 @@ def admit(
         _finish_never_ran(conn, token, "expired", detail="expired before start", now=now)
         return Admission(Verdict.EXPIRED, detail="expired before start")
 
-    # Fast path: a key without a group or a not-before time; one statement, no waiting on locks.
-    if arrival.key and name and not arrival.group_key and arrival.not_before is None:
-        shard = slots.slots_claim_any(conn, arrival.key, name, now=now)
-        if shard is not None:
+    # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
+    if fast and not row.new and arrival.key and name:
+        key = arrival.key
+        claim = _fast_claim(conn, name, lambda: conn.execute(slots.SLOTS_CLAIM_ANY, params).one())
+        if claim is not None and claim.shard is not None:
             fence = claims.claims_insert_running(
-                conn, token, key=arrival.key, shard=shard, group_key=None, holder=holder, lease=lease, now=now
+                conn, token, key=key, shard=claim.shard, group_key=None, holder=holder, lease=lease, now=now
             )
-            return Admission(Verdict.ADMITTED, fence=fence, shard=shard)
+            return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
 
     # Slow path: lock everything the decision depends on, in lock order, then decide.
     room: int | None = None
@@ -152,6 +237,49 @@ def bind(
     return claims.claims_bind_promoted(conn, token, nonce, holder=holder, lease=lease, now=now)
 
 
+# release_fast: the release of a claim without a group, in one statement: delete the claim (only the owner
+# of this exact fence gets the row: release exactly once), record the outcome in the books, give the slot
+# back to the shard it came from. ``b`` is joined before the slot row is updated so the task row is locked
+# first (lock order). Whether anyone waits is NOT read here: this statement's snapshot predates the wait for
+# the slot row's lock; the caller reads it in a later statement (D2).
+RELEASE_FAST = sa.text(
+    f"""
+    WITH c AS (
+        DELETE FROM keyed_claims
+         WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
+           AND group_key IS NULL
+        RETURNING task_id, attempt, key, shard, fence
+    ), b AS (
+        UPDATE keyed_tasks t
+           SET outcome = COALESCE(t.outcome, CAST(:final AS text)),
+               finished_at = COALESCE(t.finished_at, CASE WHEN CAST(:final AS text) IS NOT NULL THEN {NOW} END),
+               detail = CASE WHEN t.outcome IS NULL AND CAST(:final AS text) IS NOT NULL THEN :detail
+                             ELSE t.detail END,
+               finished_attempt = GREATEST(t.finished_attempt, c.attempt)
+          FROM c
+         WHERE t.task_id = c.task_id AND :over AND (CAST(:final AS text) IS NULL OR t.outcome IS NULL)
+        RETURNING t.task_id, CAST(:final AS text) IS NOT NULL AS recorded
+    ), s AS (
+        UPDATE keyed_slots sl SET used = sl.used - 1
+          FROM c LEFT JOIN b ON b.task_id = c.task_id
+         WHERE sl.key = c.key AND sl.shard = c.shard
+        RETURNING sl.used < keyed_shard_share(keyed_effective_limit(sl.name, {NOW}), keyed_name_shards(sl.name),
+                                              sl.shard) AS has_room
+    )
+    SELECT c.task_id, c.attempt, c.key, c.shard, c.fence,
+           COALESCE((SELECT has_room FROM s), false) AS has_room,
+           COALESCE((SELECT recorded FROM b), false) AS recorded,
+           EXISTS (SELECT 1 FROM keyed_waiting w
+                    WHERE w.task_id = c.task_id AND w.attempt = c.attempt AND w.shadow) AS has_shadow
+      FROM c
+    """
+)
+
+# keys_waiting: whether a key has parked attempts, read after the slot row's lock is held (a new snapshot:
+# an attempt parked by a transaction that held that lock before us is seen, D2).
+KEYS_WAITING = sa.text("SELECT waiting FROM keyed_keys WHERE key = :key")
+
+
 def release(
     conn: sa.Connection,
     token: Token,
@@ -167,10 +295,46 @@ def release(
     Idempotent and fenced: only the call whose DELETE returns the claim row gives the slot back; a second call,
     a stale worker (old fence) or a lost race with the reaper returns ``released=False`` and changes nothing.
     """
-    row = claims.claims_delete_fenced(conn, token, fence)
-    if row is None:
-        return ReleaseReport(released=False)
-    return _after_claim_removed(conn, row, outcome, detail=detail, dispatch=dispatch, now=now)
+    final = _final_outcome(outcome, grouped=False)
+    row = conn.execute(
+        RELEASE_FAST,
+        {
+            "task_id": token.task_id,
+            "attempt": token.attempt,
+            "fence": fence,
+            "final": final,
+            "over": outcome is not Outcome.WORKER_LOST,
+            "detail": detail,
+            "now": now,
+        },
+    ).first()
+    if row is None:  # a claim with a group, or nothing to release (stale fence, second call, reaped)
+        removed = claims.claims_delete_fenced(conn, token, fence)
+        if removed is None:
+            return ReleaseReport(released=False)
+        return _after_claim_removed(conn, removed, outcome, detail=detail, dispatch=dispatch, now=now)
+    report = ReleaseReport(released=True)
+    if row.recorded:
+        assert final is not None
+        report.finished.append((token.task_id, final))
+    if row.has_shadow:
+        _shadows_follow(conn, token, row.key, outcome, now=now)
+    if row.has_room and conn.execute(KEYS_WAITING, {"key": row.key}).scalar():
+        keys.keys_lock(conn, row.key, key_name(row.key), now=now)
+        report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, now=now)
+    return report
+
+
+def _shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any) -> None:
+    """Duplicates kept as shadows of an attempt follow its fate (D8): live again if its worker was lost (the
+    copy will run), dropped otherwise."""
+    params = {"task_id": token.task_id, "attempt": token.attempt}
+    if outcome is Outcome.WORKER_LOST:
+        conn.execute(waiting.WAITING_SHADOW_LIVE, params)
+        return
+    dropped = len(conn.execute(waiting.WAITING_SHADOW_DROP, params).all())
+    if dropped and key is not None:
+        keys.keys_remove_waiting(conn, key, dropped, now=now)
 
 
 def _after_claim_removed(
@@ -187,20 +351,12 @@ def _after_claim_removed(
     elif outcome is Outcome.RETRY:
         books.books_attempt_over(conn, token.task_id, token.attempt)
 
-    # Duplicates kept as shadows of this attempt follow its fate (D8): live again if the worker was lost.
-    shadow_params = {"task_id": token.task_id, "attempt": token.attempt}
-    if outcome is Outcome.WORKER_LOST:
-        conn.execute(waiting.WAITING_SHADOW_LIVE, shadow_params)
-        dropped = 0
-    else:
-        dropped = len(conn.execute(waiting.WAITING_SHADOW_DROP, shadow_params).all())
     shard_has_room = False
     if row.key is not None:
         shard_has_room = slots.slots_give_back(conn, row.key, row.shard, now=now)
-        if dropped:
-            keys.keys_remove_waiting(conn, row.key, dropped, now=now)
-        if shard_has_room:
-            keys.keys_lock(conn, row.key, key_name(row.key), now=now)
+    _shadows_follow(conn, token, row.key, outcome, now=now)
+    if shard_has_room:
+        keys.keys_lock(conn, row.key, key_name(row.key), now=now)
     if row.group_key is not None and final is not None:
         groups.groups_lock(conn, row.group_key)
         groups.members_finish(conn, token.task_id)

@@ -16,8 +16,9 @@ import sqlalchemy as sa
 from celery_keyed.ledger.clock import NOW
 
 # slots_claim_any: the fast path. Take one slot on any shard of the key that has room, skipping shards other
-# transactions hold; no row matched = no room seen without waiting (the caller then takes the slow path that
-# locks every shard, D2). The guard is repeated in the UPDATE so the bound holds even if the limit changed.
+# transactions hold; no shard = no room seen without waiting (the caller then takes the slow path that locks
+# every shard, D2). The guard is repeated in the UPDATE so the bound holds even if the limit changed. Also
+# answers the name's shard count (see admission._fast_claim).
 SLOTS_CLAIM_ANY = sa.text(
     f"""
     WITH lim AS (
@@ -27,11 +28,13 @@ SLOTS_CLAIM_ANY = sa.text(
          WHERE s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
+    ), took AS (
+        UPDATE keyed_slots s SET used = s.used + 1
+          FROM pick, lim
+         WHERE s.key = :key AND s.shard = pick.shard AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+        RETURNING s.shard
     )
-    UPDATE keyed_slots s SET used = s.used + 1
-      FROM pick, lim
-     WHERE s.key = :key AND s.shard = pick.shard AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
-    RETURNING s.shard
+    SELECT (SELECT shard FROM took) AS shard, lim.n AS shards FROM lim
     """
 )
 
@@ -115,11 +118,6 @@ class ShardUse:
     @property
     def has_room(self) -> bool:
         return self.used < self.share
-
-
-def slots_claim_any(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> int | None:
-    """Fast path: claim one slot without waiting for locks; the shard taken, or None."""
-    return conn.execute(SLOTS_CLAIM_ANY, {"key": key, "name": name, "now": now}).scalar_one_or_none()
 
 
 def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> list[ShardUse]:

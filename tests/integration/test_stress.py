@@ -47,12 +47,23 @@ class StressResult:
 
 
 def _worker(
-    database_url: str, index: int, cycles: int, seed: int, in_flight: Any, peak: Any, lock: Any, results: Any
+    database_url: str,
+    index: int,
+    cycles: int,
+    seed: int,
+    in_flight: Any,
+    peak: Any,
+    lock: Any,
+    results: Any,
+    start: Any,
 ) -> None:
     """One process of the stress run (module level so that ``spawn`` can import it)."""
     rng = random.Random(seed)
     engine = sa.create_engine(database_url, pool_size=1, max_overflow=0)
     ledger = Ledger(engine, lease=60)
+    with engine.connect() as conn:  # connect before the start line, so all processes begin together
+        conn.execute(sa.text("SELECT 1"))
+    start.wait(timeout=60)
     counts = {"admitted": 0, "parked": 0, "promoted": 0, "released": 0, "unbound": 0, "not_released": 0}
 
     def run(token: Token, fence: int) -> list[Any]:
@@ -95,11 +106,22 @@ def _worker(
     results.put((index, counts))
 
 
+def _deadlocks(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        conn.execute(sa.text("SELECT pg_stat_clear_snapshot()"))
+        return int(
+            conn.execute(
+                sa.text("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+            ).scalar_one()
+        )
+
+
 def stress(database_url: str, processes: int, cycles: int) -> StressResult:
     """Run the stress workload on a migrated database and check every invariant; what was observed."""
     engine = sa.create_engine(database_url)
     try:
         Ledger(engine).configure({"gate": NameConfig("gate", limit=LIMIT, shards=SHARDS)})
+        deadlocks_before = _deadlocks(engine)
     finally:
         engine.dispose()
 
@@ -108,10 +130,11 @@ def stress(database_url: str, processes: int, cycles: int) -> StressResult:
     peak = ctx.Value("i", 0, lock=False)
     lock = ctx.Lock()
     results = ctx.Queue()
+    start = ctx.Barrier(processes)
     workers = [
         ctx.Process(
             target=_worker,
-            args=(database_url, i, cycles, 1000 + i, in_flight, peak, lock, results),
+            args=(database_url, i, cycles, 1000 + i, in_flight, peak, lock, results, start),
             name=f"stress-{i}",
         )
         for i in range(processes)
@@ -167,8 +190,11 @@ def stress(database_url: str, processes: int, cycles: int) -> StressResult:
             waiting = conn.execute(sa.text("SELECT COALESCE(sum(waiting), 0) FROM keyed_keys")).scalar_one()
             shards = conn.execute(sa.text("SELECT count(*) FROM keyed_slots WHERE key = :k"), {"k": KEY}).scalar()
         books = Ledger(engine).books()
+        deadlocks = _deadlocks(engine) - deadlocks_before
     finally:
         engine.dispose()
+    # Ledger.transaction retries deadlocks silently: count them. The lock order (admission.py) allows none.
+    assert deadlocks == 0, f"{deadlocks} deadlocks detected by Postgres during the run"
     # Every parked attempt was handed off by a release (no lost wakeup, D2/D4): nothing is stranded.
     assert leftover_waiting == [], f"{len(leftover_waiting)} parked attempts stranded: {leftover_waiting[:5]}"
     assert leftover_claims == []
