@@ -103,6 +103,8 @@ class Ledger:
         dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     ) -> None:
         self.engine = engine
+        #: The same pool in autocommit: the single-statement fast paths need no BEGIN / COMMIT round trips.
+        self.autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.holder = holder or new_holder()
         self.lease = lease
         self.dispatch = dispatch
@@ -127,6 +129,10 @@ class Ledger:
         return self.transaction(lambda conn: configure_names(conn, limits, now=now))
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
+        with self.autocommit.connect() as conn:
+            fast = admission.admit_autocommit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
+        if fast is not None:
+            return fast
         return self.transaction(
             lambda conn: admission.admit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
         )
@@ -137,9 +143,21 @@ class Ledger:
     def release(
         self, token: Token, fence: int, outcome: Outcome, *, detail: str = "", now: datetime | None = None
     ) -> ReleaseReport:
-        return self.transaction(
-            lambda conn: release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, now=now)
-        )
+        with self.autocommit.connect() as conn:
+            fast = admission.release_autocommit(conn, token, fence, outcome, detail=detail, now=now)
+        if fast is None:
+            return self.transaction(
+                lambda conn: release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, now=now)
+            )
+        report, rest = fast
+        if rest is not None:
+            key, shard, has_shadow = rest
+            report.promotions += self.transaction(
+                lambda conn: admission.after_release_autocommit(
+                    conn, token, key, shard, has_shadow, outcome, dispatch=self.dispatch, now=now
+                )
+            )
+        return report
 
     def renew(self, held: Iterable[HeldClaim], *, now: datetime | None = None) -> set[HeldClaim]:
         held = list(held)

@@ -56,8 +56,7 @@ TOKEN_STATE = sa.text(
 # other transaction holds and insert the claim. The task row is locked before any slot row (lock order): the
 # slot rows are only reached through the join with ``arr``. Also returns the name's shard count (see
 # _fast_claim for why it matters).
-CLAIM_NEW = sa.text(
-    f"""
+_CLAIM_NEW = """
     WITH arr AS (
         INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
         VALUES (:task_id, :task_name, :key, NULL, {NOW})
@@ -69,9 +68,9 @@ CLAIM_NEW = sa.text(
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim, arr
          WHERE arr.new AND NOT arr.expired
-           AND s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+           AND s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard) AND NOT {PROMOTABLE}
          ORDER BY random() LIMIT 1
-         FOR UPDATE OF s SKIP LOCKED
+         FOR UPDATE OF s {lock_wait}
     ), took AS (
         UPDATE keyed_slots s SET used = s.used + 1
           FROM pick, lim
@@ -89,7 +88,11 @@ CLAIM_NEW = sa.text(
            (SELECT fence FROM claimed) AS fence, (SELECT shard FROM claimed) AS shard
       FROM arr, lim
     """
-)
+_CLAIM_NEW = _CLAIM_NEW.replace("{PROMOTABLE}", waiting.PROMOTABLE_EXISTS).replace("{NOW}", NOW)
+CLAIM_NEW = sa.text(_CLAIM_NEW.replace("{lock_wait}", "SKIP LOCKED"))
+# claim_new_waiting: the same for a name with one shard: wait for its only row like any counter update (a
+# lock it keeps after a failed re-check is the first in the lock order anyway).
+CLAIM_NEW_WAITING = sa.text(_CLAIM_NEW.replace("{lock_wait}", ""))
 
 #: Shard counts by name seen by this process, with the monotonic time they go stale (see _fast_claim).
 _shards_seen: dict[str, tuple[int, float]] = {}
@@ -122,6 +125,34 @@ def _fast_claim(conn: sa.Connection, name: str, run: Callable[[], Any]) -> Any:
         return row
     savepoint.rollback()
     return None
+
+
+def admit_autocommit(
+    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
+) -> Admission | None:
+    """The fast path of a first arrival as one self-committing statement (``conn`` in autocommit): ADMITTED,
+    or None — then run ``admit`` in a transaction (the arrival is already recorded, which it handles). Being
+    its own transaction, a stray shard lock ends with it (see _fast_claim)."""
+    if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None:
+        return None
+    name = key_name(arrival.key)
+    params = {
+        "task_id": arrival.task_id,
+        "attempt": arrival.attempt,
+        "task_name": arrival.task_name,
+        "key": arrival.key,
+        "deadline": arrival.deadline,
+        "name": name,
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+    statement = CLAIM_NEW_WAITING if _known_single_shard(name) else CLAIM_NEW
+    row = conn.execute(statement, params).one()
+    _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
+    if row.shard is None:
+        return None
+    return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
 
 
 def admit(
@@ -191,6 +222,11 @@ def admit(
         uses = slots.slots_lock_all(conn, arrival.key, name, now=now)
         room = next((u.shard for u in uses if u.has_room), None)
         keys.keys_lock(conn, arrival.key, name, now=now)
+        if (
+            room is not None
+            and conn.execute(waiting.WAITING_PROMOTABLE_EXISTS, {"key": arrival.key, "now": now}).scalar()
+        ):
+            room = None  # a free slot with a line in front of it belongs to the line's head (FIFO, D10)
     head_ready = True
     is_head = True
     if arrival.group_key:
@@ -323,6 +359,60 @@ def release(
         keys.keys_lock(conn, row.key, key_name(row.key), now=now)
         report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, now=now)
     return report
+
+
+def release_autocommit(
+    conn: sa.Connection, token: Token, fence: int, outcome: Outcome, *, detail: str = "", now: Any = None
+) -> tuple[ReleaseReport, Any] | None:
+    """The release of a claim without a group as one self-committing statement (``conn`` in autocommit).
+    Returns None when it released nothing (a grouped claim, or nothing to release: run ``release`` in a
+    transaction), else the report and what is left to do: ``(key, shard, has_shadow)`` when the key may have waiters
+    (read after the slot was given back, D2) or shadows — run ``after_release_autocommit`` for it."""
+    final = _final_outcome(outcome, grouped=False)
+    row = conn.execute(
+        RELEASE_FAST,
+        {
+            "task_id": token.task_id,
+            "attempt": token.attempt,
+            "fence": fence,
+            "final": final,
+            "over": outcome is not Outcome.WORKER_LOST,
+            "detail": detail,
+            "now": now,
+        },
+    ).first()
+    if row is None:
+        return None
+    report = ReleaseReport(released=True)
+    if row.recorded:
+        assert final is not None
+        report.finished.append((token.task_id, final))
+    waiters = bool(row.has_room and conn.execute(KEYS_WAITING, {"key": row.key}).scalar())
+    return report, ((row.key, row.shard, bool(row.has_shadow)) if waiters or row.has_shadow else None)
+
+
+def after_release_autocommit(
+    conn: sa.Connection,
+    token: Token,
+    key: str,
+    shard: int,
+    has_shadow: bool,
+    outcome: Outcome,
+    *,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: Any = None,
+) -> list[Promotion]:
+    """The rest of an autocommitted release, in a transaction: shadows follow their attempt, and the slot it
+    gave back goes to the key's next waiter (one release, one promotion: a releaser that found several free
+    slots would otherwise start several attempts at once). Locks the shard row, then the key row (lock order)."""
+    name = key_name(key)
+    use = conn.execute(slots.SLOTS_LOCK_ONE, {"key": key, "shard": shard, "name": name, "now": now}).first()
+    keys.keys_lock(conn, key, name, now=now)
+    if has_shadow:
+        _shadows_follow(conn, token, key, outcome, now=now)
+    if use is None or use.used >= use.share:
+        return []
+    return _promote_waiters(conn, key, [shard], dispatch=dispatch, now=now)
 
 
 def _shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any) -> None:

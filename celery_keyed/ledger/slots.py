@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.waiting import PROMOTABLE_EXISTS
 
 # slots_claim_any: the fast path. Take one slot on any shard of the key that has room, skipping shards other
 # transactions hold; no shard = no room seen without waiting (the caller then takes the slow path that locks
@@ -25,7 +26,7 @@ SLOTS_CLAIM_ANY = sa.text(
         SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim
-         WHERE s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+         WHERE s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard) AND NOT {PROMOTABLE_EXISTS}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
     ), took AS (
@@ -56,6 +57,16 @@ SLOTS_LOCK_ALL = sa.text(
       FROM keyed_slots s
      WHERE s.key = :key
      ORDER BY s.shard
+       FOR UPDATE
+    """
+)
+
+# slots_lock_one: lock one shard row of a key and return its use and share.
+SLOTS_LOCK_ONE = sa.text(
+    f"""
+    SELECT s.used,
+           keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard) AS share
+      FROM keyed_slots s WHERE s.key = :key AND s.shard = :shard
        FOR UPDATE
     """
 )

@@ -215,3 +215,22 @@ def _wait_for_lock_waiter(engine: sa.Engine, timeout: float = 10.0) -> None:
             conn.rollback()
             time.sleep(0.005)
     pytest.fail("nobody blocked on a lock")
+
+
+def test_a_newcomer_never_takes_a_freed_slot_ahead_of_the_line(engine: sa.Engine, ledger: Ledger) -> None:
+    """Between an autocommitted release and its promotion the slot is free; an arrival in that window parks
+    behind the waiting attempt instead of jumping the line (FIFO, D10), on both admission paths."""
+    a = ledger.admit(Arrival("a", key="k:1"))
+    assert ledger.admit(Arrival("b", key="k:1")).verdict is Verdict.PARKED
+    with ledger.autocommit.connect() as conn:
+        _report, rest = admission.release_autocommit(conn, Token("a", 0), a.fence, Outcome.COMPLETED)
+    assert rest is not None  # the key has a waiter: the promotion is still to do
+    assert count(engine, "SELECT used FROM keyed_slots WHERE key = 'k:1'") == 0
+    assert ledger.admit(Arrival("c", key="k:1")).verdict is Verdict.PARKED  # fast path refuses
+    with engine.begin() as conn:  # the slow path too
+        assert admission.admit(conn, Arrival("d", key="k:1"), holder=HOLDER, lease=LEASE).verdict is Verdict.PARKED
+    key, shard, has_shadow = rest
+    promoted = ledger.transaction(
+        lambda conn: admission.after_release_autocommit(conn, Token("a", 0), key, shard, has_shadow, Outcome.COMPLETED)
+    )
+    assert [p.task_id for p in promoted] == ["b"]
