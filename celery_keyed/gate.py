@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import threading
 import time
 import uuid
@@ -70,6 +72,7 @@ class _Running:
     request: Any
     token: Token
     fence: int
+    fenced: bool = False  # self-fencing already acted on it
 
 
 class GateService:
@@ -388,28 +391,40 @@ class GateService:
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
             deadline = self._last_renewal + self.settings.lease - self.settings.self_fence_margin
-            if running and time.monotonic() > deadline:
-                self._self_fence(
-                    [r for r in running if r.request.keyed_claim is not None],
-                    "the ledger has been unreachable for a lease",
-                )
+            if time.monotonic() > deadline:
+                self._self_fence([r for r in running if not r.fenced], "the ledger has been unreachable for a lease")
             return
         self._last_renewal = time.monotonic()
         self._close_breaker()
         lost = [r for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
+        for r in lost:  # reclaimed: our release would be fenced anyway; stop tracking it
+            with self._lock:
+                self._running.pop(r.token, None)
+            r.request.keyed_claim = None
         if lost:
             self._self_fence(lost, "its slot was reclaimed (lease expired)")
         self._flush_pending_releases()
 
     def _self_fence(self, running: list[_Running], why: str) -> None:
+        """D7: an attempt that may have lost its slot must not go on running. On the prefork pool it is
+        terminated (``keyed_self_fence``, on by default); elsewhere the bound is best-effort, and we say so."""
         for r in running:
-            logger.error("celery-keyed: %s[%s] lost its slot: %s", r.request.name, r.token.task_id, why)
-            with self._lock:
-                self._running.pop(r.token, None)
-            r.request.keyed_claim = None  # its release would be fenced anyway
+            r.fenced = True
             if self.settings.self_fence and self._can_terminate():
-                with contextlib.suppress(Exception):
-                    r.request.terminate(self.consumer.pool, signal="SIGKILL")
+                logger.error("celery-keyed: terminating %s[%s]: %s", r.request.name, r.token.task_id, why)
+                # Kill the pool child rather than revoke: the attempt ends as "worker lost", so with acks_late
+                # its message is redelivered and it runs again once it holds a slot (a revoke would be final).
+                pid = getattr(r.request, "worker_pid", None)
+                if pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            else:
+                logger.error(
+                    "celery-keyed: %s[%s] keeps running although %s; the bound is best-effort until it ends",
+                    r.request.name,
+                    r.token.task_id,
+                    why,
+                )
 
     def _can_terminate(self) -> bool:
         pool = getattr(self.consumer, "pool", None)

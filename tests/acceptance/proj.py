@@ -125,7 +125,12 @@ def _define_tasks(app: Any, ns: Any) -> None:
         observe(ns.dsn, "end", self.request.id, key, "after")
         return "after"
 
-    ns.hold, ns.ordered, ns.flaky, ns.unkeyed = hold, ordered, flaky, unkeyed
+    @app.task(name="acceptance.ping")
+    def ping(note: str = "") -> str:
+        """Unkeyed and touching no database: flows while Postgres is down."""
+        return note
+
+    ns.hold, ns.ordered, ns.flaky, ns.unkeyed, ns.ping = hold, ordered, flaky, unkeyed, ping
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
 

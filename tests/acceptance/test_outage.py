@@ -1,0 +1,97 @@
+"""Postgres unreachable for longer than a lease while keyed tasks run (§3.9, D7, D9), with real workers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from celery_keyed.ledger import migrate
+from celery_keyed.testbed import PostgresServer, start_postgres
+from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
+
+LEASE = 3.0
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A Postgres of this test's own, so it can be stopped without disturbing the other tests."""
+    server = start_postgres(use_env=False)
+    assert isinstance(server, PostgresServer)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def outage_cluster(own_postgres: PostgresServer, redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    engine = sa.create_engine(own_postgres.url)
+    migrate(engine)
+    engine.dispose()
+    yield from make_cluster(own_postgres.url, redis_url, tmp_path, {})
+
+
+def test_postgres_down_longer_than_a_lease(outage_cluster: Cluster, own_postgres: PostgresServer, producer) -> None:
+    cluster = outage_cluster
+    cluster.env.update(KEYED_LEASE=str(LEASE), KEYED_SELF_FENCE="0")
+    cluster.start_worker("w1", concurrency=3)
+    running = producer.hold.delay("acct:1", 8.0, note="long")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    waiting = producer.hold.delay("acct:1", 0.1, note="behind")  # parked behind the long one
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
+    cluster.engine.dispose()
+
+    own_postgres.suspend()
+    down_at = time.time()
+    # unkeyed tasks keep flowing while the ledger is down
+    assert [producer.ping.delay(str(i)).get(timeout=30) for i in range(3)] == ["0", "1", "2"]
+    during = producer.hold.delay("acct:2", 0.1, note="during")  # keyed: held, not lost
+    time.sleep(LEASE * 1.7)
+    own_postgres.resume()
+    up_at = time.time()
+    assert up_at - down_at > LEASE
+
+    assert during.get(timeout=60) == "during"  # intake resumed by itself
+    assert running.get(timeout=60) == "long"
+    assert waiting.get(timeout=60) == "behind"
+    intervals = cluster.intervals("acct:1")
+    assert peak_overlap(intervals) == 1, "the running task's slot was handed to another (D7)"
+    starts = {
+        r.note: float(r.ts)
+        for r in cluster.rows("SELECT note, extract(epoch FROM at) AS ts FROM observed WHERE kind = 'start'")
+    }
+    assert starts["during"] > up_at - 0.5  # the keyed task started only once the ledger was back
+    assert starts["behind"] > starts["long"] + 7.5  # it waited for the long task, not for the lease
+    assert cluster.scalar("SELECT count(*) FROM keyed_events WHERE kind = 'reclaimed'") == 0
+    cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'", 3)
+    assert "the ledger is unreachable" in cluster.logs["w1"].read_text()
+
+
+def test_self_fencing_terminates_keyed_tasks_it_can_no_longer_cover(
+    outage_cluster: Cluster, own_postgres: PostgresServer, producer
+) -> None:
+    """D7 on prefork (the default): a worker that cannot renew its leases terminates its keyed tasks before
+    they expire; they are redelivered (acks_late) and run again once the ledger is back; never two at once."""
+    cluster = outage_cluster
+    cluster.env.update(KEYED_LEASE=str(LEASE))
+    cluster.start_worker("w1", concurrency=3)
+    running = producer.hold.delay("acct:1", 6.0, note="long")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    cluster.engine.dispose()
+    own_postgres.suspend()
+    time.sleep(LEASE * 1.5)
+    own_postgres.resume()
+    resumed_at = time.time()
+    assert running.get(timeout=60) == "long"
+    log = cluster.logs["w1"].read_text()
+    assert "terminating acceptance.hold" in log
+    starts = [
+        float(r.ts)
+        for r in cluster.rows("SELECT extract(epoch FROM at) AS ts FROM observed WHERE kind = 'start' ORDER BY at")
+    ]
+    assert len(starts) == 2 and starts[1] > resumed_at - 0.5  # ran again, only after the ledger came back
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end'") == 1
