@@ -34,8 +34,10 @@ lint: venv
 bench: venv
 	$(VPY) -m bench.ledger
 
-demo:
-	@echo "demo lands with the Celery gate (issue 3)"
+# Two real workers on a throwaway Postgres + Redis: the eight-arrival fixture and a multi-account workload,
+# then the timeline, the books and a verdict (exit 0 = every expectation held). DEMO_ARGS="--unit 0.25 --quiet".
+demo: venv
+	$(VPY) -m example_project.demo $(DEMO_ARGS)
 
 # Throwaway PostgreSQL and Redis for manual work: prints export lines, Ctrl-C stops both.
 testbed: venv
