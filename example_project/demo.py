@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -65,8 +66,27 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM: stop everything and exit."""
 
 
-def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted(signal.Signals(signum).name)
+class StopFlag:
+    """Set by SIGINT / SIGTERM; the demo checks it between steps and in every wait, so that an interruption
+    never lands in the middle of a database or broker call. A second signal interrupts at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal_name = ""
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.event.is_set():
+            raise Interrupted(signal.Signals(signum).name)
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+
+    def check(self) -> None:
+        if self.event.is_set():
+            raise Interrupted(self.signal_name)
+
+    def sleep(self, seconds: float) -> None:
+        self.event.wait(seconds)
+        self.check()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -175,8 +195,9 @@ class Row:
 
 
 class Demo:
-    def __init__(self, unit: float, progress: Progress, out: TextIO) -> None:
+    def __init__(self, unit: float, progress: Progress, out: TextIO, stop: StopFlag) -> None:
         self.unit = unit
+        self.stop = stop
         self.progress = progress
         self.out = out
         self.verdicts = Verdicts()
@@ -201,10 +222,12 @@ class Demo:
         where = "external" if not self.postgres.managed else f"pid {self.postgres.pid}"
         self.progress.info(f"postgres  {_safe(self.postgres.url)}  ({where}, {time.monotonic() - started:.1f}s)")
         mark_redis = time.monotonic()
+        self.stop.check()
         self.redis = testbed.start_redis()
         where = "external" if not self.redis.managed else f"pid {self.redis.pid}"
         self.progress.info(f"redis     {_safe(self.redis.url)}  ({where}, {time.monotonic() - mark_redis:.1f}s)")
 
+        self.stop.check()
         mark_db = time.monotonic()
         with psycopg.connect(_libpq(self.postgres.url), autocommit=True, connect_timeout=10) as conn:
             conn.execute(f'CREATE DATABASE "{self.dbname}"')
@@ -239,6 +262,7 @@ class Demo:
             f"ledger    database {self.dbname}, {len(applied)} migration(s) applied ({time.monotonic() - mark_db:.1f}s)"
         )
 
+        self.stop.check()
         mark_workers = time.monotonic()
         for name in WORKERS:
             self._start_worker(name)
@@ -291,7 +315,7 @@ class Demo:
                 raise RuntimeError(f"worker {name} exited:\n{_tail(log)}")
             if "ready." in log.read_text(errors="replace"):
                 return
-            time.sleep(0.1)
+            self.stop.sleep(0.1)
         raise RuntimeError(f"worker {name} not ready after {timeout:.0f}s:\n{_tail(log)}")
 
     # -- teardown ------------------------------------------------------------------------------------------
@@ -314,6 +338,11 @@ class Demo:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         self.workers.clear()
+        # Results never waited for are still subscribed in the result backend; unsubscribe while Redis is up,
+        # or AsyncResult.__del__ would try to (and retry to reconnect to a stopped Redis) at interpreter exit.
+        for call in self.calls:
+            with contextlib.suppress(Exception):
+                call.result.backend.remove_pending_result(call.result)
         if self.app_module is not None:
             with contextlib.suppress(Exception):
                 self.app_module.app.close()
@@ -338,6 +367,7 @@ class Demo:
                 for call in self.calls:
                     client.delete(f"celery-task-meta-{call.id}")
                 client.close()
+        self.calls.clear()
         for server in (self.redis, self.postgres):
             if server is not None:
                 with contextlib.suppress(Exception):
@@ -364,6 +394,11 @@ class Demo:
 
     def db_now(self) -> float:
         return float(self.scalar("SELECT extract(epoch FROM clock_timestamp())"))
+
+    def publish(self, label: str, key: str, task: Any, *args: Any) -> Call:
+        call = Call(label, key, task.delay(*args))
+        self.calls.append(call)  # at once: the cleanup must know every result object (see close)
+        return call
 
     def warm_up(self) -> None:
         """Connect the producer and the result backend now, so that t0 is the first publish, not a connect."""
@@ -412,7 +447,7 @@ class Demo:
             if elapsed > timeout:
                 self.progress.end()
                 return False
-            time.sleep(0.1)
+            self.stop.sleep(0.1)
 
     def collect(self, calls: list[Call], t0: float) -> list[Row]:
         """The ledger's outcome, the observer's start/end and the result backend's answer of every call."""
@@ -433,8 +468,11 @@ class Demo:
         rows: list[Row] = []
         for call in calls:
             r = by_id.get(call.id)
+            deadline = time.monotonic() + 10
+            while not call.result.ready() and time.monotonic() < deadline:
+                self.stop.sleep(0.05)
             try:
-                value = call.result.get(timeout=10, propagate=False)
+                value = call.result.get(timeout=1, propagate=False)
                 result = "completed" if call.result.successful() else type(value).__name__
             except Exception as exc:  # no result stored in time: say so, the verdicts will fail
                 result = f"no result ({type(exc).__name__})"
@@ -493,9 +531,9 @@ class Demo:
         self.warm_up()
         t0 = self.db_now()
         calls = [
-            Call(letter, RESEARCH_KEY, research.delay("topic", letter, RESEARCH_SERVICE * u)) for letter in LETTERS
+            self.publish(letter, RESEARCH_KEY, research, "topic", letter, RESEARCH_SERVICE * u) for letter in LETTERS
         ]
-        self.calls += calls
+        self.stop.check()
         completed = self.wait_phase("1 research", calls, [RESEARCH_KEY], timeout=60 + 30 * u)
         self.verdicts.check(completed, f"every arrival of {RESEARCH_KEY} got an outcome in time")
         rows = self.collect(calls, t0)
@@ -577,12 +615,12 @@ class Demo:
             if i < SYNCS_PER_ACCOUNT:
                 for account in ACCOUNTS:
                     label = f"acct{account} #{i + 1}"
-                    calls.append(Call(label, f"account:{account}", sync_account.delay(account, label, u)))
+                    calls.append(self.publish(label, f"account:{account}", sync_account, account, label, u))
             if i < API_CALLS:
                 tenant = TENANTS[i % len(TENANTS)]
                 label = f"{tenant} call {i // len(TENANTS) + 1}"
-                calls.append(Call(label, API_KEY, call_api.delay(tenant, label, u)))
-        self.calls += calls
+                calls.append(self.publish(label, API_KEY, call_api, tenant, label, u))
+        self.stop.check()
         keys = [f"account:{a}" for a in ACCOUNTS] + [API_KEY]
         completed = self.wait_phase("2 accounts+api", calls, keys, timeout=60 + 60 * u)
         self.verdicts.check(completed, f"all {total} tasks got an outcome in time")
@@ -638,7 +676,7 @@ class Demo:
             used = int(self.scalar("SELECT coalesce(sum(used), 0) FROM keyed_slots"))
             if claims == 0 and used == 0:
                 break
-            time.sleep(0.1)
+            self.stop.sleep(0.1)
         print("\n== books ==", file=self.out)
         by_outcome = self.rows(
             """SELECT coalesce(outcome, 'open') AS outcome, split_part(key, ':', 1) AS name, count(*) AS n
@@ -712,10 +750,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             # a terminal that cannot show ✓ gets ? instead of a crash
             reconfigure(errors="replace", line_buffering=True)
 
-    demo = Demo(args.unit, Progress(sys.stderr, args.quiet), sys.stdout)
+    stop = StopFlag()
+    demo = Demo(args.unit, Progress(sys.stderr, args.quiet), sys.stdout, stop)
     began = time.monotonic()
     status = 1
-    with _signals(_raise_interrupted):
+    with _signals(stop.handler):
         try:
             demo.start()
             demo.eight_arrivals()
@@ -723,14 +762,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             demo.final_books()
             demo.print_verdicts()
             status = 0 if demo.verdicts.all_ok else 1
-        except Interrupted as exc:
+        except Exception as exc:
             demo.progress.end()
-            print(f"\ninterrupted ({exc}): stopping the workers and the servers", file=sys.stderr, flush=True)
+            # Ctrl-C in a terminal also reaches our own children (initdb while the server is being set up):
+            # whatever failed after a signal is the interruption, not an error.
+            if not (isinstance(exc, Interrupted) or stop.event.is_set()):
+                demo.failed = True
+                raise
+            why = exc if isinstance(exc, Interrupted) else stop.signal_name
+            print(f"\ninterrupted ({why}): stopping the workers and the servers", file=sys.stderr, flush=True)
             status = 130
-        except Exception:
-            demo.progress.end()
-            demo.failed = True
-            raise
         finally:
             with _signals(signal.SIG_IGN):  # a second Ctrl-C must not leave anything behind
                 demo.failed = demo.failed or status == 1
