@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,8 +114,9 @@ class Progress:
     def update(self, text: str, *, force: bool = False) -> None:
         if self.quiet:
             return
-        if self.tty:
-            self.stream.write("\r\033[K" + text)
+        if self.tty:  # cut to the terminal's width: a wrapped line cannot be rewritten in place
+            width = shutil.get_terminal_size().columns - 1
+            self.stream.write("\r\033[K" + (text if len(text) <= width else text[: width - 1] + "…"))
             self.stream.flush()
             self._open = True
             return
@@ -376,8 +378,6 @@ class Demo:
         if self.failed:
             print(f"worker logs kept in {self.logdir}", file=sys.stderr)
         else:
-            import shutil
-
             shutil.rmtree(self.logdir, ignore_errors=True)
 
     # -- database helpers ----------------------------------------------------------------------------------
