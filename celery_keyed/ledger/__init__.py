@@ -126,7 +126,7 @@ class Ledger:
         self.transaction(lambda conn: holders_register(conn, self.holder, now=now))
 
     def configure(self, limits: Mapping[str, NameConfig], *, now: datetime | None = None) -> list[Promotion]:
-        return self.transaction(lambda conn: configure_names(conn, limits, now=now))
+        return self.transaction(lambda conn: configure_names(conn, limits, dispatch=self.dispatch, now=now))
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         with self.autocommit.connect() as conn:
@@ -177,13 +177,17 @@ class Ledger:
         now: datetime | None = None,
     ) -> list[Promotion]:
         return self.transaction(
-            lambda conn: set_override(conn, name, limit, reason=reason, author=author, expires_at=expires_at, now=now)
+            lambda conn: set_override(
+                conn, name, limit, reason=reason, author=author, expires_at=expires_at, dispatch=self.dispatch, now=now
+            )
         )
 
     def clear_override(
         self, name: str, *, reason: str = "", author: str = "", now: datetime | None = None
     ) -> list[Promotion]:
-        return self.transaction(lambda conn: clear_override(conn, name, reason=reason, author=author, now=now))
+        return self.transaction(
+            lambda conn: clear_override(conn, name, reason=reason, author=author, dispatch=self.dispatch, now=now)
+        )
 
     def promote_key(self, key: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: promote_key(conn, key, dispatch=self.dispatch, now=now))

@@ -490,6 +490,7 @@ def _promote_waiters(
     name = key_name(key)
     promoted: list[Promotion] = []
     pending = list(free_shards)
+    conn.execute(waiting.WAITING_CLEAR_DUE_FOR_KEY, {"key": key, "now": now})
     while pending:
         candidates = waiting.waiting_next_for_key(conn, key, limit=len(pending) + 3, now=now)
         if not candidates:

@@ -141,7 +141,9 @@ def names_effective_limit(conn: sa.Connection, name: str, *, now: Any = None) ->
     return int(conn.execute(NAMES_EFFECTIVE_LIMIT, {"name": name, "now": now}).scalar_one())
 
 
-def configure_names(conn: sa.Connection, configs: Mapping[str, NameConfig], *, now: Any = None) -> list[Any]:
+def configure_names(
+    conn: sa.Connection, configs: Mapping[str, NameConfig], *, dispatch: float = 30.0, now: Any = None
+) -> list[Any]:
     """Store every config (a worker does this at start) and promote waiters a raised limit lets in (D2)."""
     from celery_keyed.ledger.overrides import (
         promote_name,
@@ -151,5 +153,5 @@ def configure_names(conn: sa.Connection, configs: Mapping[str, NameConfig], *, n
     for name in sorted(configs):
         names_upsert(conn, configs[name], now=now)
     for name in sorted(configs):
-        promotions += promote_name(conn, name, now=now)
+        promotions += promote_name(conn, name, dispatch=dispatch, now=now)
     return promotions

@@ -64,6 +64,7 @@ def set_override(
     reason: str,
     author: str = "",
     expires_at: datetime | None = None,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     now: Any = None,
 ) -> list[Promotion]:
     """Set the runtime limit of ``name`` (0 pauses) in the caller's transaction; returns the promotions a
@@ -83,11 +84,17 @@ def set_override(
     }
     old = conn.execute(OVERRIDES_SET, params).scalar_one_or_none()
     conn.execute(OVERRIDE_LOG_INSERT, {**params, "action": "set", "old_limit": old, "new_limit": limit})
-    return promote_name(conn, name, now=now)
+    return promote_name(conn, name, dispatch=dispatch, now=now)
 
 
 def clear_override(
-    conn: sa.Connection, name: str, *, reason: str = "", author: str = "", now: Any = None
+    conn: sa.Connection,
+    name: str,
+    *,
+    reason: str = "",
+    author: str = "",
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: Any = None,
 ) -> list[Promotion]:
     """Remove the override of ``name``; the configured limit applies again at once."""
     old = conn.execute(OVERRIDES_CLEAR, {"name": name}).scalar_one_or_none()
@@ -106,10 +113,12 @@ def clear_override(
             "now": now,
         },
     )
-    return promote_name(conn, name, now=now)
+    return promote_name(conn, name, dispatch=dispatch, now=now)
 
 
-def expire_overrides(conn: sa.Connection, *, now: Any = None) -> list[Promotion]:
+def expire_overrides(
+    conn: sa.Connection, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+) -> list[Promotion]:
     """Lapse overrides past their expiry (sweep), logging each and promoting what the change allows."""
     promotions: list[Promotion] = []
     for row in conn.execute(OVERRIDES_DELETE_EXPIRED, {"now": now}).all():
@@ -126,7 +135,7 @@ def expire_overrides(conn: sa.Connection, *, now: Any = None) -> list[Promotion]
                 "now": now,
             },
         )
-        promotions += promote_name(conn, row.name, now=now)
+        promotions += promote_name(conn, row.name, dispatch=dispatch, now=now)
     return promotions
 
 

@@ -123,7 +123,7 @@ def sweep_once(
         if not rows:
             break
     with engine.begin() as conn:
-        report.promotions += overrides.expire_overrides(conn, now=now)
+        report.promotions += overrides.expire_overrides(conn, dispatch=dispatch, now=now)
     while True:
         with engine.begin() as conn:
             lost = conn.execute(

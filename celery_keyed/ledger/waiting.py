@@ -59,6 +59,12 @@ PROMOTABLE_EXISTS = f"""EXISTS (
        AND (w.deadline IS NULL OR w.deadline > {NOW}))"""
 WAITING_PROMOTABLE_EXISTS = sa.text(f"SELECT {PROMOTABLE_EXISTS}")
 
+# waiting_clear_due_for_key: rows of a key whose not-before time passed join the line before a promotion
+# picks from it (their arrival number keeps their place; the sweep does the same for every key, D2).
+WAITING_CLEAR_DUE_FOR_KEY = sa.text(
+    f"UPDATE keyed_waiting SET not_before = NULL WHERE key = :key AND not_before <= {NOW}"
+)
+
 # waiting_group_member: the parked (non-shadow) row of a group member, locked, if it is not being promoted.
 WAITING_GROUP_MEMBER = sa.text(
     f"""
@@ -135,9 +141,11 @@ WAITING_CLEAR_DUE = sa.text(
     """
 )
 
-# waiting_delete_task: every parked row of a task id (revoke).
+# waiting_delete_task: the parked rows of a task id (revoke). Never a shadow: a shadow's attempt is running,
+# and a running attempt is revoked by Celery and released by its worker.
 WAITING_DELETE_TASK = sa.text(
-    "DELETE FROM keyed_waiting WHERE task_id = :task_id RETURNING task_id, attempt, key, group_key, shadow"
+    "DELETE FROM keyed_waiting WHERE task_id = :task_id AND NOT shadow"
+    " RETURNING task_id, attempt, key, group_key, shadow"
 )
 
 # waiting_shadow_drop / waiting_shadow_live: a live claim's duplicate follows the claim's fate (D8).

@@ -163,6 +163,7 @@ CREATE TABLE keyed_waiting (
 -- are not yet due, shadows or blocked group members.
 CREATE INDEX keyed_waiting_ready_idx ON keyed_waiting (key, priority DESC, arrival)
     WHERE NOT shadow AND not_before IS NULL AND NOT group_blocked;
+CREATE INDEX keyed_waiting_key_idx ON keyed_waiting (key);
 CREATE INDEX keyed_waiting_group_idx ON keyed_waiting (group_key, group_seq) WHERE group_key IS NOT NULL;
 CREATE INDEX keyed_waiting_not_before_idx ON keyed_waiting (not_before) WHERE not_before IS NOT NULL;
 CREATE INDEX keyed_waiting_deadline_idx ON keyed_waiting (deadline) WHERE deadline IS NOT NULL;
