@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -73,6 +73,7 @@ class _Running:
     token: Token
     fence: int
     fenced: bool = False  # self-fencing already acted on it
+    claimed_at: float = field(default_factory=time.monotonic)
 
 
 class GateService:
@@ -403,7 +404,36 @@ class GateService:
             r.request.keyed_claim = None
         if lost:
             self._self_fence(lost, "its slot was reclaimed (lease expired)")
+        self._release_never_started(running)
         self._flush_pending_releases()
+
+    def _release_never_started(self, running: list[_Running]) -> None:
+        """D6: a request admitted but dropped before a pool process accepted it (the consumer reset on a broker
+        reconnect forgets reserved requests; the broker redelivers their messages) would otherwise keep its
+        claim renewed for ever. Such claims are released as "worker lost" once they are older than half a
+        lease and their request is neither started nor reserved any more."""
+        reserved = worker_state.reserved_requests
+        for r in running:
+            request = r.request
+            if request.keyed_started or request in reserved or r.fenced:
+                continue
+            if time.monotonic() - r.claimed_at < self.settings.lease / 2:
+                continue
+            logger.warning(
+                "celery-keyed: %s[%s] was admitted but never started; releasing its slot", request.name, r.token.task_id
+            )
+            claim = request.keyed_claim
+            request.keyed_claim = None
+            with self._lock:
+                self._running.pop(r.token, None)
+            if claim is None:
+                continue
+            try:
+                report = self.ledger.release(claim[0], claim[1], Outcome.WORKER_LOST)
+            except sa.exc.OperationalError:
+                self._pending_releases.append((claim[0], claim[1], Outcome.WORKER_LOST))
+                continue
+            self.dispatch(report.promotions, local=False)
 
     def _self_fence(self, running: list[_Running], why: str) -> None:
         """D7: an attempt that may have lost its slot must not go on running. On the prefork pool it is
