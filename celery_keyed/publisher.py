@@ -39,3 +39,11 @@ def publisher_for(app: Any) -> Publisher | None:
         current = Publisher(settings, create_ledger_engine(settings), os.getpid())
         app._keyed_publisher = current
         return current
+
+
+def close_publisher(app: Any) -> None:
+    """Dispose of ``app``'s ledger connections in this process (tests, or an app that is being closed)."""
+    current: Publisher | None = getattr(app, "_keyed_publisher", None)
+    if current is not None:
+        app._keyed_publisher = None
+        current.engine.dispose()

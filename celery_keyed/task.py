@@ -198,5 +198,6 @@ def keyed_task(*args: Any, **options: Any) -> Any:
     if not issubclass(options["base"], KeyedTask):
         raise TypeError("keyed_task(base=...) must be a subclass of celery_keyed.KeyedTask")
     if app is not None:
+        options.setdefault("shared", False)  # this app only (Celery's app.task would register it on every app)
         return app.task(*args, **options)
     return shared_task(*args, **options)

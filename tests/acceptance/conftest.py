@@ -170,6 +170,9 @@ def producer(cluster: Cluster) -> Iterator[Any]:
     """The acceptance app, configured in this process to publish to the cluster's broker and ledger."""
     from tests.acceptance.proj import make_app
 
+    from celery_keyed.publisher import close_publisher
+
     ns = make_app(cluster.env)
     yield ns
+    close_publisher(ns.app)
     ns.app.close()

@@ -13,6 +13,7 @@ from celery import Celery
 import celery_keyed
 from celery_keyed import beat
 from celery_keyed.ledger import Arrival, Ledger, Verdict
+from celery_keyed.publisher import close_publisher
 from celery_keyed.task import HEADER_NONCE
 
 
@@ -45,6 +46,7 @@ def test_reconcile_task_reclaims_and_republishes(database_url: str, redis_url: s
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT state FROM keyed_claims WHERE task_id = 'b'")).scalar() == "promoted"
     engine.dispose()
+    close_publisher(app)
 
 
 def test_reconcile_skips_reclaim_until_reachable_for_a_lease(database_url: str, monkeypatch) -> None:
@@ -54,3 +56,4 @@ def test_reconcile_skips_reclaim_until_reachable_for_a_lease(database_url: str, 
     celery_keyed.install(app)
     monkeypatch.setattr(beat, "_last_unreachable", time.monotonic())
     assert beat.reconcile(app)["reclaim"].startswith("skipped")
+    close_publisher(app)

@@ -74,3 +74,13 @@ def test_keyed_task_accepts_every_task_option(app: Celery) -> None:
 
     assert t.name == "x.y" and t.max_retries == 5 and t.acks_late
     assert t.concurrency_key == "k:{a}"
+
+
+def test_keyed_task_with_app_registers_on_that_app_only() -> None:
+    one, other = Celery("one", set_as_current=False), Celery("other", set_as_current=False)
+
+    @keyed_task(app=one, name="only.here", concurrency_key="k:{a}")
+    def t(a: int) -> None: ...
+
+    assert "only.here" in one.tasks
+    assert "only.here" not in other.tasks
