@@ -168,9 +168,8 @@ def make_cluster(database_url: str, redis_url: str, tmp_path: Path, limits: dict
 @pytest.fixture
 def producer(cluster: Cluster) -> Iterator[Any]:
     """The acceptance app, configured in this process to publish to the cluster's broker and ledger."""
-    from tests.acceptance.proj import make_app
-
     from celery_keyed.publisher import close_publisher
+    from tests.acceptance.proj import make_app
 
     ns = make_app(cluster.env)
     yield ns
