@@ -50,13 +50,13 @@ WAITING_NEXT_FOR_KEY = sa.text(
     """
 )
 
-# waiting_promotable_exists: SQL condition "the key has a promotable parked attempt". An arrival never takes a
-# free slot ahead of one (FIFO, D10): the room belongs to the head of the line, which the releaser (or the
-# sweep) promotes.
+# waiting_promotable_exists: SQL condition "the key has a promotable parked attempt" (a not-before time that
+# passed counts, even before the sweep cleared it). An arrival never takes a free slot ahead of one (FIFO,
+# D10): the room belongs to the head of the line, which the releaser (or the sweep) promotes.
 PROMOTABLE_EXISTS = f"""EXISTS (
     SELECT 1 FROM keyed_waiting w
-     WHERE w.key = :key AND NOT w.shadow AND w.not_before IS NULL AND NOT w.group_blocked
-       AND (w.deadline IS NULL OR w.deadline > {NOW}))"""
+     WHERE w.key = :key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= {NOW})
+       AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW}))"""
 WAITING_PROMOTABLE_EXISTS = sa.text(f"SELECT {PROMOTABLE_EXISTS}")
 
 # waiting_clear_due_for_key: rows of a key whose not-before time passed join the line before a promotion

@@ -88,7 +88,7 @@ def _define_tasks(app: Any, ns: Any) -> None:
         observe(ns.dsn, "end", self.request.id, key, "done")
         return "done"
 
-    @app.task(name="acceptance.unkeyed", bind=True)
+    @app.task(name="acceptance.unkeyed", bind=True, shared=False)
     def unkeyed(self, note: str = "") -> str:
         observe(ns.dsn, "start", self.request.id, "", note)
         observe(ns.dsn, "end", self.request.id, "", note)
@@ -125,7 +125,7 @@ def _define_tasks(app: Any, ns: Any) -> None:
         observe(ns.dsn, "end", self.request.id, key, "after")
         return "after"
 
-    @app.task(name="acceptance.ping")
+    @app.task(name="acceptance.ping", shared=False)
     def ping(note: str = "") -> str:
         """Unkeyed and touching no database: flows while Postgres is down."""
         return note

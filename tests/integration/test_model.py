@@ -928,15 +928,9 @@ def test_revoke_of_a_running_task_with_a_duplicate_leaves_it_open(engine: sa.Eng
     assert report.finished == [("a", "completed")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "ledger bug (D10, §3.12): admission only sees waiters whose not_before was cleared (PROMOTABLE_EXISTS has "
-        "not_before IS NULL); a retry whose countdown passed while its key had room stays uncleared until the sweep, "
-        "so a later arrival takes the room ahead of it, and the sweep then finds no room for the retry"
-    ),
-)
 def test_an_arrival_does_not_overtake_a_due_retry(engine: sa.Engine) -> None:
+    """Regression (found by the model): a retry whose countdown passed while its key had room keeps its place
+    ahead of a later arrival, before any sweep cleared its not-before time (D10, §3.12)."""
     ledger = Ledger(engine, holder=HOLDER, lease=60.0, dispatch=5.0)
     now = EPOCH
     first = ledger.admit(Arrival("a", key="acct:1"), now=now)
