@@ -13,7 +13,7 @@ def sync_account(account_id): ...
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_keyed.exceptions import (
     KeyedDeadLettered,
@@ -24,7 +24,9 @@ from celery_keyed.exceptions import (
     KeyedRevoked,
     KeyedSuperseded,
 )
-from celery_keyed.task import KeyedTask, keyed_task
+
+if TYPE_CHECKING:
+    from celery_keyed.task import KeyedTask, keyed_task
 
 __version__ = "0.1.0.dev0"
 
@@ -44,6 +46,16 @@ __all__ = [
     "revoke",
     "set_limit",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The Celery side is imported on first use, so that ``celery_keyed.ledger`` (pure Postgres) can be used
+    # without importing Celery.
+    if name in ("KeyedTask", "keyed_task"):
+        from celery_keyed import task
+
+        return getattr(task, name)
+    raise AttributeError(f"module 'celery_keyed' has no attribute {name!r}")
 
 
 def install(app: Any) -> None:
