@@ -224,3 +224,41 @@ def test_bad_input_is_a_clear_error_or_a_recorded_rejection(cluster: Cluster, pr
     garbage = producer.hold.apply_async(("acct:3", 0.01), {"note": "garbage"}, headers={"keyed_nonce": "zzz"})
     assert garbage.get(timeout=30) == "garbage"
     assert producer.unkeyed.delay("alive").get(timeout=30) == "alive"  # the worker keeps running
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_group_head_that_exhausts_its_retries_is_dead_lettered_and_the_group_continues(
+    cluster: Cluster, producer
+) -> None:
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    doomed = producer.ordered.delay("order:9", 0, fail_times=99)  # max_retries 5: fails for good
+    after = [producer.ordered.delay("order:9", seq) for seq in (1, 2)]
+    with pytest.raises(Exception):  # noqa: B017 - Celery re-raises the task's own Retry/MaxRetries error
+        doomed.get(timeout=60)
+    assert [r.get(timeout=60) for r in after] == [1, 2]
+    cluster.wait_for("SELECT outcome FROM keyed_tasks WHERE task_id = :id", "dead_lettered", id=doomed.id)
+    notes = [(r.kind, r.note) for r in cluster.rows("SELECT kind, note FROM observed ORDER BY at")]
+    first_later = notes.index(("start", "1"))
+    assert ("start", "0") not in notes[first_later:]  # nothing of the group ran before the head was dead-lettered
+    assert notes.count(("fail", "0")) == 6  # the first attempt and its five retries
+
+
+@pytest.mark.parametrize("cluster", [{"gate": 2}], indirect=True)
+def test_chords_and_groups_keep_their_keys(cluster: Cluster, producer) -> None:
+    from celery import chord, group
+
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    header = [producer.hold.si("gate:chord", 0.2, note=f"h{i}") for i in range(6)]
+    result = chord(header)(producer.after.si("gate:chord"))
+    assert result.get(timeout=60) == "after"
+    assert sorted(group(producer.hold.si("gate:grp", 0.1, note=str(i)) for i in range(4))().get(timeout=60)) == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ]
+    assert peak_overlap(cluster.intervals("gate:chord")) == 2
+    assert cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE key = 'gate:chord'") == 7
+    assert cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE key = 'gate:grp'") == 4
