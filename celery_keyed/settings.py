@@ -29,7 +29,6 @@ DEFAULTS: dict[str, Any] = {
     "group_arrival_timeout": 300.0,  # seconds a registered group number may take to arrive (D10)
     "register_groups": True,  # allocate group numbers at publish (in Postgres)
     "local_handoff": True,  # run a promoted attempt here when this worker consumes its queue (D4)
-    "hold_max": 100,  # keyed messages held in memory while Postgres is unreachable (D9)
     "probe_interval": 1.0,  # seconds between probes of an unreachable Postgres (D9)
     "connect_timeout": 3.0,  # seconds to connect to Postgres
     "statement_timeout": 5.0,  # seconds a ledger statement may take (bounds a blocked consumer loop)
@@ -52,7 +51,6 @@ class KeyedSettings:
     group_arrival_timeout: float = 300.0
     register_groups: bool = True
     local_handoff: bool = True
-    hold_max: int = 100
     probe_interval: float = 1.0
     connect_timeout: float = 3.0
     statement_timeout: float = 5.0
@@ -96,7 +94,6 @@ def read_settings(conf: Any) -> KeyedSettings:
         group_arrival_timeout=_positive(get("group_arrival_timeout"), "keyed_group_arrival_timeout"),
         register_groups=bool(get("register_groups")),
         local_handoff=bool(get("local_handoff")),
-        hold_max=int(_positive(get("hold_max"), "keyed_hold_max")),
         probe_interval=_positive(get("probe_interval"), "keyed_probe_interval"),
         connect_timeout=_positive(get("connect_timeout"), "keyed_connect_timeout"),
         statement_timeout=_positive(get("statement_timeout"), "keyed_statement_timeout"),
