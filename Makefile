@@ -34,6 +34,11 @@ lint: venv
 bench: venv
 	$(VPY) -m bench.ledger
 
+# Real prefork workers, plain Celery vs celery-keyed side by side (~3-4 min; QUICK=1 for a short run).
+.PHONY: bench-gate
+bench-gate: venv
+	$(VPY) -m bench.gate $(if $(QUICK),--quick)
+
 # Two real workers on a throwaway Postgres + Redis: the eight-arrival fixture and a multi-account workload,
 # then the timeline, the books and a verdict (exit 0 = every expectation held). DEMO_ARGS="--unit 0.25 --quiet".
 demo: venv
