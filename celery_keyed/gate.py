@@ -50,6 +50,10 @@ logger = logging.getLogger("celery_keyed")
 
 _current: GateService | None = None
 
+#: Seconds after a key last parked or promoted an attempt during which its releases promote in the same
+#: transaction (no window where the freed slot is visible to another worker's sweeper).
+_CONTENDED_FOR = 5.0
+
 
 def current_gate() -> GateService | None:
     """The gate of this worker process, or None outside a worker with ``install(app)``."""
@@ -94,7 +98,8 @@ class GateService:
         self._running: dict[Token, _Running] = {}
         self._pending_releases: deque[tuple[Token, int, Outcome]] = deque()
         self._held: deque[Any] = deque()  # requests waiting for the ledger to come back (D9)
-        self._republish: deque[Promotion] = deque()  # promotions to publish from a background thread
+        self._to_loop: deque[Promotion] = deque()  # promotions found off the loop, to start on it (D4)
+        self._contended: dict[str, float] = {}  # key -> when it last parked or promoted (monotonic)
         self._breaker_open = False
         self._reachable_since = time.monotonic()
         self._last_reclaim = 0.0
@@ -123,6 +128,7 @@ class GateService:
         timer = getattr(self.consumer, "timer", None)
         if timer is not None:
             self._timers.append(timer.call_repeatedly(self.settings.probe_interval, self._resubmit_held))
+            self._timers.append(timer.call_repeatedly(0.01, self._drain_to_loop))
 
     def stop(self) -> None:
         """Stop the threads. Running attempts keep their claims (their outcome hooks release them); safe to
@@ -201,6 +207,7 @@ class GateService:
             self._open_breaker(exc)
             self._hold(request)
             raise TaskRevokedError(request.id) from None
+        request.keyed_arrival_key = arrival.key
         if admission is not None:
             if admission.verdict is Verdict.ADMITTED:
                 fence = admission.fence
@@ -209,6 +216,7 @@ class GateService:
                 raise TaskRevokedError(request.id)
         assert fence is not None
         request.keyed_claim = (arrival.token, fence)
+        request.keyed_arrival_key = arrival.key
         with self._lock:
             self._running[arrival.token] = _Running(request, arrival.token, fence)
         return submit()
@@ -275,6 +283,9 @@ class GateService:
 
     def _not_admitted(self, request: Any, admission: Any) -> None:
         if admission.verdict is Verdict.PARKED:
+            key = request.keyed_arrival_key
+            if key is not None:
+                self._contended[key] = time.monotonic()
             request.acknowledge()  # the parked row is committed: the ledger holds the message now
             worker_state.task_ready(request)
             for task_id in admission.superseded:
@@ -318,12 +329,16 @@ class GateService:
         token, fence = claim
         with self._lock:
             self._running.pop(token, None)
+        key = getattr(request, "keyed_arrival_key", None)
+        contended = key is not None and time.monotonic() - self._contended.get(key, -1e9) < _CONTENDED_FOR
         try:
-            report = self.ledger.release(token, fence, outcome)
+            report = self.ledger.release(token, fence, outcome, contended=contended)
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
             self._pending_releases.append((token, fence, outcome))  # a slot held longer is safe (D9)
             return
+        if report.promotions and key is not None:
+            self._contended[key] = time.monotonic()
         for task_id, final in report.finished:
             if final == "dead_lettered":
                 logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", request.name, task_id)
@@ -343,8 +358,12 @@ class GateService:
 
     def dispatch(self, promotions: list[Promotion], *, local: bool) -> None:
         """Start promoted attempts: here from the stored message when allowed and this worker consumes their
-        queue (D4), else republished with their nonce (D5). ``local`` only on the consumer loop thread."""
+        queue (D4), else republished with their nonce (D5). ``local``: we are on the consumer loop thread;
+        off the loop, promotions to run here are queued for the loop (a timer drains them)."""
         for promotion in promotions:
+            if not local and self.settings.local_handoff and self._consumes(promotion) and self._timers:
+                self._to_loop.append(promotion)
+                continue
             if local and self.settings.local_handoff and self._consumes(promotion):
                 try:
                     self._run_here(promotion)
@@ -352,6 +371,11 @@ class GateService:
                 except Exception:
                     logger.exception("celery-keyed: local handoff of %s failed; republishing", promotion.task_id)
             self._republish_now(promotion)
+
+    def _drain_to_loop(self) -> None:
+        """Consumer loop timer: start the promotions the sweeper or the heartbeat found."""
+        while self._to_loop:
+            self.dispatch([self._to_loop.popleft()], local=True)
 
     def _consumes(self, promotion: Promotion) -> bool:
         record = promotion.message or {}

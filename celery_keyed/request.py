@@ -25,6 +25,7 @@ class KeyedRequest(Request):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.keyed_claim: Any = None  # (Token, fence) while this request holds a slot
+        self.keyed_arrival_key: str | None = None  # its concurrency key, once admission computed it
         self.keyed_started = False
         from celery_keyed.gate import current_gate
 

@@ -130,19 +130,33 @@ class Ledger:
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         with self.autocommit.connect() as conn:
-            fast = admission.admit_autocommit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
+            fast, fresh = admission.admit_autocommit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
         if fast is not None:
             return fast
         return self.transaction(
-            lambda conn: admission.admit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
+            lambda conn: admission.admit(conn, arrival, holder=self.holder, lease=self.lease, fresh=fresh, now=now)
         )
 
     def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:
         return self.transaction(lambda conn: bind(conn, token, nonce, holder=self.holder, lease=self.lease, now=now))
 
     def release(
-        self, token: Token, fence: int, outcome: Outcome, *, detail: str = "", now: datetime | None = None
+        self,
+        token: Token,
+        fence: int,
+        outcome: Outcome,
+        *,
+        detail: str = "",
+        contended: bool = False,
+        now: datetime | None = None,
     ) -> ReleaseReport:
+        """Release a claim. Uncontended, it is a self-committing statement and a read; for a ``contended`` key
+        (the caller saw it park attempts recently) the release and the promotion it makes are one transaction,
+        so the freed slot is never visible to anyone else (a sweeper would take it and republish)."""
+        if contended:
+            return self.transaction(
+                lambda conn: release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, now=now)
+            )
         with self.autocommit.connect() as conn:
             fast = admission.release_autocommit(conn, token, fence, outcome, detail=detail, now=now)
         if fast is None:

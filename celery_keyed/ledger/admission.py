@@ -129,12 +129,13 @@ def _fast_claim(conn: sa.Connection, name: str, run: Callable[[], Any]) -> Any:
 
 def admit_autocommit(
     conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
-) -> Admission | None:
+) -> tuple[Admission | None, bool]:
     """The fast path of a first arrival as one self-committing statement (``conn`` in autocommit): ADMITTED,
-    or None — then run ``admit`` in a transaction (the arrival is already recorded, which it handles). Being
-    its own transaction, a stray shard lock ends with it (see _fast_claim)."""
+    or None — then run ``admit`` in a transaction, with ``fresh=True`` when the second value says this call
+    recorded the task's arrival (it is new: no duplicate to look for). Being its own transaction, a stray
+    shard lock ends with it (see _fast_claim)."""
     if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None:
-        return None
+        return None, False
     name = key_name(arrival.key)
     params = {
         "task_id": arrival.task_id,
@@ -151,8 +152,8 @@ def admit_autocommit(
     row = conn.execute(statement, params).one()
     _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
     if row.shard is None:
-        return None
-    return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
+        return None, bool(row.new)
+    return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True
 
 
 def admit(
@@ -161,10 +162,12 @@ def admit(
     *,
     holder: str,
     lease: float,
+    fresh: bool = False,
     now: Any = None,
 ) -> Admission:
     """Admit ``arrival`` (claim a slot: ADMITTED with its fence) or park it durably (PARKED), or record why it
-    cannot wait (REJECTED / EXPIRED), or recognise a known attempt token (DUPLICATE, D8).
+    cannot wait (REJECTED / EXPIRED), or recognise a known attempt token (DUPLICATE, D8). ``fresh``: the caller
+    has just recorded this task's first arrival (``admit_autocommit``), and its fast path found no room.
 
     The bound is enforced by the guarded slot UPDATE (D1). A parked attempt's row is committed with this
     transaction; the caller acks the broker message only after the commit.
@@ -185,13 +188,14 @@ def admit(
     }
     fast = arrival.key is not None and name is not None and not arrival.group_key and arrival.not_before is None
     row: Any = None
-    if fast:
+    if fast and not fresh:
         assert name is not None
         row = _fast_claim(conn, name, lambda: conn.execute(CLAIM_NEW, params).one())
         if row is not None and row.shard is not None:
             return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
     if row is None:
         row = conn.execute(ARRIVE_OR_LOCK, params).one()
+    # A fresh arrival still looks for its token: a concurrent delivery of the same task may have won.
     if not row.new:
         if row.outcome is not None or row.finished_attempt >= arrival.attempt:
             books.books_count_duplicate(conn, arrival.task_id)
@@ -207,7 +211,7 @@ def admit(
         return Admission(Verdict.EXPIRED, detail="expired before start")
 
     # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
-    if fast and not row.new and arrival.key and name:
+    if fast and not row.new and not fresh and arrival.key and name:
         key = arrival.key
         claim = _fast_claim(conn, name, lambda: conn.execute(slots.SLOTS_CLAIM_ANY, params).one())
         if claim is not None and claim.shard is not None:
