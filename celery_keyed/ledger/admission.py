@@ -683,20 +683,21 @@ def _member_seq(conn: sa.Connection, task_id: str) -> int | None:
 def _make_place(conn: sa.Connection, arrival: Arrival, name: str, *, now: Any) -> list[str] | None:
     """Count the arrival in its key's waiting room (max_waiting). Under the overflow policy 'supersede' a
     newer arrival first replaces the parked attempt with the same supersede key, and when the room is full,
-    the oldest parked attempt of the lowest priority. Returns the replaced task ids, or None when there is no place."""
+    the oldest parked attempt of the lowest priority. Returns the replaced task ids, or None when there is no
+    place. (The policy is only read when it can matter.)"""
     assert arrival.key is not None
-    policy = conn.execute(
-        sa.text("SELECT overflow FROM keyed_names WHERE name = :name"), {"name": name}
-    ).scalar_one_or_none()
     replaced: list[str] = []
-    if policy == "supersede" and arrival.supersede_key:
-        rows = conn.execute(
-            waiting.WAITING_DELETE_SUPERSEDED, {"key": arrival.key, "supersede_key": arrival.supersede_key}
-        ).all()
-        replaced += _supersede(conn, arrival, rows, now=now)
+    policy: str | None = None
+    if arrival.supersede_key:
+        policy = _overflow_policy(conn, name)
+        if policy == "supersede":
+            rows = conn.execute(
+                waiting.WAITING_DELETE_SUPERSEDED, {"key": arrival.key, "supersede_key": arrival.supersede_key}
+            ).all()
+            replaced += _supersede(conn, arrival, rows, now=now)
     if keys.keys_add_waiting(conn, arrival.key):
         return replaced
-    if policy != "supersede":
+    if (policy or _overflow_policy(conn, name)) != "supersede":
         return None
     rows = conn.execute(waiting.WAITING_DELETE_OLDEST, {"key": arrival.key}).all()
     if not rows:
@@ -704,6 +705,12 @@ def _make_place(conn: sa.Connection, arrival: Arrival, name: str, *, now: Any) -
     replaced += _supersede(conn, arrival, rows, now=now)
     keys.keys_add_waiting(conn, arrival.key, force=True)
     return replaced
+
+
+def _overflow_policy(conn: sa.Connection, name: str) -> str | None:
+    return conn.execute(
+        sa.text("SELECT overflow FROM keyed_names WHERE name = :name"), {"name": name}
+    ).scalar_one_or_none()
 
 
 def _supersede(conn: sa.Connection, arrival: Arrival, rows: Sequence[Any], *, now: Any) -> list[str]:

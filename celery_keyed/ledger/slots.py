@@ -53,7 +53,8 @@ SLOTS_ENSURE = sa.text(
 SLOTS_LOCK_ALL = sa.text(
     f"""
     SELECT s.shard, s.used,
-           keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard) AS share
+           keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard) AS share,
+           keyed_name_shards(:name) AS shards
       FROM keyed_slots s
      WHERE s.key = :key
      ORDER BY s.shard
@@ -132,9 +133,13 @@ class ShardUse:
 
 
 def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> list[ShardUse]:
-    """Create missing shard rows, then lock all of them in shard order and return their use."""
-    conn.execute(SLOTS_ENSURE, {"key": key, "name": name})
-    rows = conn.execute(SLOTS_LOCK_ALL, {"key": key, "name": name, "now": now}).all()
+    """Lock every shard row of the key in shard order and return their use; rows missing (first use, idle
+    drop, more shards configured) are created first, then all are locked again."""
+    params = {"key": key, "name": name, "now": now}
+    rows = conn.execute(SLOTS_LOCK_ALL, params).all()
+    if not rows or not set(range(rows[0].shards)) <= {r.shard for r in rows}:
+        conn.execute(SLOTS_ENSURE, {"key": key, "name": name})
+        rows = conn.execute(SLOTS_LOCK_ALL, params).all()
     return [ShardUse(r.shard, r.used, r.share) for r in rows]
 
 
