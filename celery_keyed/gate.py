@@ -115,8 +115,8 @@ class GateService:
         _current = self
         try:
             self.ledger.register_holder()
-            self.ledger.configure(self.settings.limits)
             self._warn_prefix_capture()
+            self.ledger.configure(self.settings.limits)
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
         self._last_renewal = time.monotonic()
@@ -151,25 +151,27 @@ class GateService:
         self.engine.dispose()
 
     def _warn_prefix_capture(self) -> None:
-        """§3.11: configuring a name turns every ``name:*`` key from a mutex into a gate. Say so, at start, for
-        each configured name whose keys the ledger has already seen as K = 1 identities."""
-        names = sorted(self.settings.limits)
+        """§3.11: configuring a name turns every ``name:*`` key from a mutex into a gate. Runs before the
+        configuration is stored, and says so for each name the ledger has seen keys of while they were K = 1
+        identities (unconfigured, or configured as 1) and that is now configured with another limit."""
+        names = sorted(n for n, c in self.settings.limits.items() if c.limit != 1)
         if not names:
             return
         with self.engine.connect() as conn:
             rows = conn.execute(
-                sa.text("""SELECT k.name, count(*) AS n, min(k.key) AS example FROM keyed_keys k
-                            WHERE k.name = ANY(:names) AND k.active_at < (
-                                  SELECT c.updated_at FROM keyed_names c WHERE c.name = k.name)
-                              AND NOT EXISTS (SELECT 1 FROM keyed_override_log o WHERE o.name = k.name)
-                            GROUP BY k.name"""),
+                sa.text(
+                    """SELECT k.name, count(*) AS n, min(k.key) AS example FROM keyed_keys k
+                        WHERE k.name = ANY(:names)
+                          AND NOT EXISTS (SELECT 1 FROM keyed_names c WHERE c.name = k.name AND c.slot_limit <> 1)
+                        GROUP BY k.name ORDER BY k.name"""
+                ),
                 {"names": names},
             ).all()
         for row in rows:
             limit = self.settings.limits[row.name].limit
             logger.warning(
-                "celery-keyed: name %r is configured (limit %d): its %d known keys (e.g. %r) were mutexes "
-                "(K = 1) before; every %s:* key is now a gate of %d",
+                "celery-keyed: name %r is now configured with limit %d: its %d known keys (e.g. %r) were mutexes "
+                "(K = 1) until now; every %s:* key is a gate of %d from here on",
                 row.name,
                 limit,
                 row.n,

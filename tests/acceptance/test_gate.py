@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 
 import pytest
+import sqlalchemy as sa
 
 from tests.acceptance.conftest import Cluster, peak_overlap
 
@@ -262,3 +263,23 @@ def test_chords_and_groups_keep_their_keys(cluster: Cluster, producer) -> None:
     assert peak_overlap(cluster.intervals("gate:chord")) == 2
     assert cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE key = 'gate:chord'") == 7
     assert cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE key = 'gate:grp'") == 4
+
+
+@pytest.mark.parametrize("cluster", [{"api": 3}], indirect=True)
+def test_prefix_capture_is_logged_at_start(cluster: Cluster, producer) -> None:
+    """§3.11: keys of a name seen as mutexes before the name was configured are named in the worker's log."""
+    from celery_keyed.ledger import Arrival, Ledger
+
+    engine = sa.create_engine(cluster.database_url)
+    ledger = Ledger(engine)
+    for ident in ("a", "b"):  # seen while "api" was unconfigured: K = 1 identities
+        ledger.admit(Arrival(f"seen-{ident}", key=f"api:{ident}"))
+    ledger.admit(Arrival("other", key="mail:x"))
+    engine.dispose()
+    cluster.start_worker("w1")
+    log = cluster.logs["w1"].read_text()
+    assert "name 'api' is now configured with limit 3: its 2 known keys (e.g. 'api:a') were mutexes" in log
+    assert "'mail'" not in log
+    cluster.stop_all()
+    cluster.start_worker("w2")  # configured now: no warning at the next start
+    assert "were mutexes" not in cluster.logs["w2"].read_text()
