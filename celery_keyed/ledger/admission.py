@@ -336,33 +336,34 @@ def release(
     a stale worker (old fence) or a lost race with the reaper returns ``released=False`` and changes nothing.
     """
     final = _final_outcome(outcome, grouped=False)
-    row = conn.execute(
-        RELEASE_FAST,
-        {
-            "task_id": token.task_id,
-            "attempt": token.attempt,
-            "fence": fence,
-            "final": final,
-            "over": outcome is not Outcome.WORKER_LOST,
-            "detail": detail,
-            "now": now,
-        },
-    ).first()
+    row = _release_fast(conn, token, fence, outcome, final, detail=detail, now=now)
     if row is None:  # a claim with a group, or nothing to release (stale fence, second call, reaped)
         removed = claims.claims_delete_fenced(conn, token, fence)
         if removed is None:
             return ReleaseReport(released=False)
         return _after_claim_removed(conn, removed, outcome, detail=detail, dispatch=dispatch, now=now)
-    report = ReleaseReport(released=True)
-    if row.recorded:
-        assert final is not None
-        report.finished.append((token.task_id, final))
+    report = ReleaseReport(released=True, finished=[(token.task_id, final)] if row.recorded and final else [])
     if row.has_shadow:
         _shadows_follow(conn, token, row.key, outcome, now=now)
     if row.has_room and conn.execute(KEYS_WAITING, {"key": row.key}).scalar():
         keys.keys_lock(conn, row.key, key_name(row.key), now=now)
         report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, now=now)
     return report
+
+
+def _release_fast(
+    conn: sa.Connection, token: Token, fence: int, outcome: Outcome, final: str | None, *, detail: str, now: Any
+) -> Any:
+    params = {
+        "task_id": token.task_id,
+        "attempt": token.attempt,
+        "fence": fence,
+        "final": final,
+        "over": outcome is not Outcome.WORKER_LOST,
+        "detail": detail,
+        "now": now,
+    }
+    return conn.execute(RELEASE_FAST, params).first()
 
 
 def release_autocommit(
@@ -373,24 +374,10 @@ def release_autocommit(
     transaction), else the report and what is left to do: ``(key, shard, has_shadow)`` when the key may have waiters
     (read after the slot was given back, D2) or shadows — run ``after_release_autocommit`` for it."""
     final = _final_outcome(outcome, grouped=False)
-    row = conn.execute(
-        RELEASE_FAST,
-        {
-            "task_id": token.task_id,
-            "attempt": token.attempt,
-            "fence": fence,
-            "final": final,
-            "over": outcome is not Outcome.WORKER_LOST,
-            "detail": detail,
-            "now": now,
-        },
-    ).first()
+    row = _release_fast(conn, token, fence, outcome, final, detail=detail, now=now)
     if row is None:
         return None
-    report = ReleaseReport(released=True)
-    if row.recorded:
-        assert final is not None
-        report.finished.append((token.task_id, final))
+    report = ReleaseReport(released=True, finished=[(token.task_id, final)] if row.recorded and final else [])
     waiters = bool(row.has_room and conn.execute(KEYS_WAITING, {"key": row.key}).scalar())
     return report, ((row.key, row.shard, bool(row.has_shadow)) if waiters or row.has_shadow else None)
 
