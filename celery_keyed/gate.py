@@ -29,9 +29,10 @@ from celery.worker.strategy import default as default_strategy
 from celery_keyed import exceptions
 from celery_keyed.engine import create_ledger_engine
 from celery_keyed.ledger import Arrival, Ledger, Outcome, Promotion, Token, Verdict, new_holder
-from celery_keyed.ledger.books import books_mark_notified, books_unnotified
+from celery_keyed.ledger.books import books_mark_notified, books_reject_unkeyable, books_unnotified
 from celery_keyed.ledger.claims import HeldClaim
 from celery_keyed.ledger.errors import InvalidKey
+from celery_keyed.ledger.keys import keys_captured_by
 from celery_keyed.ledger.keyspec import normalize_key
 from celery_keyed.ledger.reconcile import reclaim_once
 from celery_keyed.messages import context_from_record, record_message, republish, restore_message
@@ -158,15 +159,7 @@ class GateService:
         if not names:
             return
         with self.engine.connect() as conn:
-            rows = conn.execute(
-                sa.text(
-                    """SELECT k.name, count(*) AS n, min(k.key) AS example FROM keyed_keys k
-                        WHERE k.name = ANY(:names)
-                          AND NOT EXISTS (SELECT 1 FROM keyed_names c WHERE c.name = k.name AND c.slot_limit <> 1)
-                        GROUP BY k.name ORDER BY k.name"""
-                ),
-                {"names": names},
-            ).all()
+            rows = keys_captured_by(conn, names)
         for row in rows:
             limit = self.settings.limits[row.name].limit
             logger.warning(
@@ -306,12 +299,7 @@ class GateService:
     ) -> None:
         if record_in_ledger:
             with contextlib.suppress(sa.exc.SQLAlchemyError), self.engine.begin() as conn:
-                conn.execute(
-                    sa.text("""INSERT INTO keyed_tasks (task_id, task_name, arrived_at, outcome, finished_at, detail)
-                               VALUES (:id, :name, now(), :outcome, now(), :detail)
-                               ON CONFLICT (task_id) DO NOTHING"""),
-                    {"id": request.id, "name": request.name, "outcome": outcome, "detail": detail},
-                )
+                books_reject_unkeyable(conn, request.id, task_name=request.name, detail=detail)
         logger.warning("celery-keyed: %s[%s] %s: %s", request.name, request.id, outcome, detail)
         exc = exceptions.BY_OUTCOME[outcome](detail)
         request.task.backend.mark_as_failure(request.id, exc, request=request._context, store_result=True)
@@ -567,7 +555,7 @@ class GateService:
         if self._breaker_open:
             try:
                 with self.engine.connect() as conn:
-                    conn.execute(sa.text("SELECT 1"))
+                    conn.exec_driver_sql("SELECT 1")
             except sa.exc.OperationalError:
                 return
             self._close_breaker()

@@ -53,6 +53,16 @@ BOOKS_REVOKE_UNARRIVED = sa.text(
     """
 )
 
+# books_reject_unkeyable: an arrival whose keys cannot be read (a foreign producer's malformed headers) gets its
+# one outcome, rejected, without entering admission; its failure result is stored by the caller (notified).
+BOOKS_REJECT_UNKEYABLE = sa.text(
+    f"""
+    INSERT INTO keyed_tasks (task_id, task_name, arrived_at, outcome, finished_at, detail, notified)
+    VALUES (:task_id, :task_name, {NOW}, 'rejected', {NOW}, :detail, true)
+    ON CONFLICT (task_id) DO NOTHING
+    """
+)
+
 # books_unnotified: never-ran outcomes whose failure result is not stored yet (D11).
 BOOKS_UNNOTIFIED = sa.text(
     """
@@ -106,3 +116,7 @@ def books_unnotified(conn: sa.Connection, limit: int = 500) -> list[sa.Row[Any]]
 
 def books_mark_notified(conn: sa.Connection, task_ids: list[str]) -> None:
     conn.execute(BOOKS_MARK_NOTIFIED, {"task_ids": task_ids})
+
+
+def books_reject_unkeyable(conn: sa.Connection, task_id: str, *, task_name: str, detail: str, now: Any = None) -> None:
+    conn.execute(BOOKS_REJECT_UNKEYABLE, {"task_id": task_id, "task_name": task_name, "detail": detail, "now": now})

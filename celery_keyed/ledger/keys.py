@@ -54,3 +54,19 @@ def keys_add_waiting(conn: sa.Connection, key: str, *, force: bool = False) -> b
 def keys_remove_waiting(conn: sa.Connection, key: str, n: int = 1, *, now: Any = None) -> None:
     """Count ``n`` parked attempts fewer (the CHECK catches a removal without a park)."""
     conn.execute(KEYS_REMOVE_WAITING, {"key": key, "n": n, "now": now})
+
+
+# keys_captured_by: keys of names seen while they were K = 1 identities (unconfigured or configured as 1), for the
+# prefix-capture warning when those names get another limit (DESIGN §3.11).
+KEYS_CAPTURED_BY = sa.text(
+    """
+    SELECT k.name, count(*) AS n, min(k.key) AS example FROM keyed_keys k
+     WHERE k.name = ANY(:names)
+       AND NOT EXISTS (SELECT 1 FROM keyed_names c WHERE c.name = k.name AND c.slot_limit <> 1)
+     GROUP BY k.name ORDER BY k.name
+    """
+)
+
+
+def keys_captured_by(conn: sa.Connection, names: list[str]) -> list[sa.Row[Any]]:
+    return list(conn.execute(KEYS_CAPTURED_BY, {"names": names}))
