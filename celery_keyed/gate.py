@@ -203,6 +203,8 @@ class GateService:
             self._hold(request)
             raise TaskRevokedError(request.id) from None
         request.keyed_arrival_key = arrival.key
+        if admission is None and arrival.key is not None:  # bound a promotion: the key has a line
+            self._contended[arrival.key] = time.monotonic()
         if admission is not None:
             if admission.verdict is Verdict.ADMITTED:
                 fence = admission.fence
@@ -211,7 +213,6 @@ class GateService:
                 raise TaskRevokedError(request.id)
         assert fence is not None
         request.keyed_claim = (arrival.token, fence)
-        request.keyed_arrival_key = arrival.key
         with self._lock:
             self._running[arrival.token] = _Running(request, arrival.token, fence)
         return submit()
@@ -225,17 +226,10 @@ class GateService:
         group = headers.get(HEADER_GROUP)
         supersede = headers.get(HEADER_SUPERSEDE)
         if key is None and group is None and HEADER_KEY not in headers:
-            key = evaluate_key(getattr(task, "concurrency_key", None), task, tuple(request.args), dict(request.kwargs))
-            group = evaluate_key(
-                getattr(task, "group_key", None), task, tuple(request.args), dict(request.kwargs), option="group_key"
-            )
-            supersede = evaluate_key(
-                getattr(task, "supersede_key", None),
-                task,
-                tuple(request.args),
-                dict(request.kwargs),
-                option="supersede_key",
-            )
+            args, kwargs = tuple(request.args), dict(request.kwargs)
+            key = evaluate_key(key_spec(task, "concurrency_key"), task, args, kwargs)
+            group = evaluate_key(key_spec(task, "group_key"), task, args, kwargs, option="group_key")
+            supersede = evaluate_key(key_spec(task, "supersede_key"), task, args, kwargs, option="supersede_key")
         else:
             key = None if key is None else normalize_key(key)
             group = None if group is None else normalize_key(group)

@@ -125,6 +125,12 @@ def _define_tasks(app: Any, ns: Any) -> None:
         observe(ns.dsn, "end", self.request.id, key, "after")
         return "after"
 
+    @keyed_task(app=app, name="acceptance.charge", concurrency_key=lambda tenant_id, **_: ("stripe", tenant_id))
+    def charge(tenant_id: int, amount: int) -> int:
+        return amount
+
+    ns.charge = charge
+
     @app.task(name="acceptance.ping", shared=False)
     def ping(note: str = "") -> str:
         """Unkeyed and touching no database: flows while Postgres is down."""

@@ -217,6 +217,10 @@ def test_bad_input_is_a_clear_error_or_a_recorded_rejection(cluster: Cluster, pr
     plain = producer.app.send_task("acceptance.hold", ("acct:2", 0.01), kwargs={"note": "sent"})
     assert plain.get(timeout=30) == "sent"
     assert cluster.scalar("SELECT key FROM keyed_tasks WHERE task_id = :id", id=plain.id) == "acct:2"
+    # a callable key, computed on the worker from a foreign producer's arguments
+    charged = producer.app.send_task("acceptance.charge", (3, 10))
+    assert charged.get(timeout=30) == 10
+    assert cluster.scalar("SELECT key FROM keyed_tasks WHERE task_id = :id", id=charged.id) == "stripe:3"
     # a forged admission token: ordinary admission
     forged = producer.hold.apply_async(
         ("acct:3", 0.01), {"note": "forged"}, headers={"keyed_nonce": "6f1f1d7e-0000-4000-8000-000000000000"}
