@@ -287,3 +287,42 @@ def test_prefix_capture_is_logged_at_start(cluster: Cluster, producer) -> None:
     cluster.stop_all()
     cluster.start_worker("w2")  # configured now: no warning at the next start
     assert "were mutexes" not in cluster.logs["w2"].read_text()
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_local_handoff_needs_no_broker_round_trip(cluster: Cluster, producer) -> None:
+    """D4: a worker that releases a slot runs the next parked attempt of the key from the stored message —
+    the broker sees exactly the producer's messages, no republish."""
+    import redis as redis_client
+
+    cluster.start_worker("w1", concurrency=2)
+    client = redis_client.Redis.from_url(cluster.broker_url)
+    before = client.info("commandstats").get("cmdstat_lpush", {}).get("calls", 0)
+    results = [producer.hold.delay("acct:local", 0.1, note=str(i)) for i in range(6)]
+    assert [r.get(timeout=60) for r in results] == [str(i) for i in range(6)]
+    after = client.info("commandstats").get("cmdstat_lpush", {}).get("calls", 0)
+    client.close()
+    assert after - before == 6  # six publishes by the producer, none by the gate
+    assert cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'") >= 5
+    assert peak_overlap(cluster.intervals("acct:local")) == 1
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_revoking_a_parked_task_records_it_and_completes_its_result(cluster: Cluster, producer) -> None:
+    from celery.exceptions import TaskRevokedError
+
+    import celery_keyed
+    from celery_keyed import KeyedRevoked
+
+    cluster.start_worker("w1")
+    first = producer.hold.delay("acct:rv", 1.0, note="first")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    parked = producer.hold.delay("acct:rv", 0.1, note="parked")
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
+    celery_keyed.revoke(producer.app, parked.id)
+    with pytest.raises((KeyedRevoked, TaskRevokedError)):  # Celery's revoke may store REVOKED first
+        parked.get(timeout=30)
+    assert first.get(timeout=30) == "first"
+    assert cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=parked.id) == "revoked"
+    time.sleep(0.5)
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE note = 'parked'") == 0
