@@ -336,8 +336,13 @@ def release(
     a stale worker (old fence) or a lost race with the reaper returns ``released=False`` and changes nothing.
     """
     final = _final_outcome(outcome, grouped=False)
-    row = _release_fast(conn, token, fence, outcome, final, detail=detail, now=now)
-    if row is None:  # a claim with a group, or nothing to release (stale fence, second call, reaped)
+    # A lost run may have to go back in line from its stored message: the general path does that.
+    row = (
+        None
+        if outcome is Outcome.WORKER_LOST
+        else _release_fast(conn, token, fence, outcome, final, detail=detail, now=now)
+    )
+    if row is None:  # lost, a claim with a group, or nothing to release (stale fence, second call, reaped)
         removed = claims.claims_delete_fenced(conn, token, fence)
         if removed is None:
             return ReleaseReport(released=False)
@@ -373,6 +378,8 @@ def release_autocommit(
     Returns None when it released nothing (a grouped claim, or nothing to release: run ``release`` in a
     transaction), else the report and what is left to do: ``(key, shard, has_shadow)`` when the key may have waiters
     (read after the slot was given back, D2) or shadows — run ``after_release_autocommit`` for it."""
+    if outcome is Outcome.WORKER_LOST:
+        return None  # the general path: a lost run may go back in line from its stored message
     final = _final_outcome(outcome, grouped=False)
     row = _release_fast(conn, token, fence, outcome, final, detail=detail, now=now)
     if row is None:
@@ -436,8 +443,13 @@ def _after_claim_removed(
     if row.key is not None:
         shard_has_room = slots.slots_give_back(conn, row.key, row.shard, now=now)
     _shadows_follow(conn, token, row.key, outcome, now=now)
-    if shard_has_room:
+    # A promoted attempt whose run was lost: its broker message was acked when it was parked, so it goes back in
+    # line, in its old place, from the stored message (a copy the broker still holds is a duplicate, D8).
+    parked = getattr(row, "parked", None) if outcome is Outcome.WORKER_LOST else None
+    if row.key is not None and (shard_has_room or parked is not None):
         keys.keys_lock(conn, row.key, key_name(row.key), now=now)
+    if parked is not None and waiting.waiting_restore(conn, parked) and row.key is not None:
+        keys.keys_add_waiting(conn, row.key, force=True)
     if row.group_key is not None and final is not None:
         groups.groups_lock(conn, row.group_key)
         groups.members_finish(conn, token.task_id)

@@ -43,10 +43,13 @@ CLAIMS_INSERT_PROMOTED = sa.text(
 
 # claims_bind_promoted: the receiver of a promoted attempt binds it. Token, nonce and state must all match;
 # no row = not a valid promotion (copied, forged, voided or already bound) → ordinary admission (D5).
+# ``parked`` is kept: the attempt's broker message was acked when it was parked, so if this run is lost (worker
+# lost, lease reclaimed) the attempt goes back in line from it instead of being lost (duplicates of it that the
+# broker still holds are recognised by their token, D8).
 CLAIMS_BIND_PROMOTED = sa.text(
     f"""
     UPDATE keyed_claims SET state = 'running', holder = :holder, nonce = NULL, dispatch_deadline = NULL,
-           parked = NULL, lease_expires_at = {NOW} + make_interval(secs => :lease)
+           lease_expires_at = {NOW} + make_interval(secs => :lease)
      WHERE task_id = :task_id AND attempt = :attempt AND nonce = :nonce AND state = 'promoted'
     RETURNING fence
     """
@@ -57,7 +60,7 @@ CLAIMS_DELETE_FENCED = sa.text(
     """
     DELETE FROM keyed_claims
      WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
-    RETURNING task_id, attempt, key, shard, group_key, fence
+    RETURNING task_id, attempt, key, shard, group_key, fence, parked
     """
 )
 

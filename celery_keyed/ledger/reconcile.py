@@ -38,7 +38,7 @@ CLAIMS_DELETE_EXPIRED_ONE = sa.text(
     DELETE FROM keyed_claims
      WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
        AND state = 'running' AND lease_expires_at < {NOW}
-    RETURNING task_id, attempt, key, shard, group_key, fence, holder
+    RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked
     """
 )
 CLAIMS_STALE_PROMOTED_CANDIDATES = sa.text(

@@ -257,3 +257,27 @@ def test_idle_keys_are_dropped_and_recreated(ledger: Ledger, clock, scalar) -> N
     assert ledger.reconcile(now=clock.advance(7200)).dropped_keys == 1
     assert scalar("SELECT count(*) FROM keyed_slots") == 0
     assert arrive(ledger, "c", now=clock()).verdict is Verdict.ADMITTED
+
+
+def test_a_promoted_run_that_is_lost_goes_back_in_line(ledger: Ledger, clock, scalar) -> None:
+    """A promoted attempt runs from the message stored when it was parked (that broker message was acked). If
+    that run is lost — its worker dies and the lease is reclaimed, or it is released as worker-lost — the
+    attempt must not be lost: it goes back in line from the stored message, and runs again."""
+    a = arrive(ledger, "a", now=clock())
+    arrive(ledger, "b", now=clock())
+    arrive(ledger, "c", now=clock())
+    (p,) = ledger.release(Token("a", 0), a.fence, Outcome.COMPLETED, now=clock()).promotions
+    assert p.task_id == "b" and ledger.bind(p.token, p.nonce, now=clock()) is not None
+    report = ledger.reconcile(now=clock.advance(31))  # b's worker died mid-run
+    assert report.reclaimed == [Token("b", 0)]
+    assert [q.task_id for q in report.promotions] == ["b"]  # back in its old place, ahead of c
+    assert arrive(ledger, "b", now=clock()).verdict is Verdict.DUPLICATE  # a broker copy is a duplicate
+    (q,) = report.promotions
+    fence = ledger.bind(q.token, q.nonce, now=clock())
+    (r,) = ledger.release(q.token, fence, Outcome.WORKER_LOST, now=clock()).promotions  # lost again
+    assert r.task_id == "b"
+    fence = ledger.bind(r.token, r.nonce, now=clock())
+    (s,) = ledger.release(r.token, fence, Outcome.COMPLETED, now=clock()).promotions
+    assert s.task_id == "c"
+    assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'acct:1'") == 0
+    assert ledger.books() == {"completed": 2, "open": 1, "arrivals": 3}
