@@ -209,10 +209,6 @@ class Model:
         ready = [w for w in self.waiting.values() if w.key == key and w.eligible(now)]
         return min(ready, key=lambda w: (-w.priority, w.arrival), default=None)
 
-    def in_line_cleared(self, key: str, now: datetime) -> bool:
-        """Whether an eligible waiter of the key has no not-before time left to clear (the ledger sees it)."""
-        return any(w.key == key and w.eligible(now) and w.not_before is None for w in self.waiting.values())
-
     def lapsed_overrides(self, now: datetime) -> set[str]:
         """Names whose override expired by time but was not swept yet (room the sweep has yet to fill)."""
         return {n for n, o in self.overrides.items() if o.expires_at is not None and o.expires_at <= now}
@@ -299,6 +295,19 @@ class Model:
         for key in sorted(k for k in KEYS if key_name(k) == name and self.waiting_count(k) > 0):
             out += self.promote_key(key, now)
         return out
+
+    def lose(self, claim: Claim, now: datetime) -> list[tuple[Token, str, int]]:
+        """The attempt's run is lost (its worker died: lease reclaimed, or released as worker-lost). A duplicate
+        kept as its shadow is live again (D8). A promoted attempt goes back in line, in its old place, from its
+        stored message (the broker message was acked when it parked), unless its live shadow is that copy; an
+        attempt admitted at once is redelivered by the broker (arrive_again). The freed slot goes to the line."""
+        self.remove_claim(claim.token)
+        shadow = self.waiting.get(claim.token)
+        if shadow is not None:
+            shadow.shadow = False
+        elif claim.parked is not None:
+            self.waiting[claim.token] = claim.parked
+        return self.promote_one(claim.key, claim.shard, now)
 
     def finish(self, task_id: str, outcome: str, attempt: int) -> bool:
         task = self.tasks[task_id]
@@ -411,12 +420,11 @@ class LedgerMachine(RuleBasedStateMachine):
             if task.deadline is not None and task.deadline <= now:
                 expected = Verdict.EXPIRED
                 m.finish(task.task_id, "expired", attempt)
-            elif room and due and (ahead is None or (result.admitted and not m.in_line_cleared(task.key, now))):
-                # An eligible waiter next to free room exists only after time made it so, before the sweep: an
-                # override lapsed (the newcomer queues behind, test_room_from_a_lapsed_override_goes_to_the_...)
-                # or its not-before time passed. In the second case the ledger admits the newcomer ahead of it:
-                # the known divergence of test_an_arrival_does_not_overtake_a_due_retry, tolerated here so that
-                # the model checks everything else.
+            elif room and due and ahead is None:
+                # (An eligible waiter next to free room exists only after time made it so, before the sweep: an
+                # override lapsed, or a not-before time passed. The newcomer queues behind it: see
+                # test_room_from_a_lapsed_override_goes_to_the_earliest_waiter and
+                # test_an_arrival_does_not_overtake_a_due_retry.)
                 expected = Verdict.ADMITTED
                 assert result.verdict is Verdict.ADMITTED, (result, "model: room", room)
                 assert result.shard in room and result.fence is not None, (result, room)
@@ -510,16 +518,26 @@ class LedgerMachine(RuleBasedStateMachine):
         self.arrive(task, claim.token.attempt + 1, None)
 
     @precondition(lambda self: self._running())
-    @rule(data=st.data(), outcome=st.sampled_from([Outcome.COMPLETED, Outcome.FAILED, Outcome.RETRY]))
-    def release(self, data: st.DataObject, outcome: Outcome) -> None:
-        self._release(data.draw(st.sampled_from(self._running())), outcome)
+    @rule(
+        data=st.data(),
+        outcome=st.sampled_from([Outcome.COMPLETED, Outcome.FAILED, Outcome.RETRY, Outcome.WORKER_LOST]),
+        contended=st.booleans(),
+    )
+    def release(self, data: st.DataObject, outcome: Outcome, contended: bool) -> None:
+        """An attempt ends. ``contended``: the worker saw its key park attempts lately and releases and promotes
+        in one transaction instead of the self-committing fast path; the answer must be the same."""
+        self._release(data.draw(st.sampled_from(self._running())), outcome, contended=contended)
 
-    def _release(self, claim: Claim, outcome: Outcome) -> None:
+    def _release(self, claim: Claim, outcome: Outcome, *, contended: bool = False) -> None:
         m, now = self.model, self.now
-        if claim.must_retry:
+        if claim.must_retry and outcome is not Outcome.WORKER_LOST:
             outcome = Outcome.RETRY
-        report = self.ledger.release(claim.token, claim.fence, outcome, now=now)
+        report = self.ledger.release(claim.token, claim.fence, outcome, contended=contended, now=now)
         assert report.released
+        if outcome is Outcome.WORKER_LOST:
+            assert report.finished == []
+            self.accept_promotions(report.promotions, m.lose(claim, now))
+            return
         m.remove_claim(claim.token)
         finished = []
         if outcome is Outcome.RETRY:
@@ -602,7 +620,7 @@ class LedgerMachine(RuleBasedStateMachine):
         claim = self.model.claims.get(p.token)
         if claim is not None and claim.state == "promoted" and claim.nonce == nonce:
             assert fence == claim.fence == p.fence
-            claim.state, claim.nonce, claim.dispatch_deadline, claim.parked = "running", None, None, None
+            claim.state, claim.nonce, claim.dispatch_deadline = "running", None, None  # keeps its stored row
             claim.lease_expires_at = self.now + timedelta(seconds=LEASE)
         else:
             assert fence is None, (p.token, forged, fence)
@@ -698,11 +716,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert leases == sorted(leases), "reclaimed out of lease order"
         promoted: list[tuple[Token, str, int]] = []
         for token in report.reclaimed:  # in the ledger's order: ties in lease expiry are its choice
-            claim = m.remove_claim(token)
-            shadow = m.waiting.get(token)
-            if shadow is not None and shadow.shadow:
-                shadow.shadow = False  # the worker was lost: its duplicate is live again (D8)
-            promoted += m.promote_one(claim.key, claim.shard, now)
+            promoted += m.lose(m.claims[token], now)
 
         stale = {c.token for c in m.claims.values() if c.state == "promoted" and (c.dispatch_deadline or now) < now}
         assert set(report.voided) == stale and len(report.voided) == len(stale)
@@ -719,11 +733,18 @@ class LedgerMachine(RuleBasedStateMachine):
 
     # -- invariants ---------------------------------------------------------------------------------------
     def check_no_lost_wakeup(self, *, strict: bool) -> None:
-        """No key has both a free slot and an eligible waiter (D2). Between an override lapsing by time and
-        the next sweep the room may be unfilled (the sweep interval bounds it), so ``strict`` is for sweeps."""
+        """No key has both a free slot and an eligible waiter (D2). Between the moment time makes room or
+        eligibility (an override lapses, a not-before time passes) and the next sweep the room may stay free
+        (the sweep interval bounds it, and a newcomer must not take it), so ``strict`` is for sweeps."""
         m, now = self.model, self.now
         skip = set() if strict else m.lapsed_overrides(now)
         with self.engine.connect() as conn:
+            due = set(
+                conn.execute(
+                    sa.text("SELECT DISTINCT key FROM keyed_waiting WHERE NOT shadow AND not_before <= :now"),
+                    {"now": now},
+                ).scalars()
+            )
             used = {(r.key, r.shard): r.used for r in conn.execute(sa.text("SELECT key, shard, used FROM keyed_slots"))}
             ready = (
                 conn.execute(
@@ -737,7 +758,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 .all()
             )
         for key in ready:
-            if key_name(key) in skip:
+            if key_name(key) in skip or (key in due and not strict):
                 continue
             free = [s for s in range(m.shards(key_name(key))) if used.get((key, s), 0) < m.share_of(key, s, now)]
             assert not free, f"lost wakeup: {key} has room on shards {free} and an eligible waiter"
