@@ -329,13 +329,27 @@ class GateService:
         self.dispatch(report.promotions, local=True)
 
     def _flush_pending_releases(self) -> None:
+        """Retry the releases that failed while the ledger was unreachable (heartbeat thread)."""
         while self._pending_releases:
             token, fence, outcome = self._pending_releases[0]
             try:
                 report = self.ledger.release(token, fence, outcome)
-            except sa.exc.OperationalError:
+            except sa.exc.DBAPIError as exc:
+                logger.info(
+                    "celery-keyed: release of %s attempt %d still pending (%s)",
+                    token.task_id,
+                    token.attempt,
+                    type(exc).__name__,
+                )
                 return
             self._pending_releases.popleft()
+            logger.info(
+                "celery-keyed: pending release of %s attempt %d done (%s); %d promoted",
+                token.task_id,
+                token.attempt,
+                "released" if report.released else "already released",
+                len(report.promotions),
+            )
             self.dispatch(report.promotions, local=False)
 
     # -- promotions ------------------------------------------------------------------------------------
@@ -396,7 +410,12 @@ class GateService:
             running = list(self._running.values())
         held = {HeldClaim(r.token.task_id, r.token.attempt, r.fence): r for r in running}
         try:
-            renewed = self.ledger.renew(held.keys())
+            if held:
+                renewed = self.ledger.renew(held.keys())
+            else:  # nothing to renew: still find out whether the ledger is reachable (the breaker's probe)
+                renewed = set()
+                with self.engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT 1")
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
             deadline = self._last_renewal + self.settings.lease - self.settings.self_fence_margin
