@@ -127,6 +127,22 @@ def _fast_claim(conn: sa.Connection, name: str, run: Callable[[], Any]) -> Any:
     return None
 
 
+def _arrival_params(arrival: Arrival, name: str | None, *, holder: str, lease: float, now: Any) -> dict[str, Any]:
+    """Bind parameters of the arrival statements (CLAIM_NEW, ARRIVE_OR_LOCK, SLOTS_CLAIM_ANY)."""
+    return {
+        "task_id": arrival.task_id,
+        "attempt": arrival.attempt,
+        "task_name": arrival.task_name,
+        "key": arrival.key,
+        "group_key": arrival.group_key,
+        "deadline": arrival.deadline,
+        "name": name,
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+
+
 def admit_autocommit(
     conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
 ) -> tuple[Admission | None, bool]:
@@ -137,17 +153,7 @@ def admit_autocommit(
     if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None:
         return None, False
     name = key_name(arrival.key)
-    params = {
-        "task_id": arrival.task_id,
-        "attempt": arrival.attempt,
-        "task_name": arrival.task_name,
-        "key": arrival.key,
-        "deadline": arrival.deadline,
-        "name": name,
-        "holder": holder,
-        "lease": lease,
-        "now": now,
-    }
+    params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
     statement = CLAIM_NEW_WAITING if _known_single_shard(name) else CLAIM_NEW
     row = conn.execute(statement, params).one()
     _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
@@ -174,18 +180,7 @@ def admit(
     """
     token = arrival.token
     name = key_name(arrival.key) if arrival.key else None
-    params = {
-        "task_id": arrival.task_id,
-        "attempt": arrival.attempt,
-        "task_name": arrival.task_name,
-        "key": arrival.key,
-        "group_key": arrival.group_key,
-        "deadline": arrival.deadline,
-        "name": name,
-        "holder": holder,
-        "lease": lease,
-        "now": now,
-    }
+    params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
     fast = arrival.key is not None and name is not None and not arrival.group_key and arrival.not_before is None
     row: Any = None
     if fast and not fresh:
