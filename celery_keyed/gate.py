@@ -99,6 +99,7 @@ class GateService:
         self._running: dict[Token, _Running] = {}
         self._pending_releases: deque[tuple[Token, int, Outcome]] = deque()
         self._held: deque[Any] = deque()  # requests waiting for the ledger to come back (D9)
+        self._prebound: dict[Token, int] = {}  # promotions bound to us at promotion time, by token → fence
         self._to_loop: deque[Promotion] = deque()  # promotions found off the loop, to start on it (D4)
         self._contended: dict[str, float] = {}  # key -> when it last parked or promoted (monotonic)
         self._breaker_open = False
@@ -196,7 +197,9 @@ class GateService:
             self._hold(request)
             raise TaskRevokedError(request.id)
         try:
-            fence = self._bind_promoted(request, arrival)
+            fence = self._prebound.pop(arrival.token, None)
+            if fence is None:
+                fence = self._bind_promoted(request, arrival)
             admission = None if fence is not None else self.ledger.admit(arrival)
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
@@ -315,8 +318,11 @@ class GateService:
             self._running.pop(token, None)
         key = getattr(request, "keyed_arrival_key", None)
         contended = key is not None and time.monotonic() - self._contended.get(key, -1e9) < _CONTENDED_FOR
+        local_queues, local_tasks = self._local_handoff()
         try:
-            report = self.ledger.release(token, fence, outcome, contended=contended)
+            report = self.ledger.release(
+                token, fence, outcome, contended=contended, local_queues=local_queues, local_tasks=local_tasks
+            )
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
             self._pending_releases.append((token, fence, outcome))  # a slot held longer is safe (D9)
@@ -370,6 +376,15 @@ class GateService:
                     logger.exception("celery-keyed: local handoff of %s failed; republishing", promotion.task_id)
             self._republish_now(promotion)
 
+    def _local_handoff(self) -> tuple[list[str] | None, list[str] | None]:
+        """Queues (names and routing keys) and tasks this worker consumes, for promotions bound to it at once
+        (D4, no bind round trip); None when local handoff is off."""
+        task_consumer = getattr(self.consumer, "task_consumer", None)
+        if not self.settings.local_handoff or task_consumer is None:
+            return None, None
+        queues = getattr(task_consumer, "queues", ())
+        return [q.name for q in queues] + [q.routing_key for q in queues], list(self.consumer.strategies)
+
     def _drain_to_loop(self) -> None:
         """Consumer loop timer: start the promotions the sweeper or the heartbeat found."""
         while self._to_loop:
@@ -386,11 +401,25 @@ class GateService:
 
     def _run_here(self, promotion: Promotion) -> None:
         record = promotion.message
-        message = restore_message(record, nonce=str(promotion.nonce))
+        if promotion.nonce is None:  # already bound to this worker in the promotion's transaction
+            self._prebound[promotion.token] = promotion.fence
+        message = restore_message(record, nonce=None if promotion.nonce is None else str(promotion.nonce))
         strategy = self.consumer.strategies[record["task"]]
-        strategy(message, None, _already_acked, _already_acked, set())
+        try:
+            strategy(message, None, _already_acked, _already_acked, set())
+        except Exception:
+            self._prebound.pop(promotion.token, None)
+            raise
 
     def _republish_now(self, promotion: Promotion) -> None:
+        if promotion.nonce is None:
+            # Bound to this worker but it cannot start it here: its claim lapses with its lease (nothing renews
+            # it) and the attempt goes back in line from its stored message.
+            logger.error(
+                "celery-keyed: could not start promoted %s here; it goes back in line after the lease",
+                promotion.task_id,
+            )
+            return
         try:
             republish(self.app, promotion.message, nonce=str(promotion.nonce))
         except Exception:

@@ -148,27 +148,36 @@ class Ledger:
         *,
         detail: str = "",
         contended: bool = False,
+        local_queues: Iterable[str] | None = None,
+        local_tasks: Iterable[str] | None = None,
         now: datetime | None = None,
     ) -> ReleaseReport:
         """Release a claim. Uncontended, it is a self-committing statement and a read; for a ``contended`` key
         (the caller saw it park attempts recently) the release and the promotion it makes are one transaction,
-        so the freed slot is never visible to anyone else (a sweeper would take it and republish)."""
-        if contended:
-            return self.transaction(
-                lambda conn: release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, now=now)
+        so the freed slot is never visible to anyone else (a sweeper would take it and republish).
+        ``local_queues`` / ``local_tasks``: the caller runs promotions of these itself (D4); they come back
+        already bound to this holder (``Promotion.nonce is None``)."""
+        local = None
+        if local_queues is not None:
+            local = admission.LocalHandoff(
+                holder=self.holder, lease=self.lease, queues=frozenset(local_queues), tasks=frozenset(local_tasks or ())
             )
+
+        def in_transaction(conn: sa.Connection) -> ReleaseReport:
+            return release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, local=local, now=now)
+
+        if contended:
+            return self.transaction(in_transaction)
         with self.autocommit.connect() as conn:
             fast = admission.release_autocommit(conn, token, fence, outcome, detail=detail, now=now)
         if fast is None:
-            return self.transaction(
-                lambda conn: release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, now=now)
-            )
+            return self.transaction(in_transaction)
         report, rest = fast
         if rest is not None:
             key, shard, has_shadow = rest
             report.promotions += self.transaction(
                 lambda conn: admission.after_release_autocommit(
-                    conn, token, key, shard, has_shadow, outcome, dispatch=self.dispatch, now=now
+                    conn, token, key, shard, has_shadow, outcome, dispatch=self.dispatch, local=local, now=now
                 )
             )
         return report

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -24,6 +25,24 @@ from celery_keyed.ledger import books, claims, groups, keys, slots, waiting
 from celery_keyed.ledger.attempts import Admission, Arrival, Outcome, Promotion, ReleaseReport, Token, Verdict
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.keyspec import key_name
+
+
+@dataclass(frozen=True)
+class LocalHandoff:
+    """A releaser that will run promoted attempts itself (D4): a promotion of a task it has (``tasks``) from a
+    queue it consumes (``queues``) is bound to it in the promotion's own transaction — a running claim of
+    ``holder`` — so it starts without a bind round trip. The claim keeps the stored message, so a run that is
+    lost goes back in line."""
+
+    holder: str
+    lease: float
+    queues: frozenset[str]
+    tasks: frozenset[str]
+
+    def takes(self, cand: Any) -> bool:
+        message = cand.message if isinstance(cand.message, dict) else {}
+        return cand.queue in self.queues and message.get("task") in self.tasks
+
 
 #: Seconds a promoted attempt may wait to be bound by its receiver before the reaper voids it (D5).
 DEFAULT_DISPATCH_TIMEOUT = 30.0
@@ -323,6 +342,7 @@ def release(
     *,
     detail: str = "",
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    local: LocalHandoff | None = None,
     now: Any = None,
 ) -> ReleaseReport:
     """Release the claim of ``token`` held with ``fence`` after ``outcome``, and promote what that makes ready.
@@ -341,13 +361,13 @@ def release(
         removed = claims.claims_delete_fenced(conn, token, fence)
         if removed is None:
             return ReleaseReport(released=False)
-        return _after_claim_removed(conn, removed, outcome, detail=detail, dispatch=dispatch, now=now)
+        return _after_claim_removed(conn, removed, outcome, detail=detail, dispatch=dispatch, local=local, now=now)
     report = ReleaseReport(released=True, finished=[(token.task_id, final)] if row.recorded and final else [])
     if row.has_shadow:
         _shadows_follow(conn, token, row.key, outcome, now=now)
     if row.has_room and conn.execute(KEYS_WAITING, {"key": row.key}).scalar():
         keys.keys_lock(conn, row.key, key_name(row.key), now=now)
-        report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, now=now)
+        report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, local=local, now=now)
     return report
 
 
@@ -393,6 +413,7 @@ def after_release_autocommit(
     outcome: Outcome,
     *,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    local: LocalHandoff | None = None,
     now: Any = None,
 ) -> list[Promotion]:
     """The rest of an autocommitted release, in a transaction: shadows follow their attempt, and the slot it
@@ -405,7 +426,7 @@ def after_release_autocommit(
         _shadows_follow(conn, token, key, outcome, now=now)
     if use is None or use.used >= use.share:
         return []
-    return _promote_waiters(conn, key, [shard], dispatch=dispatch, now=now)
+    return _promote_waiters(conn, key, [shard], dispatch=dispatch, local=local, now=now)
 
 
 def _shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any) -> None:
@@ -421,7 +442,14 @@ def _shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome:
 
 
 def _after_claim_removed(
-    conn: sa.Connection, row: Any, outcome: Outcome, *, detail: str, dispatch: float, now: Any
+    conn: sa.Connection,
+    row: Any,
+    outcome: Outcome,
+    *,
+    detail: str,
+    dispatch: float,
+    local: LocalHandoff | None = None,
+    now: Any = None,
 ) -> ReleaseReport:
     """Book-keeping after a claim row was deleted by its owner or the reaper: the task's books (its row is
     locked first, lock order), the slot, the shadows (D8), the group's head, and the promotions."""
@@ -450,9 +478,9 @@ def _after_claim_removed(
         groups.members_finish(conn, token.task_id)
         _unblock_head(conn, row.group_key)
     if row.key is not None and shard_has_room:
-        report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, now=now)
+        report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, local=local, now=now)
     if row.group_key is not None:
-        report.promotions += promote_group(conn, row.group_key, dispatch=dispatch, now=now)
+        report.promotions += promote_group(conn, row.group_key, dispatch=dispatch, local=local, now=now)
     return report
 
 
@@ -481,7 +509,13 @@ def promote_key(
 
 
 def _promote_waiters(
-    conn: sa.Connection, key: str, free_shards: list[int], *, dispatch: float, now: Any
+    conn: sa.Connection,
+    key: str,
+    free_shards: list[int],
+    *,
+    dispatch: float,
+    local: LocalHandoff | None = None,
+    now: Any = None,
 ) -> list[Promotion]:
     """Promote waiters of ``key`` into ``free_shards`` (rows the caller holds locked, one entry per free slot),
     in order. The caller holds the key's head row too."""
@@ -510,7 +544,7 @@ def _promote_waiters(
                 pending.pop(0)
                 continue
             pending.pop(0)
-            promoted.append(_promote_row(conn, cand, key=key, shard=shard, dispatch=dispatch, now=now))
+            promoted.append(_promote_row(conn, cand, key=key, shard=shard, dispatch=dispatch, local=local, now=now))
             keys.keys_remove_waiting(conn, key, now=now)
             progressed = True
         if not progressed:
@@ -519,7 +553,12 @@ def _promote_waiters(
 
 
 def promote_group(
-    conn: sa.Connection, group_key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection,
+    group_key: str,
+    *,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    local: LocalHandoff | None = None,
+    now: Any = None,
 ) -> list[Promotion]:
     """Start the head of ``group_key`` if it is parked, due, and its group is free. A head that also needs a
     key slot takes one only if free without waiting (SKIP LOCKED: out of lock order); otherwise the key's
@@ -545,28 +584,51 @@ def promote_group(
         if shard is None:
             return []
         keys.keys_remove_waiting(conn, cand.key, now=now)
-    return [_promote_row(conn, cand, key=cand.key, shard=shard, dispatch=dispatch, now=now)]
+    return [_promote_row(conn, cand, key=cand.key, shard=shard, dispatch=dispatch, local=local, now=now)]
 
 
 def _promote_row(
-    conn: sa.Connection, cand: Any, *, key: str | None, shard: int | None, dispatch: float, now: Any
+    conn: sa.Connection,
+    cand: Any,
+    *,
+    key: str | None,
+    shard: int | None,
+    dispatch: float,
+    local: LocalHandoff | None = None,
+    now: Any = None,
 ) -> Promotion:
-    """Move a locked waiting row into a promoted claim with a fresh nonce (D5)."""
+    """Move a locked waiting row into a promoted claim with a fresh nonce (D5), or, for a releaser that will
+    run it itself (``local``), straight into a running claim of that releaser (D4); either claim keeps the
+    stored row (``parked``)."""
     token = Token(cand.task_id, cand.attempt)
     parked = waiting.waiting_take(conn, token)
     assert parked is not None, "a locked waiting row cannot vanish"
-    nonce = uuid.uuid4()
-    fence = claims.claims_insert_promoted(
-        conn,
-        token,
-        key=key,
-        shard=shard,
-        group_key=cand.group_key,
-        nonce=nonce,
-        dispatch=dispatch,
-        parked=parked,
-        now=now,
-    )
+    if local is not None and local.takes(cand):
+        nonce = None
+        fence = claims.claims_insert_running(
+            conn,
+            token,
+            key=key,
+            shard=shard,
+            group_key=cand.group_key,
+            holder=local.holder,
+            lease=local.lease,
+            parked=parked,
+            now=now,
+        )
+    else:
+        nonce = uuid.uuid4()
+        fence = claims.claims_insert_promoted(
+            conn,
+            token,
+            key=key,
+            shard=shard,
+            group_key=cand.group_key,
+            nonce=nonce,
+            dispatch=dispatch,
+            parked=parked,
+            now=now,
+        )
     return Promotion(
         task_id=cand.task_id,
         attempt=cand.attempt,

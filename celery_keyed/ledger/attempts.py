@@ -82,11 +82,12 @@ class Admission:
 
 @dataclass(frozen=True)
 class Promotion:
-    """A parked attempt that was given a slot. The receiver binds it with ``nonce`` (D5) before running it."""
+    """A parked attempt that was given a slot. The receiver binds it with ``nonce`` (D5) before running it; a
+    promotion without a nonce is already bound to the releaser that asked to run it itself (``LocalHandoff``)."""
 
     task_id: str
     attempt: int
-    nonce: uuid.UUID
+    nonce: uuid.UUID | None
     fence: int
     key: str | None
     group_key: str | None

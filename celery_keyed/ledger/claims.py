@@ -22,9 +22,9 @@ from celery_keyed.ledger.clock import NOW
 CLAIMS_INSERT_RUNNING = sa.text(
     f"""
     INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
-                              lease_expires_at, claimed_at)
+                              lease_expires_at, claimed_at, parked)
     VALUES (:task_id, :attempt, :key, :shard, :group_key, 'running', nextval('keyed_fence_seq'), :holder,
-            {NOW} + make_interval(secs => :lease), {NOW})
+            {NOW} + make_interval(secs => :lease), {NOW}, CAST(:parked AS jsonb))
     RETURNING fence
     """
 )
@@ -133,9 +133,11 @@ def claims_insert_running(
     group_key: str | None,
     holder: str,
     lease: float,
+    parked: str | None = None,
     now: Any = None,
 ) -> int:
-    """Insert the running claim for a slot the caller has just taken; its fence."""
+    """Insert the running claim for a slot the caller has just taken; its fence. ``parked``: the waiting row
+    it came from (a promotion run by its releaser), kept so that a lost run goes back in line."""
     params = {
         "task_id": token.task_id,
         "attempt": token.attempt,
@@ -144,6 +146,7 @@ def claims_insert_running(
         "group_key": group_key,
         "holder": holder,
         "lease": lease,
+        "parked": parked,
         "now": now,
     }
     return int(conn.execute(CLAIMS_INSERT_RUNNING, params).scalar_one())

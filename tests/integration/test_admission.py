@@ -281,3 +281,23 @@ def test_a_promoted_run_that_is_lost_goes_back_in_line(ledger: Ledger, clock, sc
     assert s.task_id == "c"
     assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'acct:1'") == 0
     assert ledger.books() == {"completed": 2, "open": 1, "arrivals": 3}
+
+
+def test_a_releaser_that_runs_the_next_attempt_itself_gets_it_bound(ledger: Ledger, clock, scalar) -> None:
+    """D4 without a bind round trip: the promotion of a task the releaser has, from a queue it consumes, is a
+    running claim of the releaser at once; other promotions still carry a nonce (D5)."""
+    msg = {"task": "proj.sync"}
+    a = arrive(ledger, "a", now=clock())
+    ledger.admit(Arrival("b", key="acct:1", queue="celery", message=msg), now=clock())
+    ledger.admit(Arrival("c", key="acct:1", queue="other", message=msg), now=clock())
+    report = ledger.release(
+        Token("a", 0), a.fence, Outcome.COMPLETED, local_queues=["celery"], local_tasks=["proj.sync"], now=clock()
+    )
+    (p,) = report.promotions
+    assert p.task_id == "b" and p.nonce is None
+    assert scalar("SELECT state || ' ' || holder FROM keyed_claims WHERE task_id = 'b'") == f"running {ledger.holder}"
+    assert ledger.renew([HeldClaim("b", 0, p.fence)], now=clock()) == {HeldClaim("b", 0, p.fence)}
+    (q,) = ledger.release(
+        p.token, p.fence, Outcome.COMPLETED, local_queues=["celery"], local_tasks=["proj.sync"], now=clock()
+    ).promotions
+    assert q.task_id == "c" and q.nonce is not None  # not a queue this releaser consumes: republished (D5)
