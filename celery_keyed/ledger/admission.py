@@ -59,6 +59,9 @@ ARRIVE_OR_LOCK = sa.text(
     """
 )
 
+# lock_task: the task's row, first in the lock order (serialises deliveries and releases of one task).
+LOCK_TASK = sa.text("SELECT 1 FROM keyed_tasks WHERE task_id = :task_id FOR UPDATE")
+
 # token_state: what the ledger holds for an attempt token (D8): a claim (running / promoted) or a parked row.
 TOKEN_STATE = sa.text(
     """
@@ -456,6 +459,9 @@ def _after_claim_removed(
     token = Token(row.task_id, row.attempt)
     report = ReleaseReport(released=True)
     final = _final_outcome(outcome, grouped=row.group_key is not None)
+    # The task's row first (lock order): an arrival of the same task holds it while it looks for this claim and
+    # parks a duplicate as its shadow; taking it here means we see that shadow (or it sees the claim gone).
+    conn.execute(LOCK_TASK, {"task_id": token.task_id})
     if final is not None:
         if books.books_finish(conn, token.task_id, final, attempt=token.attempt, detail=detail, now=now):
             report.finished.append((token.task_id, final))

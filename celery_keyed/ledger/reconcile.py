@@ -124,6 +124,28 @@ def sweep_once(
             break
     with engine.begin() as conn:
         report.promotions += overrides.expire_overrides(conn, dispatch=dispatch, now=now)
+    with engine.connect() as conn:
+        orphans = conn.execute(waiting.WAITING_ORPHAN_SHADOWS, {"batch": _BATCH}).all()
+    for o in orphans:
+        with engine.begin() as conn:
+            conn.execute(admission.LOCK_TASK, {"task_id": o.task_id})
+            if o.key is not None:
+                keys.keys_lock(conn, o.key, key_name(o.key), now=now)
+            over = conn.execute(
+                sa.text("""SELECT outcome IS NOT NULL OR finished_attempt >= :attempt FROM keyed_tasks
+                            WHERE task_id = :task_id"""),
+                {"task_id": o.task_id, "attempt": o.attempt},
+            ).scalar()
+            still = conn.execute(admission.TOKEN_STATE, {"task_id": o.task_id, "attempt": o.attempt}).all()
+            if any(r.kind == "claim" for r in still):
+                continue  # claimed again meanwhile: still a shadow of a live attempt
+            params = {"task_id": o.task_id, "attempt": o.attempt}
+            if over:
+                dropped = len(conn.execute(waiting.WAITING_SHADOW_DROP, params).all())
+                if dropped and o.key is not None:
+                    keys.keys_remove_waiting(conn, o.key, dropped, now=now)
+            else:
+                conn.execute(waiting.WAITING_SHADOW_LIVE, params)
     while True:
         with engine.begin() as conn:
             lost = conn.execute(

@@ -160,6 +160,17 @@ WAITING_SHADOW_LIVE = sa.text(
     """
 )
 
+# waiting_orphan_shadows: shadows whose attempt holds no claim any more (its release raced the duplicate's
+# arrival): the sweep drops them if the attempt is over, else makes them live (D8 backstop).
+WAITING_ORPHAN_SHADOWS = sa.text(
+    """
+    SELECT w.task_id, w.attempt, w.key FROM keyed_waiting w
+     WHERE w.shadow AND NOT EXISTS (
+           SELECT 1 FROM keyed_claims c WHERE c.task_id = w.task_id AND c.attempt = w.attempt)
+     LIMIT :batch
+    """
+)
+
 # waiting_count_by_key: parked rows of a key (reconcile compares it with keyed_keys.waiting).
 WAITING_COUNT = sa.text("SELECT count(*) FROM keyed_waiting WHERE key = :key")
 

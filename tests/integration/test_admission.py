@@ -301,3 +301,21 @@ def test_a_releaser_that_runs_the_next_attempt_itself_gets_it_bound(ledger: Ledg
         p.token, p.fence, Outcome.COMPLETED, local_queues=["celery"], local_tasks=["proj.sync"], now=clock()
     ).promotions
     assert q.task_id == "c" and q.nonce is not None  # not a queue this releaser consumes: republished (D5)
+
+
+def test_the_sweep_settles_a_shadow_whose_claim_is_gone(ledger: Ledger, engine: sa.Engine, scalar) -> None:
+    """A duplicate parked as a shadow while its attempt's release was committing (the race D8's lock on the
+    task row closes for the general path) is settled by the sweep: made live if the attempt may come back,
+    dropped if it is over."""
+    arrive(ledger, "a")
+    assert "shadow" in arrive(ledger, "a").detail
+    arrive(ledger, "b", key="acct:2")
+    assert "shadow" in arrive(ledger, "b", key="acct:2").detail
+    with engine.begin() as conn:  # both claims vanished without taking their shadows along
+        conn.execute(sa.text("DELETE FROM keyed_claims"))
+        conn.execute(sa.text("UPDATE keyed_slots SET used = 0"))
+        conn.execute(sa.text("UPDATE keyed_tasks SET outcome = 'completed', finished_at = now() WHERE task_id = 'b'"))
+    report = ledger.sweep()
+    assert [p.task_id for p in report.promotions] == ["a"]  # a's run was lost: its copy runs
+    assert scalar("SELECT count(*) FROM keyed_waiting") == 0
+    assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'acct:2'") == 0  # b was over: dropped
