@@ -1,17 +1,29 @@
 """``KeyedGate``: the consumer bootstep that owns the gate service (ledger pool, heartbeat, sweeper, breaker).
 
 Like Celery's own consumer steps it is a thin start/stop wrapper; it restarts with the consumer on every
-broker reconnect, and ``stop``/``shutdown`` are safe to call twice.
+broker reconnect, and ``stop``/``shutdown`` are safe to call twice. It also makes Celery's ``revoke`` remote
+control command store the revoke in the ledger (``wrap_revoke_commands``).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import bootsteps
+from celery.utils.functional import maybe_list
+from celery.worker.control import Panel
 
-from celery_keyed.gate import GateService
+from celery_keyed.gate import GateService, current_gate
 from celery_keyed.settings import read_settings
+
+logger = logging.getLogger("celery_keyed")
+
+#: Celery's remote control commands that revoke by task id (``app.control.revoke``, ``celery control
+#: terminate``); ``revoke_by_stamped_headers`` names no task id and is left alone.
+REVOKE_COMMANDS = ("revoke", "terminate")
 
 
 class KeyedGate(bootsteps.StartStopStep):
@@ -25,6 +37,7 @@ class KeyedGate(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
+        wrap_revoke_commands()
         if self.gate is None:
             self.gate = GateService(c.app, c, read_settings(c.app.conf))
         self.gate.consumer = c
@@ -38,3 +51,33 @@ class KeyedGate(bootsteps.StartStopStep):
         if self.gate is not None:
             self.gate.shutdown()
             self.gate = None
+
+
+def wrap_revoke_commands() -> None:
+    """Make Celery's revoke commands also store the revoke in the ledger: a parked task's message lives in
+    Postgres, not in any worker's memory, so Celery's in-memory revoke list alone never reaches it (D11).
+
+    The worker's mailbox dispatches to the handlers of Celery's global ``Panel`` (the same dict object), so the
+    handlers are wrapped there, once per process. The wrapper asks for this process's gate at call time:
+    without one (a worker without ``install(app)``, or after shutdown) Celery's handler runs unchanged. The
+    ledger is written first, then Celery's handler runs as usual."""
+    for name in REVOKE_COMMANDS:
+        handler = Panel.data.get(name)
+        if handler is not None and not getattr(handler, "keyed_records_revokes", False):
+            Panel.data[name] = _recording_revokes(handler)
+
+
+def _recording_revokes(handler: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(handler)
+    def keyed_revoke_command(state: Any, *args: Any, **kwargs: Any) -> Any:
+        gate = current_gate()
+        task_ids = maybe_list(kwargs.get("task_id")) or []
+        if gate is not None and task_ids:
+            try:
+                gate.record_revokes(task_ids)
+            except Exception:
+                logger.exception("celery-keyed: could not store the revoke of %s in the ledger", task_ids)
+        return handler(state, *args, **kwargs)
+
+    keyed_revoke_command.keyed_records_revokes = True  # type: ignore[attr-defined]
+    return keyed_revoke_command

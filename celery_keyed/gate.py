@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,7 @@ class GateService:
         self._lock = threading.Lock()
         self._running: dict[Token, _Running] = {}
         self._pending_releases: deque[tuple[Token, int, Outcome]] = deque()
+        self._pending_revokes: deque[str] = deque()  # revokes not yet stored (ledger unreachable)
         self._held: deque[Any] = deque()  # requests waiting for the ledger to come back (D9)
         self._prebound: dict[Token, int] = {}  # promotions bound to us at promotion time, by token → fence
         self._to_loop: deque[Promotion] = deque()  # promotions found off the loop, to start on it (D4)
@@ -358,6 +359,42 @@ class GateService:
             )
             self.dispatch(report.promotions, local=False)
 
+    # -- revokes (consumer loop thread: Celery's revoke control command) --------------------------------
+
+    def record_revokes(self, task_ids: Iterable[str]) -> None:
+        """Celery's revoke broadcast reached this worker: store each revoke in the ledger (D11), so that a
+        parked task, whose message lives in the ledger and in no worker's memory, leaves the waiting room with
+        outcome ``revoked``. Every worker gets the broadcast: the first transaction to lock the task's row takes
+        its parked rows, the others find none (idempotent). The ``KeyedRevoked`` result is stored here, before
+        Celery's own handler runs; that handler leaves a finished result alone instead of storing a plain
+        REVOKED. With the ledger unreachable the revokes are kept and stored when it is back (heartbeat)."""
+        ids = [str(task_id) for task_id in task_ids]
+        if not ids:
+            return
+        if self._breaker_open:
+            self._pending_revokes.extend(ids)
+            return
+        try:
+            self._store_revokes(ids, local=True)
+        except sa.exc.OperationalError as exc:
+            self._open_breaker(exc)
+            self._pending_revokes.extend(ids)
+
+    def _store_revokes(self, task_ids: list[str], *, local: bool) -> None:
+        for task_id in task_ids:
+            self.dispatch(self.ledger.revoke(task_id), local=local)  # a revoked group member: its group moves on
+        self.notify_never_ran()
+
+    def _flush_pending_revokes(self) -> None:
+        """Store the revokes received while the ledger was unreachable (heartbeat thread)."""
+        while self._pending_revokes:
+            task_id = self._pending_revokes[0]
+            try:
+                self._store_revokes([task_id], local=False)
+            except sa.exc.DBAPIError:
+                return
+            self._pending_revokes.popleft()
+
     # -- promotions ------------------------------------------------------------------------------------
 
     def dispatch(self, promotions: list[Promotion], *, local: bool) -> None:
@@ -462,6 +499,7 @@ class GateService:
             self._self_fence(lost, "its slot was reclaimed (lease expired)")
         self._release_never_started(running)
         self._flush_pending_releases()
+        self._flush_pending_revokes()
 
     def _release_never_started(self, running: list[_Running]) -> None:
         """D6: a request admitted but dropped before a pool process accepted it (the consumer reset on a broker
