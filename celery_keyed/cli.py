@@ -1,0 +1,526 @@
+"""``celery keyed``: the operator's command line (registered through the ``celery.commands`` entry point).
+
+    celery -A proj keyed status [--name NAME] [--limit N] [--all] [--json]
+    celery -A proj keyed explain TASK_ID [--json]
+    celery -A proj keyed set-limit NAME N --reason TEXT [--expires-in SECONDS | --until ISO] [--author WHO]
+    celery -A proj keyed clear-limit NAME [--reason TEXT] [--author WHO]
+    celery -A proj keyed reconcile [--reclaim] [--json]
+    celery -A proj keyed migrate [--json]
+
+Every subcommand reads the ledger from the app's ``keyed_database_url``. Reads go through
+``celery_keyed.ledger.status`` / ``explain``; writes through the ledger's own functions (overrides with their
+audit rows, reconcile, migrate). Bad input is a click error (exit 2) and changes nothing; a ledger that cannot be
+reached or has no schema is an error too (exit 1). ``--json`` prints one JSON document for scripts.
+"""
+
+from __future__ import annotations
+
+import decimal
+import getpass
+import json
+import socket
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from functools import update_wrapper
+from typing import Any, TypeVar
+
+import click
+import sqlalchemy as sa
+
+from celery_keyed.ledger import Ledger, Promotion, Report
+from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing
+from celery_keyed.ledger.keyspec import validate_name
+from celery_keyed.ledger.migrations import applied_versions, migrate
+from celery_keyed.ledger.overrides import override_get
+from celery_keyed.ledger.reconcile import check_counters_once, drop_idle_keys_once
+from celery_keyed.ledger.status import (
+    KeyStatus,
+    NameStatus,
+    status_key_count,
+    status_keys,
+    status_names,
+    status_set_timeout,
+)
+from celery_keyed.settings import KeyedSettings, read_settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# -- plumbing ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Operator:
+    """What a subcommand works with: the Celery app, its keyed settings and a ledger on a fresh engine."""
+
+    app: Any
+    settings: KeyedSettings
+    engine: sa.Engine
+
+    @property
+    def ledger(self) -> Ledger:
+        return Ledger(self.engine, lease=self.settings.lease, dispatch=self.settings.dispatch_timeout)
+
+    def dispatch(self, promotions: list[Promotion]) -> None:
+        """Publish promoted attempts with their admission nonce (as the beat task does); a promotion that
+        cannot be published stays in the ledger and is put back in line after the dispatch timeout (D5)."""
+        from celery_keyed.messages import republish
+
+        for promotion in promotions:
+            if promotion.nonce is not None:
+                republish(self.app, promotion.message, nonce=str(promotion.nonce))
+
+
+def _app_of(ctx: click.Context) -> Any:
+    obj = ctx.obj
+    app = getattr(obj, "app", None)  # celery's CLIContext
+    if app is None and obj is not None and hasattr(obj, "conf"):
+        app = obj  # an app passed directly as the context object (CliRunner)
+    if app is None:
+        raise click.UsageError("no Celery app: run it as `celery -A proj keyed ...`")
+    return app
+
+
+def _safe_url(url: str) -> str:
+    return sa.engine.make_url(url).render_as_string(hide_password=True)
+
+
+@contextmanager
+def _ledger_errors(settings: KeyedSettings) -> Iterator[None]:
+    """Turn the ways a ledger call fails into clear messages (exit 1) instead of tracebacks."""
+    try:
+        yield
+    except SchemaMissing as exc:
+        raise click.ClickException(f"{exc} (ledger {_safe_url(settings.database_url)})") from None
+    except sa.exc.ProgrammingError as exc:
+        if getattr(getattr(exc.orig, "diag", None), "sqlstate", None) == "42P01":  # undefined_table
+            raise click.ClickException(
+                f"the ledger at {_safe_url(settings.database_url)} has no schema: run `celery -A <app> keyed migrate`"
+            ) from None
+        raise
+    except sa.exc.OperationalError as exc:
+        first = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+        raise click.ClickException(f"cannot reach the ledger at {_safe_url(settings.database_url)}: {first}") from None
+    except (InvalidConfig, InvalidKey) as exc:
+        raise click.UsageError(str(exc)) from None
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def pass_operator(command: F) -> F:
+    """Give the subcommand an ``Operator`` built from the app of ``celery -A``; settings errors are clear."""
+
+    @click.pass_context
+    def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
+        app = _app_of(ctx)
+        try:
+            settings = read_settings(app.conf)
+        except (InvalidConfig, InvalidKey) as exc:
+            raise click.ClickException(f"celery-keyed settings: {exc}") from None
+        from celery_keyed.engine import create_ledger_engine
+
+        engine = create_ledger_engine(settings)
+        operator = Operator(app, settings, engine)
+        try:
+            with _ledger_errors(settings):
+                return ctx.invoke(command, operator, *args, **kwargs)
+        finally:
+            engine.dispose()
+
+    return update_wrapper(wrapper, command)  # type: ignore[return-value]
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, uuid.UUID | timedelta):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def _print_json(document: Any) -> None:
+    click.echo(json.dumps(document, default=_json_default, indent=2, sort_keys=True))
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+    return f"{int(seconds // 86400)}d{int(seconds % 86400 // 3600):02d}h"
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
+    """A plain text table (no borders), columns as wide as their widest cell; ``right``: right-aligned columns."""
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _name_option(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return validate_name(value)
+    except InvalidKey as exc:
+        raise click.BadParameter(str(exc), param_hint="'--name'") from None
+
+
+def _name_argument(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    try:
+        return validate_name(value)
+    except InvalidKey as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _default_author() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "unknown"
+    return f"{user}@{socket.gethostname()} (celery keyed)"
+
+
+# -- the group ---------------------------------------------------------------------------------------------
+
+
+@click.group(name="keyed")
+def keyed() -> None:
+    """celery-keyed: see and steer the slot ledger (limits, keys, waiting tasks)."""
+
+
+# -- status ------------------------------------------------------------------------------------------------
+
+
+@keyed.command()
+@click.option("--name", "name", metavar="NAME", help="Only this name and its keys.")
+@click.option(
+    "--limit",
+    "limit",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    metavar="N",
+    help="At most N rows of keys (busiest first); 0 = names only.",
+)
+@click.option("--all", "idle", is_flag=True, help="Also list keys with nothing in flight or waiting.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds the queries may take.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout: float, as_json: bool) -> None:
+    """Names and keys: limit and where it comes from (override, config, default), in flight, waiting, oldest wait.
+
+    One aggregated query per table, so it stays fast on 100,000 keys; keys are the busiest N
+    (most waiting, then most in flight)."""
+    name = _name_option(name)
+    with operator.engine.begin() as conn:
+        status_set_timeout(conn, timeout)
+        at = conn.execute(sa.text("SELECT now()")).scalar_one()
+        names = status_names(conn, name=name)
+        key_rows = status_keys(conn, name=name, limit=limit, idle=idle) if limit else []
+        total = status_key_count(conn, name=name)
+    if as_json:
+        _print_json(
+            {
+                "at": at,
+                "names": [n.as_dict() for n in names],
+                "keys": [k.as_dict() for k in key_rows],
+                "keys_total": total,
+            }
+        )
+        return
+    click.echo(_names_table(names) if names else "no names: the ledger has no configured name, override or key yet")
+    if limit:
+        click.echo()
+        if key_rows:
+            click.echo(_keys_table(key_rows))
+        busy = sum(n.busy_keys for n in names)
+        shown = f"{len(key_rows)} of {total} keys shown" if idle else f"{len(key_rows)} of {busy} busy keys shown"
+        click.echo(f"({shown}; {total} keys in the ledger" + (f" for {name})" if name else ")"))
+
+
+def _names_table(names: list[NameStatus]) -> str:
+    rows = []
+    for n in names:
+        note = ""
+        if n.source == "override":
+            note = ("PAUSED " if n.paused else "") + f"by {n.override_author or '?'}"
+            if n.override_expires_at is not None:
+                note += f" until {_when(n.override_expires_at)}"
+            if n.configured_limit is not None:
+                note += f" (config {n.configured_limit})"
+            note += f": {n.override_reason}"
+        elif n.paused:
+            note = "PAUSED"
+        rows.append((n.name, n.limit, n.source, n.keys, n.in_flight, n.waiting, _age(n.oldest_waiting_age), note))
+    return render_table(
+        ("NAME", "LIMIT", "SOURCE", "KEYS", "IN FLIGHT", "WAITING", "OLDEST WAIT", "OVERRIDE"),
+        rows,
+        right=(1, 3, 4, 5, 6),
+    )
+
+
+def _keys_table(keys: list[KeyStatus]) -> str:
+    rows = [(k.key, k.limit, k.source, k.in_flight, k.waiting, _age(k.oldest_waiting_age)) for k in keys]
+    return render_table(("KEY", "LIMIT", "SOURCE", "IN FLIGHT", "WAITING", "OLDEST WAIT"), rows, right=(1, 3, 4, 5))
+
+
+# -- explain -----------------------------------------------------------------------------------------------
+
+
+@keyed.command()
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def explain(operator: Operator, task_id: str, as_json: bool) -> None:
+    """Why task TASK_ID is (not) running: its state in the ledger, in words and numbers."""
+    if not task_id.strip():
+        raise click.BadParameter("a task id cannot be blank", param_hint="'TASK_ID'")
+    explanation = operator.ledger.explain(task_id)
+    if as_json:
+        _print_json(
+            {
+                "task_id": explanation.task_id,
+                "state": explanation.state,
+                "text": explanation.text,
+                "facts": explanation.facts,
+            }
+        )
+        return
+    click.echo(f"{explanation.task_id}: {explanation.state}")
+    click.echo(f"  {explanation.text}")
+    for fact, value in explanation.facts.items():
+        if isinstance(value, datetime):
+            value = _when(value)
+        click.echo(f"  {fact}: {'-' if value is None else value}")
+
+
+# -- set-limit / clear-limit -------------------------------------------------------------------------------
+
+
+@keyed.command("set-limit", context_settings={"ignore_unknown_options": True})  # "-1" is a bad N, not an option
+@click.argument("name", callback=_name_argument)
+@click.argument("limit", type=click.IntRange(min=0), metavar="N")
+@click.option("--reason", required=True, help="Why (required; kept in the audit trail).")
+@click.option(
+    "--expires-in",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="The override lapses by itself after this many seconds.",
+)
+@click.option(
+    "--until",
+    "until",
+    metavar="ISO",
+    help="The override lapses by itself at this time (ISO 8601; no offset = UTC).",
+)
+@click.option("--author", default=None, help="Who sets it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def set_limit(
+    operator: Operator,
+    name: str,
+    limit: int,
+    reason: str,
+    expires_in: float | None,
+    until: str | None,
+    author: str | None,
+    as_json: bool,
+) -> None:
+    """Override the limit of NAME at runtime: N slots per key (0 pauses every NAME:* key).
+
+    Takes effect at the next claim, without restart; lowering never preempts running tasks. Raising it
+    promotes waiting tasks at once."""
+    if not reason.strip():
+        raise click.BadParameter("a reason is required", param_hint="'--reason'")
+    if expires_in is not None and until is not None:
+        raise click.UsageError("give --expires-in or --until, not both")
+    now = datetime.now(UTC)
+    expires_at = None
+    if expires_in is not None:
+        expires_at = now + timedelta(seconds=expires_in)
+    elif until is not None:
+        try:
+            expires_at = datetime.fromisoformat(until)
+        except ValueError:
+            raise click.BadParameter(f"not an ISO 8601 time: {until!r}", param_hint="'--until'") from None
+        if expires_at.tzinfo is None:
+            expires_at = expires_at.replace(tzinfo=UTC)
+        if expires_at <= now:
+            raise click.BadParameter(f"{until!r} is in the past", param_hint="'--until'")
+    author = author if author is not None else _default_author()
+    with operator.engine.connect() as conn:
+        before = status_names(conn, name=name)
+    previous = before[0] if before else None
+    known = name in operator.settings.limits or (
+        previous is not None and (previous.keys > 0 or previous.source != "default")
+    )
+    promotions = operator.ledger.set_override(name, limit, reason=reason, author=author, expires_at=expires_at)
+    operator.dispatch(promotions)
+    result = {
+        "name": name,
+        "limit": limit,
+        "paused": limit == 0,
+        "reason": reason,
+        "author": author,
+        "expires_at": expires_at,
+        "previous_limit": previous.limit if previous else 1,
+        "previous_source": previous.source if previous else "default",
+        "promoted": len(promotions),
+        "known_name": known,
+    }
+    if as_json:
+        _print_json(result)
+        return
+    if not known:
+        click.echo(
+            f"note: {name!r} is not in keyed_concurrency_limits and the ledger has seen no {name}:* key; "
+            "the override applies to any such key from now on",
+            err=True,
+        )
+    was = f"was {result['previous_limit']} ({result['previous_source']})"
+    what = "paused" if limit == 0 else f"limit {limit}"
+    until_text = f" until {_when(expires_at)}" if expires_at else ""
+    click.echo(f"{name}: {what}{until_text}, {was}; {len(promotions)} waiting task(s) promoted")
+
+
+@keyed.command("clear-limit")
+@click.argument("name", callback=_name_argument)
+@click.option("--reason", default="", help="Why (kept in the audit trail).")
+@click.option("--author", default=None, help="Who clears it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def clear_limit(operator: Operator, name: str, reason: str, author: str | None, as_json: bool) -> None:
+    """Remove the runtime override of NAME: its configured limit (or 1) applies again at once."""
+    author = author if author is not None else _default_author()
+    with operator.engine.connect() as conn:
+        existing = override_get(conn, name)
+    promotions: list[Promotion] = []
+    if existing is not None:
+        promotions = operator.ledger.clear_override(name, reason=reason, author=author)
+        operator.dispatch(promotions)
+    with operator.engine.connect() as conn:
+        after = status_names(conn, name=name)
+    now_limit = after[0].limit if after else 1
+    now_source = after[0].source if after else "default"
+    result = {
+        "name": name,
+        "cleared": existing is not None,
+        "previous_limit": existing.slot_limit if existing is not None else None,
+        "limit": now_limit,
+        "source": now_source,
+        "promoted": len(promotions),
+    }
+    if as_json:
+        _print_json(result)
+        return
+    if existing is None:
+        click.echo(f"{name}: no override to clear (nothing changed); limit {now_limit} ({now_source})")
+        return
+    click.echo(
+        f"{name}: override {existing.slot_limit} cleared; limit {now_limit} ({now_source}); "
+        f"{len(promotions)} waiting task(s) promoted"
+    )
+
+
+# -- reconcile ---------------------------------------------------------------------------------------------
+
+
+@keyed.command()
+@click.option(
+    "--reclaim",
+    is_flag=True,
+    help="Also reclaim expired leases now. Only when no worker was cut off from the ledger within the last lease: "
+    "the beat task reclaims only after it has reached the ledger for a full lease (D7).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def reconcile(operator: Operator, reclaim: bool, as_json: bool) -> None:
+    """Run one reconcile pass now and print its report: due times, expiries, lapsed overrides, promotions,
+    counters checked against the claims that exist (drift is a bug: reported, then repaired), idle keys."""
+    settings = operator.settings
+    ledger = operator.ledger
+    if reclaim:
+        report = ledger.reconcile(idle=settings.idle_key_ttl, group_arrival_timeout=settings.group_arrival_timeout)
+    else:
+        report = ledger.sweep(group_arrival_timeout=settings.group_arrival_timeout)
+        report.drift += check_counters_once(operator.engine)
+        report.dropped_keys = drop_idle_keys_once(operator.engine, idle=settings.idle_key_ttl)
+    operator.dispatch(report.promotions)
+    summary = _report_summary(report, reclaim=reclaim)
+    if as_json:
+        _print_json(summary)
+        return
+    rows = [(k, v) for k, v in summary.items() if k != "drift"]
+    click.echo(render_table(("STEP", "RESULT"), rows))
+    if report.drift:
+        click.echo(f"\nDRIFT repaired ({len(report.drift)}; a bug, please report it):")
+        for line in report.drift:
+            click.echo(f"  {line}")
+    else:
+        click.echo("\nno drift: every counter matches the claims and parked rows that exist")
+
+
+def _report_summary(report: Report, *, reclaim: bool) -> dict[str, Any]:
+    return {
+        "reclaimed": len(report.reclaimed) if reclaim else "skipped (use --reclaim)",
+        "voided": len(report.voided) if reclaim else "skipped (use --reclaim)",
+        "due": report.due,
+        "expired": report.expired,
+        "lost": report.lost,
+        "promoted": len(report.promotions),
+        "drift": report.drift,
+        "dropped_keys": report.dropped_keys,
+    }
+
+
+# -- migrate -----------------------------------------------------------------------------------------------
+
+
+@keyed.command("migrate")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def migrate_command(operator: Operator, as_json: bool) -> None:
+    """Create or upgrade the ledger's tables (each migration applies exactly once, safe to run concurrently)."""
+    # Migrations may take longer than the ledger's statement timeout: a plain engine on the same URL.
+    engine = sa.create_engine(
+        operator.settings.database_url,
+        poolclass=sa.pool.NullPool,
+        connect_args={"connect_timeout": max(1, int(operator.settings.connect_timeout))},
+    )
+    try:
+        applied = migrate(engine)
+        with engine.connect() as conn:
+            versions = applied_versions(conn)
+    finally:
+        engine.dispose()
+    if as_json:
+        _print_json({"applied": applied, "versions": versions})
+        return
+    if applied:
+        click.echo(f"applied {', '.join(applied)}; the ledger is at {versions[-1]}")
+    else:
+        click.echo(f"the ledger is up to date ({versions[-1] if versions else 'no migrations'})")

@@ -1,0 +1,230 @@
+"""Status: read-only views of the ledger for operators (``celery keyed status``, the Prometheus collector).
+
+Each view is one aggregated statement (no query per name or key), bounded by a statement timeout of the
+caller's choosing, so it stays cheap on 100,000 keys. The counters are the ones admission keeps under the
+key rows' locks (D1): in flight = ``keyed_slots.used`` summed over a key's shards (running and promoted claims),
+waiting = ``keyed_keys.waiting``. A key may have slot rows and no head row yet (the fast admission path
+creates only what it needs), hence the full joins. The effective limit is computed as in
+``keyed_effective_limit``: a live override, else the configured limit, else 1; ``source`` says which.
+Nothing here writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.clock import NOW
+
+#: The effective limit and its source for every name that appears in ``names`` (a CTE of one column ``name``).
+_LIMITS = f"""
+    live AS (
+        SELECT name, slot_limit, reason, author, expires_at FROM keyed_overrides
+         WHERE expires_at IS NULL OR expires_at > {NOW}
+    )"""
+
+_LIMIT_COLUMNS = """
+           COALESCE(o.slot_limit, c.slot_limit, 1) AS slot_limit,
+           CASE WHEN o.name IS NOT NULL THEN 'override' WHEN c.name IS NOT NULL THEN 'config' ELSE 'default' END
+               AS source,
+           c.slot_limit AS configured_limit, o.reason AS override_reason, o.author AS override_author,
+           o.expires_at AS override_expires_at"""
+
+#: Seconds since the oldest waiting arrival ``w.oldest`` (NULL when nothing waits).
+_AGE = f"CASE WHEN w.oldest IS NOT NULL THEN GREATEST(EXTRACT(EPOCH FROM {NOW} - w.oldest), 0) END"
+
+# status_names: one row per name the ledger knows (configured, overridden, or with keys): its effective limit
+# and where it comes from, its keys, and the sums of in flight and waiting, with the oldest waiting arrival.
+STATUS_NAMES = sa.text(
+    f"""
+    WITH slot AS (
+        SELECT key, min(name) AS name, sum(used) AS in_flight FROM keyed_slots
+         WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY key
+    ), head AS (
+        SELECT key, name, waiting FROM keyed_keys WHERE CAST(:name AS text) IS NULL OR name = :name
+    ), per_key AS (
+        SELECT COALESCE(s.name, h.name) AS name, COALESCE(s.in_flight, 0) AS in_flight,
+               COALESCE(h.waiting, 0) AS waiting
+          FROM slot s FULL JOIN head h ON h.key = s.key
+    ), per_name AS (
+        SELECT name, count(*) AS keys, sum(in_flight) AS in_flight, sum(waiting) AS waiting,
+               count(*) FILTER (WHERE in_flight > 0 OR waiting > 0) AS busy_keys
+          FROM per_key GROUP BY name
+    ), oldest AS (
+        SELECT split_part(key, ':', 1) AS name, min(arrived_at) AS oldest FROM keyed_waiting
+         WHERE key IS NOT NULL AND NOT shadow
+           AND (CAST(:name AS text) IS NULL OR split_part(key, ':', 1) = :name)
+         GROUP BY 1
+    ), {_LIMITS}, names AS (
+        SELECT name FROM keyed_names UNION SELECT name FROM live UNION SELECT name FROM per_name
+    )
+    SELECT n.name, {_LIMIT_COLUMNS},
+           COALESCE(p.keys, 0) AS keys, COALESCE(p.busy_keys, 0) AS busy_keys,
+           COALESCE(p.in_flight, 0) AS in_flight, COALESCE(p.waiting, 0) AS waiting,
+           w.oldest AS oldest_waiting_at,
+           {_AGE} AS oldest_waiting_age
+      FROM names n
+      LEFT JOIN keyed_names c ON c.name = n.name
+      LEFT JOIN live o ON o.name = n.name
+      LEFT JOIN per_name p ON p.name = n.name
+      LEFT JOIN oldest w ON w.name = n.name
+     WHERE CAST(:name AS text) IS NULL OR n.name = :name
+     ORDER BY n.name
+    """
+)
+
+# status_keys: the busiest keys (most waiting, then most in flight), at most :limit rows, with their limit and
+# oldest waiting arrival (looked up by index for the rows returned only). :idle also lists keys with nothing
+# held or parked.
+STATUS_KEYS = sa.text(
+    f"""
+    WITH slot AS (
+        SELECT key, min(name) AS name, sum(used) AS in_flight FROM keyed_slots
+         WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY key
+    ), head AS (
+        SELECT key, name, waiting FROM keyed_keys WHERE CAST(:name AS text) IS NULL OR name = :name
+    ), per_key AS (
+        SELECT COALESCE(s.key, h.key) AS key, COALESCE(s.name, h.name) AS name,
+               COALESCE(s.in_flight, 0) AS in_flight, COALESCE(h.waiting, 0) AS waiting
+          FROM slot s FULL JOIN head h ON h.key = s.key
+    ), top AS (
+        SELECT * FROM per_key WHERE :idle OR in_flight > 0 OR waiting > 0
+         ORDER BY waiting DESC, in_flight DESC, key LIMIT :limit
+    ), {_LIMITS}
+    SELECT t.key, t.name, {_LIMIT_COLUMNS},
+           t.in_flight, t.waiting, w.oldest AS oldest_waiting_at,
+           {_AGE} AS oldest_waiting_age
+      FROM top t
+      LEFT JOIN keyed_names c ON c.name = t.name
+      LEFT JOIN live o ON o.name = t.name
+      LEFT JOIN LATERAL (
+          SELECT min(x.arrived_at) AS oldest FROM keyed_waiting x WHERE x.key = t.key AND NOT x.shadow
+      ) w ON t.waiting > 0
+     ORDER BY t.waiting DESC, t.in_flight DESC, t.key
+    """
+)
+
+# status_key_count: keys the ledger holds rows for (status prints "N more" below a truncated table).
+STATUS_KEY_COUNT = sa.text(
+    """
+    SELECT count(*) FROM (SELECT key FROM keyed_slots WHERE CAST(:name AS text) IS NULL OR name = :name
+                          UNION SELECT key FROM keyed_keys WHERE CAST(:name AS text) IS NULL OR name = :name) k
+    """
+)
+
+# status_set_timeout: bound every statement of the caller's transaction (set_config(..., true) = SET LOCAL).
+STATUS_SET_TIMEOUT = sa.text("SELECT set_config('statement_timeout', :ms, true)")
+
+
+@dataclass(frozen=True)
+class NameStatus:
+    """One name: its effective ``limit`` and ``source`` (``override``, ``config`` or ``default``), the live
+    override's reason, author and expiry if any, its keys, and totals over them."""
+
+    name: str
+    limit: int
+    source: str
+    configured_limit: int | None
+    override_reason: str | None
+    override_author: str | None
+    override_expires_at: datetime | None
+    keys: int
+    busy_keys: int
+    in_flight: int
+    waiting: int
+    oldest_waiting_at: datetime | None
+    oldest_waiting_age: float | None
+
+    @property
+    def paused(self) -> bool:
+        return self.limit == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "paused": self.paused}
+
+
+@dataclass(frozen=True)
+class KeyStatus:
+    """One key: its name's effective ``limit`` and ``source``, in flight, waiting, oldest waiting arrival."""
+
+    key: str
+    name: str
+    limit: int
+    source: str
+    in_flight: int
+    waiting: int
+    oldest_waiting_at: datetime | None
+    oldest_waiting_age: float | None
+
+    @property
+    def paused(self) -> bool:
+        return self.limit == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "paused": self.paused}
+
+
+def status_set_timeout(conn: sa.Connection, seconds: float) -> None:
+    """Bound the statements of ``conn``'s current transaction to ``seconds`` (a scrape must not hang)."""
+    conn.execute(STATUS_SET_TIMEOUT, {"ms": str(max(1, int(seconds * 1000)))})
+
+
+def _age(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime | None = None) -> list[NameStatus]:
+    """Every name the ledger knows (or only ``name``), with its limit, source and totals."""
+    rows = conn.execute(STATUS_NAMES, {"name": name, "now": now}).mappings()
+    return [
+        NameStatus(
+            name=r["name"],
+            limit=int(r["slot_limit"]),
+            source=r["source"],
+            configured_limit=r["configured_limit"],
+            override_reason=r["override_reason"],
+            override_author=r["override_author"],
+            override_expires_at=r["override_expires_at"],
+            keys=int(r["keys"]),
+            busy_keys=int(r["busy_keys"]),
+            in_flight=int(r["in_flight"]),
+            waiting=int(r["waiting"]),
+            oldest_waiting_at=r["oldest_waiting_at"],
+            oldest_waiting_age=_age(r["oldest_waiting_age"]),
+        )
+        for r in rows
+    ]
+
+
+def status_keys(
+    conn: sa.Connection,
+    *,
+    name: str | None = None,
+    limit: int = 20,
+    idle: bool = False,
+    now: datetime | None = None,
+) -> list[KeyStatus]:
+    """The ``limit`` busiest keys (or of ``name`` only): most waiting first, then most in flight. Keys with
+    nothing held or parked are left out unless ``idle``."""
+    rows = conn.execute(STATUS_KEYS, {"name": name, "limit": limit, "idle": idle, "now": now}).mappings()
+    return [
+        KeyStatus(
+            key=r["key"],
+            name=r["name"],
+            limit=int(r["slot_limit"]),
+            source=r["source"],
+            in_flight=int(r["in_flight"]),
+            waiting=int(r["waiting"]),
+            oldest_waiting_at=r["oldest_waiting_at"],
+            oldest_waiting_age=_age(r["oldest_waiting_age"]),
+        )
+        for r in rows
+    ]
+
+
+def status_key_count(conn: sa.Connection, *, name: str | None = None) -> int:
+    """How many keys the ledger holds rows for (of ``name`` only, when given)."""
+    return int(conn.execute(STATUS_KEY_COUNT, {"name": name}).scalar_one())
