@@ -1,0 +1,141 @@
+"""The Django app's way into the ledger: a SQLAlchemy engine on the Django database that holds the ledger, the
+``Ledger`` facade on it, and the dispatch of the promotions an operator's change makes.
+
+Settings (Django ``settings.py``, the names Celery users already use with ``namespace="CELERY"``):
+
+- ``CELERY_KEYED_DJANGO_DATABASE``: alias of the database that holds the ledger (default ``"default"``);
+- ``CELERY_KEYED_CELERY_APP``: the Celery app (or its dotted path, ``"proj.celery:app"``) used to republish
+  promotions; default: Celery's current app when ``celery_keyed.install()`` ran on it. Without one, promoted
+  attempts are started by a worker's sweeper once their dispatch deadline passes;
+- ``CELERY_KEYED_DISPATCH_TIMEOUT`` / ``CELERY_KEYED_LEASE``: as the workers' ``keyed_*`` settings;
+- ``CELERY_KEYED_CONCURRENCY_LIMITS``: the names configured in code (used to flag unknown names).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from importlib import import_module
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from django.conf import settings
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from sqlalchemy.pool import NullPool
+
+from celery_keyed.ledger import DEFAULT_DISPATCH_TIMEOUT, Ledger, Promotion
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_engines: dict[tuple[str, str], sa.Engine] = {}
+
+#: Connection parameters Django adds for its own cursor machinery; a plain psycopg connection takes none of them.
+_DJANGO_ONLY_PARAMS = ("cursor_factory", "context", "prepare_threshold")
+
+
+def database_alias() -> str:
+    """The Django database alias that holds the ledger's tables."""
+    return str(getattr(settings, "CELERY_KEYED_DJANGO_DATABASE", "default"))
+
+
+def connection_params(wrapper: BaseDatabaseWrapper) -> dict[str, Any]:
+    """``psycopg.connect`` keyword arguments for the database of a Django connection."""
+    if wrapper.vendor != "postgresql":
+        raise RuntimeError(f"celery-keyed's ledger needs PostgreSQL; database {wrapper.alias!r} is {wrapper.vendor}")
+    params = dict(wrapper.get_connection_params())
+    for name in _DJANGO_ONLY_PARAMS:
+        params.pop(name, None)
+    return params
+
+
+def engine_for(wrapper: BaseDatabaseWrapper, *, pooled: bool = True) -> sa.Engine:
+    """A SQLAlchemy engine on the database of a Django connection (``pooled=False``: one connection per use)."""
+    params = connection_params(wrapper)
+
+    def connect() -> Any:
+        return psycopg.connect(**params)
+
+    if pooled:
+        return sa.create_engine("postgresql+psycopg://", creator=connect, pool_size=2, max_overflow=4,
+                                pool_pre_ping=True)
+    return sa.create_engine("postgresql+psycopg://", creator=connect, poolclass=NullPool)
+
+
+def ledger_engine() -> sa.Engine:
+    """The process's engine on the ledger database (created on first use, per database name)."""
+    wrapper = connections[database_alias()]
+    cache_key = (wrapper.alias, str(wrapper.settings_dict.get("NAME")))
+    with _lock:
+        engine = _engines.get(cache_key)
+        if engine is None:
+            engine = _engines[cache_key] = engine_for(wrapper)
+        return engine
+
+
+def dispose_engines() -> None:
+    """Close the ledger connections of this process (tests; a server that forks after startup)."""
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+def _float_setting(name: str, default: float) -> float:
+    value = getattr(settings, name, None)
+    return default if value is None else float(value)
+
+
+def get_ledger() -> Ledger:
+    """The ledger facade on the Django database (each call of its methods is one transaction)."""
+    return Ledger(
+        ledger_engine(),
+        holder="django-admin:0:0",
+        lease=_float_setting("CELERY_KEYED_LEASE", 60.0),
+        dispatch=_float_setting("CELERY_KEYED_DISPATCH_TIMEOUT", DEFAULT_DISPATCH_TIMEOUT),
+    )
+
+
+def configured_names() -> set[str]:
+    """Names configured in this project's settings (``CELERY_KEYED_CONCURRENCY_LIMITS``)."""
+    limits = getattr(settings, "CELERY_KEYED_CONCURRENCY_LIMITS", None) or {}
+    return set(limits)
+
+
+def celery_app() -> Any | None:
+    """The Celery app that republishes promotions, or None (see the module's docstring)."""
+    app = getattr(settings, "CELERY_KEYED_CELERY_APP", None)
+    if isinstance(app, str):
+        module, _, attr = app.replace(":", ".").rpartition(".")
+        app = getattr(import_module(module), attr)
+    if app is None:
+        from celery import current_app
+
+        app = current_app._get_current_object()
+        if not getattr(app, "_keyed_installed", False):
+            return None
+    return app
+
+
+def dispatch(promotions: Iterable[Promotion]) -> int:
+    """Start promoted attempts: republish each with its admission nonce (D5) through the Celery app.
+    Returns how many were published; the others start through a worker's sweeper after their deadline."""
+    promotions = [p for p in promotions if p.nonce is not None]
+    if not promotions:
+        return 0
+    app = celery_app()
+    if app is None:
+        return 0
+    from celery_keyed.messages import republish
+
+    published = 0
+    for promotion in promotions:
+        try:
+            republish(app, promotion.message, nonce=str(promotion.nonce))
+            published += 1
+        except Exception:  # the broker is down: the sweeper of some worker starts it after the deadline
+            logger.exception("celery-keyed: could not republish promoted task %s", promotion.task_id)
+    return published

@@ -1,0 +1,295 @@
+"""Read-only mirrors of the ledger's tables (``managed = False``): the core owns the schema
+(``celery_keyed/ledger/sql``), and tests/django/test_models.py proves these models and the tables agree.
+
+Never write through these models: every change goes through the ledger's functions (``celery_keyed_django.ledger``),
+which keep the counters, the audit trail and the promotions right. Tables whose primary key spans several columns
+are mirrored with a column the ledger keeps unique as Django's primary key (the admin needs one): a claim's fence
+(every claim draws a new one from ``keyed_fence_seq``) and a parked attempt's arrival number (``keyed_arrival_seq``).
+"""
+
+from __future__ import annotations
+
+from django.contrib.postgres.fields import ArrayField
+from django.db import models
+
+#: Final outcomes a task can have in the books (``keyed_tasks.outcome``); NULL while it waits or runs.
+OUTCOMES = (
+    ("completed", "completed"),
+    ("failed", "failed"),
+    ("dead_lettered", "dead-lettered"),
+    ("expired", "expired before start"),
+    ("rejected", "rejected (waiting room full)"),
+    ("superseded", "superseded"),
+    ("revoked", "revoked"),
+    ("lost", "lost (never received)"),
+)
+
+
+class LedgerMigration(models.Model):
+    """A version of the ledger's schema applied to this database (``keyed_migrations``)."""
+
+    version = models.TextField(primary_key=True)
+    applied_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_migrations"
+        default_permissions = ()
+        verbose_name = "ledger migration"
+
+
+class Name(models.Model):
+    """A configured name (``keyed_names``), synced from ``keyed_concurrency_limits`` by every worker at start."""
+
+    name = models.TextField(primary_key=True)
+    slot_limit = models.IntegerField("configured limit")
+    shards = models.IntegerField()
+    max_waiting = models.IntegerField(null=True, blank=True)
+    max_wait = models.FloatField(null=True, blank=True, help_text="seconds from arrival to the latest start")
+    overflow = models.TextField()
+    updated_at = models.DateTimeField()
+    uncertain_hold = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        managed = False
+        db_table = "keyed_names"
+        default_permissions = ("view",)
+        verbose_name = "configured name"
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Override(models.Model):
+    """An operator's runtime limit for a name (``keyed_overrides``); 0 pauses the name."""
+
+    name = models.TextField(primary_key=True)
+    slot_limit = models.IntegerField("limit")
+    reason = models.TextField()
+    author = models.TextField()
+    expires_at = models.DateTimeField(null=True, blank=True)
+    set_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_overrides"
+        default_permissions = ("view",)
+        permissions = (("change_limits", "Can set, change and clear limit overrides"),)
+        verbose_name = "limit override"
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class OverrideLog(models.Model):
+    """The overrides' audit trail (``keyed_override_log``): one row per set, clear or lapse."""
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.TextField()
+    action = models.TextField()
+    old_limit = models.IntegerField(null=True)
+    new_limit = models.IntegerField(null=True)
+    reason = models.TextField()
+    author = models.TextField()
+    expires_at = models.DateTimeField(null=True)
+    at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_override_log"
+        default_permissions = ("view",)
+        verbose_name = "override audit entry"
+        verbose_name_plural = "override audit trail"
+        ordering = ("-at", "-id")
+
+
+class Slot(models.Model):
+    """The slot counter of one key and shard (``keyed_slots``): ``used`` = claims held on it."""
+
+    pk = models.CompositePrimaryKey("key", "shard")
+    key = models.TextField()
+    shard = models.IntegerField()
+    name = models.TextField()
+    used = models.IntegerField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_slots"
+        default_permissions = ()
+
+
+class Key(models.Model):
+    """A concurrency key the ledger has seen (``keyed_keys``) with its waiting count."""
+
+    key = models.TextField(primary_key=True)
+    name = models.TextField()
+    waiting = models.IntegerField()
+    active_at = models.DateTimeField("last active")
+
+    class Meta:
+        managed = False
+        db_table = "keyed_keys"
+        default_permissions = ("view",)
+        verbose_name = "key"
+        ordering = ("key",)
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class Holder(models.Model):
+    """A worker process start (``keyed_holders``): hostname + pid + start nonce."""
+
+    holder = models.TextField(primary_key=True)
+    hostname = models.TextField()
+    pid = models.IntegerField()
+    started_at = models.DateTimeField()
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_holders"
+        default_permissions = ()
+
+
+class TaskRecord(models.Model):
+    """The books (``keyed_tasks``): one row per keyed task id that arrived, with its final outcome."""
+
+    task_id = models.TextField(primary_key=True)
+    task_name = models.TextField()
+    key = models.TextField(null=True)
+    group_key = models.TextField(null=True)
+    arrived_at = models.DateTimeField()
+    outcome = models.TextField(null=True, choices=OUTCOMES)
+    finished_attempt = models.IntegerField()
+    finished_at = models.DateTimeField(null=True)
+    detail = models.TextField()
+    duplicates = models.IntegerField()
+    notified = models.BooleanField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_tasks"
+        default_permissions = ("view",)
+        verbose_name = "outcome"
+        verbose_name_plural = "outcome history"
+        ordering = ("-arrived_at",)
+
+    def __str__(self) -> str:
+        return self.task_id
+
+
+class Claim(models.Model):
+    """A held slot (``keyed_claims``): the right of one attempt to execute. Primary key in the table:
+    (task_id, attempt); the fence is unique too (drawn from a sequence for every claim)."""
+
+    task_id = models.TextField()
+    attempt = models.IntegerField()
+    key = models.TextField(null=True)
+    shard = models.IntegerField(null=True)
+    group_key = models.TextField(null=True)
+    state = models.TextField()
+    fence = models.BigIntegerField(primary_key=True)
+    holder = models.TextField(null=True)
+    nonce = models.UUIDField(null=True)
+    dispatch_deadline = models.DateTimeField(null=True)
+    lease_expires_at = models.DateTimeField()
+    claimed_at = models.DateTimeField()
+    parked = models.JSONField(null=True)
+    cost = models.IntegerField()
+    extra_keys = ArrayField(models.TextField(), null=True)
+    extra_shards = ArrayField(models.IntegerField(), null=True)
+    held_outcome = models.TextField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "keyed_claims"
+        default_permissions = ("view",)
+        permissions = (("force_release", "Can force-release a claim (a recorded breach if its holder is alive)"),)
+        verbose_name = "claim"
+        ordering = ("claimed_at",)
+
+    def __str__(self) -> str:
+        return f"{self.task_id} attempt {self.attempt}"
+
+
+class Waiting(models.Model):
+    """A parked attempt (``keyed_waiting``). Primary key in the table: (task_id, attempt); the arrival number is
+    unique too (drawn from a sequence for every park, kept when a voided promotion goes back in line)."""
+
+    task_id = models.TextField()
+    attempt = models.IntegerField()
+    key = models.TextField(null=True)
+    group_key = models.TextField(null=True)
+    group_seq = models.BigIntegerField(null=True)
+    priority = models.IntegerField()
+    arrival = models.BigIntegerField(primary_key=True)
+    arrived_at = models.DateTimeField()
+    not_before = models.DateTimeField(null=True)
+    deadline = models.DateTimeField(null=True)
+    supersede_key = models.TextField(null=True)
+    shadow = models.BooleanField()
+    group_blocked = models.BooleanField()
+    queue = models.TextField(null=True)
+    message = models.JSONField()
+    keys = ArrayField(models.TextField(), null=True)
+    cost = models.IntegerField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_waiting"
+        default_permissions = ("view",)
+        permissions = (("cancel_waiting", "Can cancel (revoke) a waiting task"),)
+        verbose_name = "waiting task"
+        ordering = ("arrival",)
+
+    def __str__(self) -> str:
+        return f"{self.task_id} attempt {self.attempt}"
+
+
+class Group(models.Model):
+    """An ordered group (``keyed_groups``) and its sequence counter."""
+
+    group_key = models.TextField(primary_key=True)
+    next_seq = models.BigIntegerField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_groups"
+        default_permissions = ()
+
+
+class GroupMember(models.Model):
+    """A member of an ordered group (``keyed_group_members``); the head is the lowest seq."""
+
+    group_key = models.TextField()
+    seq = models.BigIntegerField()
+    task_id = models.TextField(primary_key=True)
+    received = models.BooleanField()
+    registered_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_group_members"
+        default_permissions = ()
+
+
+class Event(models.Model):
+    """A ledger fact for operators (``keyed_events``): drift repaired, forced releases (recorded breaches),
+    reclaimed leases, duplicate deliveries."""
+
+    id = models.BigAutoField(primary_key=True)
+    kind = models.TextField()
+    key = models.TextField(null=True)
+    task_id = models.TextField(null=True)
+    detail = models.TextField()
+    at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_events"
+        default_permissions = ("view",)
+        verbose_name = "ledger event"
+        ordering = ("-at", "-id")
