@@ -150,13 +150,16 @@ class Ledger:
         contended: bool = False,
         local_queues: Iterable[str] | None = None,
         local_tasks: Iterable[str] | None = None,
+        uncertain: bool = False,
+        hold: float | None = None,
         now: datetime | None = None,
     ) -> ReleaseReport:
         """Release a claim. Uncontended, it is a self-committing statement and a read; for a ``contended`` key
         (the caller saw it park attempts recently) the release and the promotion it makes are one transaction,
         so the freed slot is never visible to anyone else (a sweeper would take it and republish).
         ``local_queues`` / ``local_tasks``: the caller runs promotions of these itself (D4); they come back
-        already bound to this holder (``Promotion.nonce is None``)."""
+        already bound to this holder (``Promotion.nonce is None``). ``uncertain`` / ``hold``: the attempt ended by
+        a hard time limit or a lost worker; an uncertain hold keeps its slots (see ``admission.release``)."""
         local = None
         if local_queues is not None:
             local = admission.LocalHandoff(
@@ -164,9 +167,20 @@ class Ledger:
             )
 
         def in_transaction(conn: sa.Connection) -> ReleaseReport:
-            return release(conn, token, fence, outcome, detail=detail, dispatch=self.dispatch, local=local, now=now)
+            return release(
+                conn,
+                token,
+                fence,
+                outcome,
+                detail=detail,
+                dispatch=self.dispatch,
+                local=local,
+                uncertain=uncertain,
+                hold=hold,
+                now=now,
+            )
 
-        if contended:
+        if contended or uncertain:
             return self.transaction(in_transaction)
         with self.autocommit.connect() as conn:
             fast = admission.release_autocommit(conn, token, fence, outcome, detail=detail, now=now)

@@ -90,19 +90,19 @@ _CLAIM_NEW = """
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim, arr
          WHERE arr.new AND NOT arr.expired
-           AND s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard) AND NOT {PROMOTABLE}
+           AND s.key = :key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard) AND NOT {PROMOTABLE}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s {lock_wait}
     ), took AS (
-        UPDATE keyed_slots s SET used = s.used + 1
+        UPDATE keyed_slots s SET used = s.used + :cost
           FROM pick, lim
-         WHERE s.key = :key AND s.shard = pick.shard AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+         WHERE s.key = :key AND s.shard = pick.shard AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
         RETURNING s.shard
     ), claimed AS (
         INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
-                                  lease_expires_at, claimed_at)
+                                  lease_expires_at, claimed_at, cost)
         SELECT :task_id, :attempt, :key, took.shard, NULL, 'running', nextval('keyed_fence_seq'), :holder,
-               {NOW} + make_interval(secs => :lease), {NOW}
+               {NOW} + make_interval(secs => :lease), {NOW}, :cost
           FROM took
         RETURNING fence, shard
     )
@@ -159,6 +159,7 @@ def _arrival_params(arrival: Arrival, name: str | None, *, holder: str, lease: f
         "group_key": arrival.group_key,
         "deadline": arrival.deadline,
         "name": name,
+        "cost": arrival.cost,
         "holder": holder,
         "lease": lease,
         "now": now,
@@ -172,7 +173,7 @@ def admit_autocommit(
     or None — then run ``admit`` in a transaction, with ``fresh=True`` when the second value says this call
     recorded the task's arrival (it is new: no duplicate to look for). Being its own transaction, a stray
     shard lock ends with it (see _fast_claim)."""
-    if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None:
+    if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None or arrival.extra_keys:
         return None, False
     name = key_name(arrival.key)
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
@@ -203,7 +204,13 @@ def admit(
     token = arrival.token
     name = key_name(arrival.key) if arrival.key else None
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
-    fast = arrival.key is not None and name is not None and not arrival.group_key and arrival.not_before is None
+    fast = (
+        arrival.key is not None
+        and name is not None
+        and not arrival.group_key
+        and arrival.not_before is None
+        and not arrival.extra_keys
+    )
     row: Any = None
     if fast and not fresh:
         assert name is not None
@@ -233,21 +240,31 @@ def admit(
         claim = _fast_claim(conn, name, lambda: conn.execute(slots.SLOTS_CLAIM_ANY, params).one())
         if claim is not None and claim.shard is not None:
             fence = claims.claims_insert_running(
-                conn, token, key=key, shard=claim.shard, group_key=None, holder=holder, lease=lease, now=now
+                conn,
+                token,
+                key=key,
+                shard=claim.shard,
+                group_key=None,
+                holder=holder,
+                lease=lease,
+                holding=claims.Holding(key, claim.shard, cost=arrival.cost),
+                now=now,
             )
             return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
 
-    # Slow path: lock everything the decision depends on, in lock order, then decide.
-    room: int | None = None
-    if arrival.key and name:
-        uses = slots.slots_lock_all(conn, arrival.key, name, now=now)
-        room = next((u.shard for u in uses if u.has_room), None)
-        keys.keys_lock(conn, arrival.key, name, now=now)
-        if (
-            room is not None
-            and conn.execute(waiting.WAITING_PROMOTABLE_EXISTS, {"key": arrival.key, "now": now}).scalar()
-        ):
-            room = None  # a free slot with a line in front of it belongs to the line's head (FIFO, D10)
+    # Slow path: lock everything the decision depends on, in lock order (every key's shard rows, keys sorted,
+    # then their head rows), then decide. Several keys: all have room or the attempt parks (all-or-nothing).
+    rooms: dict[str, int | None] = {}
+    for k in sorted(arrival.keys):
+        uses = slots.slots_lock_all(conn, k, key_name(k), now=now)
+        rooms[k] = next((u.shard for u in uses if u.fits(arrival.cost)), None)
+    for k in sorted(arrival.keys):
+        keys.keys_lock(conn, k, key_name(k), now=now)
+    for k in sorted(arrival.keys):
+        if rooms[k] is not None and conn.execute(waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}).scalar():
+            rooms[k] = None  # a free slot with a line in front of it belongs to the line's head (FIFO, D10)
+    room = rooms.get(arrival.key) if arrival.key else None
+    has_room = all(shard is not None for shard in rooms.values())
     head_ready = True
     is_head = True
     if arrival.group_key:
@@ -257,12 +274,10 @@ def admit(
         head_ready = is_head and not busy
     not_due = arrival.not_before is not None and _is_future(conn, arrival.not_before, now)
 
-    if (arrival.key is None or room is not None) and head_ready and not not_due:
-        # The guarded UPDATE is the authority: the limit may have changed since the rows were read.
-        took = arrival.key is None or (
-            name is not None and room is not None and slots.slots_take(conn, arrival.key, name, room, now=now)
-        )
-        if took:
+    if (arrival.key is None or has_room) and head_ready and not not_due:
+        # The guarded UPDATEs are the authority: the limit may have changed since the rows were read.
+        holding = _take_locked(conn, arrival, rooms, now=now) if arrival.key else claims.Holding(None, None)
+        if holding is not None:
             fence = claims.claims_insert_running(
                 conn,
                 token,
@@ -271,6 +286,7 @@ def admit(
                 group_key=arrival.group_key,
                 holder=holder,
                 lease=lease,
+                holding=holding,
                 now=now,
             )
             return Admission(Verdict.ADMITTED, fence=fence, shard=room)
@@ -284,6 +300,30 @@ def admit(
             return Admission(Verdict.REJECTED, detail=detail)
     waiting.waiting_insert(conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, now=now)
     return Admission(Verdict.PARKED, superseded=tuple(superseded or ()))
+
+
+def _take_locked(
+    conn: sa.Connection, arrival: Arrival, rooms: dict[str, int | None], *, now: Any
+) -> claims.Holding | None:
+    """Take ``arrival.cost`` slots of every key on the shard found for it (rows the caller holds locked): all
+    of them or none (a savepoint undoes a partial take when a guard fails, e.g. a limit lowered meanwhile)."""
+    assert arrival.key is not None
+    savepoint = conn.begin_nested() if arrival.extra_keys else None
+    for k in sorted(arrival.keys):
+        shard = rooms[k]
+        if shard is None or not slots.slots_take(conn, k, key_name(k), shard, cost=arrival.cost, now=now):
+            if savepoint is not None:
+                savepoint.rollback()
+            return None
+    if savepoint is not None:
+        savepoint.commit()
+    return claims.Holding(
+        key=arrival.key,
+        shard=rooms[arrival.key],
+        extra_keys=arrival.extra_keys,
+        extra_shards=tuple(int(rooms[k]) for k in arrival.extra_keys),  # type: ignore[arg-type]
+        cost=arrival.cost,
+    )
 
 
 def bind(
@@ -304,8 +344,8 @@ RELEASE_FAST = sa.text(
     WITH c AS (
         DELETE FROM keyed_claims
          WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
-           AND group_key IS NULL
-        RETURNING task_id, attempt, key, shard, fence
+           AND group_key IS NULL AND extra_keys IS NULL
+        RETURNING task_id, attempt, key, shard, fence, cost
     ), b AS (
         UPDATE keyed_tasks t
            SET outcome = COALESCE(t.outcome, CAST(:final AS text)),
@@ -317,7 +357,7 @@ RELEASE_FAST = sa.text(
          WHERE t.task_id = c.task_id AND :over AND (CAST(:final AS text) IS NULL OR t.outcome IS NULL)
         RETURNING t.task_id, CAST(:final AS text) IS NOT NULL AS recorded
     ), s AS (
-        UPDATE keyed_slots sl SET used = sl.used - 1
+        UPDATE keyed_slots sl SET used = sl.used - c.cost
           FROM c LEFT JOIN b ON b.task_id = c.task_id
          WHERE sl.key = c.key AND sl.shard = c.shard
         RETURNING sl.used < keyed_shard_share(keyed_effective_limit(sl.name, {NOW}), keyed_name_shards(sl.name),
@@ -334,7 +374,12 @@ RELEASE_FAST = sa.text(
 
 # keys_waiting: whether a key has parked attempts, read after the slot row's lock is held (a new snapshot:
 # an attempt parked by a transaction that held that lock before us is seen, D2).
-KEYS_WAITING = sa.text("SELECT waiting FROM keyed_keys WHERE key = :key")
+KEYS_WAITING = sa.text(
+    """
+    SELECT COALESCE((SELECT waiting > 0 FROM keyed_keys WHERE key = :key), false)
+        OR EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.keys @> ARRAY[CAST(:key AS text)] AND NOT w.shadow)
+    """
+)
 
 
 def release(
@@ -346,13 +391,27 @@ def release(
     detail: str = "",
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     local: LocalHandoff | None = None,
+    uncertain: bool = False,
+    hold: float | None = None,
     now: Any = None,
 ) -> ReleaseReport:
     """Release the claim of ``token`` held with ``fence`` after ``outcome``, and promote what that makes ready.
 
     Idempotent and fenced: only the call whose DELETE returns the claim row gives the slot back; a second call,
     a stale worker (old fence) or a lost race with the reaper returns ``released=False`` and changes nothing.
+
+    ``uncertain``: the attempt ended by a hard time limit or a lost worker, so the remote call it made may still
+    be running. When an uncertain hold applies (``hold`` seconds, else its names' ``uncertain_hold``) the slots
+    stay held until it is over (the sweep then gives them back); the task's outcome is recorded now.
     """
+    if uncertain and _hold_uncertain(conn, token, fence, outcome, hold=hold, now=now):
+        final = _final_outcome(outcome, grouped=False)
+        report = ReleaseReport(released=True)
+        if final is not None and books.books_finish(
+            conn, token.task_id, final, attempt=token.attempt, detail=detail, now=now
+        ):
+            report.finished.append((token.task_id, final))
+        return report
     final = _final_outcome(outcome, grouped=False)
     # A lost run may have to go back in line from its stored message: the general path does that.
     row = (
@@ -372,6 +431,13 @@ def release(
         keys.keys_lock(conn, row.key, key_name(row.key), now=now)
         report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, local=local, now=now)
     return report
+
+
+def _hold_uncertain(
+    conn: sa.Connection, token: Token, fence: int, outcome: Outcome, *, hold: float | None, now: Any
+) -> bool:
+    conn.execute(LOCK_TASK, {"task_id": token.task_id})  # lock order: the task's row first
+    return claims.claims_hold_uncertain(conn, token, fence, outcome.value, hold=hold, now=now)
 
 
 def _release_fast(
@@ -468,26 +534,34 @@ def _after_claim_removed(
     elif outcome is Outcome.RETRY:
         books.books_attempt_over(conn, token.task_id, token.attempt)
 
-    shard_has_room = False
-    if row.key is not None:
-        shard_has_room = slots.slots_give_back(conn, row.key, row.shard, now=now)
+    freed = give_back(conn, claims.Holding.of(row), now=now)
     _shadows_follow(conn, token, row.key, outcome, now=now)
     # A promoted attempt whose run was lost: its broker message was acked when it was parked, so it goes back in
     # line, in its old place, from the stored message (a copy the broker still holds is a duplicate, D8).
     parked = getattr(row, "parked", None) if outcome is Outcome.WORKER_LOST else None
-    if row.key is not None and (shard_has_room or parked is not None):
-        keys.keys_lock(conn, row.key, key_name(row.key), now=now)
+    to_lock = {key for key, _ in freed} | ({row.key} if row.key is not None and parked is not None else set())
+    for key in sorted(to_lock):
+        keys.keys_lock(conn, key, key_name(key), now=now)
     if parked is not None and waiting.waiting_restore(conn, parked) and row.key is not None:
         keys.keys_add_waiting(conn, row.key, force=True)
     if row.group_key is not None and final is not None:
         groups.groups_lock(conn, row.group_key)
         groups.members_finish(conn, token.task_id)
         _unblock_head(conn, row.group_key)
-    if row.key is not None and shard_has_room:
-        report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, local=local, now=now)
+    for key, shard in freed:
+        report.promotions += _promote_waiters(conn, key, [shard], dispatch=dispatch, local=local, now=now)
     if row.group_key is not None:
         report.promotions += promote_group(conn, row.group_key, dispatch=dispatch, local=local, now=now)
     return report
+
+
+def give_back(conn: sa.Connection, holding: claims.Holding, *, now: Any = None) -> list[tuple[str, int]]:
+    """Give back every slot of a deleted claim, in lock order; the (key, shard) rows that now have room."""
+    return [
+        (key, shard)
+        for key, shard in holding.slots()
+        if slots.slots_give_back(conn, key, shard, cost=holding.cost, now=now)
+    ]
 
 
 def _final_outcome(outcome: Outcome, *, grouped: bool) -> str | None:
@@ -523,19 +597,24 @@ def _promote_waiters(
     local: LocalHandoff | None = None,
     now: Any = None,
 ) -> list[Promotion]:
-    """Promote waiters of ``key`` into ``free_shards`` (rows the caller holds locked, one entry per free slot),
-    in order. The caller holds the key's head row too."""
-    name = key_name(key)
+    """Promote waiters of ``key`` into ``free_shards`` (rows the caller holds locked; at most one promotion per
+    entry), in order. The caller holds the key's head row too.
+
+    Strict FIFO per key: when the head of the line cannot start (it needs more slots than are free — a weight
+    — or another key that has no room), nobody behind it passes: the free slots stay reserved for it, so a
+    multi-key or heavy attempt is never starved by a stream of light ones (docs/ledger.md). Its other keys are
+    taken without waiting (out of lock order); a busy row leaves the work to that row's holder or the sweep."""
     promoted: list[Promotion] = []
-    pending = list(free_shards)
+    shards = list(dict.fromkeys(free_shards))
+    budget = len(free_shards)
     conn.execute(waiting.WAITING_CLEAR_DUE_FOR_KEY, {"key": key, "now": now})
-    while pending:
-        candidates = waiting.waiting_next_for_key(conn, key, limit=len(pending) + 3, now=now)
+    while budget > 0:
+        candidates = waiting.waiting_next_for_key(conn, key, limit=budget + 3, now=now)
         if not candidates:
             break
         progressed = False
         for cand in candidates:
-            if not pending:
+            if budget <= 0:
                 break
             if cand.group_key is not None:
                 # Its group must be free and it must be the head; the group row is later in the lock order,
@@ -545,17 +624,121 @@ def _promote_waiters(
                 head, busy = groups.groups_head(conn, cand.group_key)
                 if busy or head != cand.group_seq:
                     continue
-            shard = pending[0]
-            if not slots.slots_take(conn, key, name, shard, now=now):
-                pending.pop(0)
-                continue
-            pending.pop(0)
-            promoted.append(_promote_row(conn, cand, key=key, shard=shard, dispatch=dispatch, local=local, now=now))
-            keys.keys_remove_waiting(conn, key, now=now)
+            holding = _take_for(conn, cand, key, shards, now=now)
+            if holding is None:
+                return promoted  # the head of the line waits for room; the room is reserved for it
+            promoted.append(
+                _promote_row(conn, cand, key=cand.key, shard=holding.shard, holding=holding, dispatch=dispatch,
+                             local=local, now=now)
+            )
+            keys.keys_remove_waiting(conn, cand.key, now=now)
+            budget -= 1
             progressed = True
         if not progressed:
             break
     return promoted
+
+
+def _take_for(
+    conn: sa.Connection, cand: Any, key: str, shards: list[int], *, now: Any
+) -> claims.Holding | None:
+    """Take every slot a locked waiting row needs, being promoted through ``key`` (one of ``shards``, which the
+    caller holds locked): all or none. Its other keys (and its own head row, when its first key is not ``key``)
+    are taken without waiting and only when no one stands before it in their lines."""
+    cost = int(cand.cost or 1)
+    others = [k for k in (cand.keys or ()) if k != key]
+    savepoint = conn.begin_nested() if others else None
+
+    def fail() -> None:
+        if savepoint is not None:
+            savepoint.rollback()
+
+    name = key_name(key)
+    shard = next((sh for sh in shards if slots.slots_take(conn, key, name, sh, cost=cost, now=now)), None)
+    if shard is None:
+        fail()
+        return None
+    got = {key: shard}
+    for other in sorted(others):
+        if _someone_ahead(conn, other, cand, now=now):
+            fail()
+            return None
+        taken = slots.slots_take_nowait(conn, other, key_name(other), cost=cost, now=now)
+        if taken is None:
+            fail()
+            return None
+        got[other] = taken
+    if cand.key != key and conn.execute(KEYS_LOCK_NOWAIT, {"key": cand.key}).first() is None:
+        fail()
+        return None
+    if savepoint is not None:
+        savepoint.commit()
+    return _holding(cand, got)
+
+
+def _holding(cand: Any, got: dict[str, int]) -> claims.Holding:
+    extra = tuple(k for k in (cand.keys or ()) if k != cand.key)
+    return claims.Holding(
+        key=cand.key,
+        shard=got[cand.key],
+        extra_keys=extra,
+        extra_shards=tuple(got[k] for k in extra),
+        cost=int(cand.cost or 1),
+    )
+
+
+def _someone_ahead(conn: sa.Connection, key: str, cand: Any, *, now: Any) -> bool:
+    params = {"key": key, "priority": cand.priority, "arrival": cand.arrival, "now": now}
+    return bool(conn.execute(waiting.WAITING_AHEAD, params).scalar())
+
+
+# keys_lock_nowait: the head row of a key for a step that holds locks later in the lock order.
+KEYS_LOCK_NOWAIT = sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE SKIP LOCKED")
+
+
+def promote_multi(
+    conn: sa.Connection, token: Token, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+) -> list[Promotion]:
+    """Promote one parked attempt with several keys if every key has room for it and it is first in every
+    key's line — taking every lock in lock order, so it never has to skip a busy row (the sweep's backstop
+    for multi-key waiters, D2)."""
+    row = conn.execute(
+        sa.text("SELECT keys FROM keyed_waiting WHERE task_id = :task_id AND attempt = :attempt AND NOT shadow"),
+        {"task_id": token.task_id, "attempt": token.attempt},
+    ).first()
+    if row is None or not row.keys:
+        return []
+    all_keys = sorted(row.keys)
+    uses = {k: slots.slots_lock_all(conn, k, key_name(k), now=now) for k in all_keys}
+    for k in all_keys:
+        keys.keys_lock(conn, k, key_name(k), now=now)
+    cand = conn.execute(waiting.WAITING_GET_LOCKED, {"task_id": token.task_id, "attempt": token.attempt}).first()
+    if cand is None or cand.not_before is not None or cand.group_blocked or _is_past(conn, cand.deadline, now):
+        return []
+    if cand.group_key is not None:
+        groups.groups_lock(conn, cand.group_key)
+        head, busy = groups.groups_head(conn, cand.group_key)
+        if busy or head != cand.group_seq:
+            return []
+    cost = int(cand.cost or 1)
+    rooms: dict[str, int | None] = {}
+    for k in all_keys:
+        if _someone_ahead(conn, k, cand, now=now):
+            return []
+        rooms[k] = next((u.shard for u in uses[k] if u.fits(cost)), None)
+        if rooms[k] is None:
+            return []
+    savepoint = conn.begin_nested()
+    for k in all_keys:
+        if not slots.slots_take(conn, k, key_name(k), int(rooms[k]), cost=cost, now=now):  # type: ignore[arg-type]
+            savepoint.rollback()
+            return []
+    savepoint.commit()
+    holding = _holding(cand, {k: int(v) for k, v in rooms.items() if v is not None})
+    promotion = _promote_row(conn, cand, key=cand.key, shard=holding.shard, holding=holding, dispatch=dispatch,
+                             now=now)
+    keys.keys_remove_waiting(conn, cand.key, now=now)
+    return [promotion]
 
 
 def promote_group(
@@ -578,19 +761,40 @@ def promote_group(
         return []
     if cand.group_blocked:
         waiting.waiting_unblock(conn, group_key, head)
-    shard: int | None = None
+    holding: claims.Holding | None = None
     if cand.key is not None:
-        locked = conn.execute(
-            sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE SKIP LOCKED"),
-            {"key": cand.key},
-        ).first()
-        if locked is None:
-            return []
-        shard = slots.slots_take_nowait(conn, cand.key, key_name(cand.key), now=now)
-        if shard is None:
+        holding = _take_nowait_all(conn, cand, now=now)
+        if holding is None:
             return []
         keys.keys_remove_waiting(conn, cand.key, now=now)
-    return [_promote_row(conn, cand, key=cand.key, shard=shard, dispatch=dispatch, local=local, now=now)]
+    shard = None if holding is None else holding.shard
+    return [
+        _promote_row(conn, cand, key=cand.key, shard=shard, holding=holding, dispatch=dispatch, local=local, now=now)
+    ]
+
+
+def _take_nowait_all(conn: sa.Connection, cand: Any, *, now: Any) -> claims.Holding | None:
+    """Take every slot a locked waiting row needs without waiting for any lock (the caller holds locks later
+    in the lock order), only where no one stands before it in line: all or none."""
+    cost = int(cand.cost or 1)
+    savepoint = conn.begin_nested()
+    got: dict[str, int] = {}
+    ok = conn.execute(KEYS_LOCK_NOWAIT, {"key": cand.key}).first() is not None
+    for k in sorted(cand.keys or (cand.key,)):
+        if not ok:
+            break
+        if cand.keys and _someone_ahead(conn, k, cand, now=now):
+            ok = False
+            break
+        taken = slots.slots_take_nowait(conn, k, key_name(k), cost=cost, now=now)
+        ok = taken is not None
+        if taken is not None:
+            got[k] = taken
+    if not ok:
+        savepoint.rollback()
+        return None
+    savepoint.commit()
+    return _holding(cand, got)
 
 
 def _promote_row(
@@ -600,6 +804,7 @@ def _promote_row(
     key: str | None,
     shard: int | None,
     dispatch: float,
+    holding: claims.Holding | None = None,
     local: LocalHandoff | None = None,
     now: Any = None,
 ) -> Promotion:
@@ -620,6 +825,7 @@ def _promote_row(
             holder=local.holder,
             lease=local.lease,
             parked=parked,
+            holding=holding,
             now=now,
         )
     else:
@@ -633,6 +839,7 @@ def _promote_row(
             nonce=nonce,
             dispatch=dispatch,
             parked=parked,
+            holding=holding,
             now=now,
         )
     return Promotion(
@@ -720,7 +927,7 @@ def _duplicate(
     """A known attempt token arrived again (D8): count it; a duplicate of a running attempt is kept as its
     shadow (promoted if that attempt's lease is reclaimed, dropped when it finishes)."""
     books.books_count_duplicate(conn, arrival.task_id)
-    if kind == "claim" and detail == "running":
+    if kind == "claim" and detail in ("running", "uncertain"):
         if arrival.key and name:
             keys.keys_lock(conn, arrival.key, name, now=now)
         inserted = waiting.waiting_insert(

@@ -30,7 +30,9 @@ class Arrival:
     ``group_seq`` the sequence number registered at publish (None: allocate at receipt, D10). ``deadline`` is
     Celery's ``expires``; the name's ``max_wait`` may make the latest start earlier. ``not_before`` is an ETA /
     retry countdown. ``message`` is the whole broker message (JSON-able) kept while the attempt is parked.
-    Higher ``priority`` is served first.
+    Higher ``priority`` is served first. ``extra_keys``: further concurrency keys the attempt needs besides
+    ``key`` (all claimed in one transaction or none; it waits in ``key``'s waiting room). ``cost``: slots it
+    takes of each of its keys (a weighted slot).
     """
 
     task_id: str
@@ -45,16 +47,29 @@ class Arrival:
     supersede_key: str | None = None
     queue: str | None = None
     message: Any = field(default_factory=dict)
+    extra_keys: tuple[str, ...] = ()
+    cost: int = 1
 
     def __post_init__(self) -> None:
         if self.key is None and self.group_key is None:
             raise ValueError("an arrival needs a concurrency key or a group key")
+        if self.extra_keys and self.key is None:
+            raise ValueError("extra_keys need a first key")
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"an attempt cannot hold the same key twice: {self.keys!r}")
+        if not isinstance(self.cost, int) or isinstance(self.cost, bool) or self.cost < 1:
+            raise ValueError(f"cost must be a positive integer, got {self.cost!r}")
         if not isinstance(self.attempt, int) or isinstance(self.attempt, bool) or self.attempt < 0:
             raise ValueError(f"attempt must be a non-negative integer, got {self.attempt!r}")
 
     @property
     def token(self) -> Token:
         return Token(self.task_id, self.attempt)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every concurrency key of the attempt, its first key first."""
+        return () if self.key is None else (self.key, *self.extra_keys)
 
 
 class Verdict(StrEnum):

@@ -22,9 +22,10 @@ from celery_keyed.ledger.clock import NOW
 CLAIMS_INSERT_RUNNING = sa.text(
     f"""
     INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
-                              lease_expires_at, claimed_at, parked)
+                              lease_expires_at, claimed_at, parked, cost, extra_keys, extra_shards)
     VALUES (:task_id, :attempt, :key, :shard, :group_key, 'running', nextval('keyed_fence_seq'), :holder,
-            {NOW} + make_interval(secs => :lease), {NOW}, CAST(:parked AS jsonb))
+            {NOW} + make_interval(secs => :lease), {NOW}, CAST(:parked AS jsonb), :cost,
+            CAST(:extra_keys AS text[]), CAST(:extra_shards AS integer[]))
     RETURNING fence
     """
 )
@@ -33,10 +34,10 @@ CLAIMS_INSERT_RUNNING = sa.text(
 CLAIMS_INSERT_PROMOTED = sa.text(
     f"""
     INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, nonce, dispatch_deadline,
-                              lease_expires_at, claimed_at, parked)
+                              lease_expires_at, claimed_at, parked, cost, extra_keys, extra_shards)
     VALUES (:task_id, :attempt, :key, :shard, :group_key, 'promoted', nextval('keyed_fence_seq'), :nonce,
             {NOW} + make_interval(secs => :dispatch), {NOW} + make_interval(secs => :dispatch), {NOW},
-            CAST(:parked AS jsonb))
+            CAST(:parked AS jsonb), :cost, CAST(:extra_keys AS text[]), CAST(:extra_shards AS integer[]))
     RETURNING fence
     """
 )
@@ -60,7 +61,40 @@ CLAIMS_DELETE_FENCED = sa.text(
     """
     DELETE FROM keyed_claims
      WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
-    RETURNING task_id, attempt, key, shard, group_key, fence, parked
+    RETURNING task_id, attempt, key, shard, group_key, fence, parked, cost, extra_keys, extra_shards
+    """
+)
+
+# claims_hold_uncertain: an attempt that ended by a hard time limit or a lost worker keeps its slots for the
+# uncertain hold (the task's own, else the longest of its keys' names), because the remote call it made may
+# still be running (DESIGN §7.4). Same guard as a release: only the holder of this exact fence. No row = no
+# hold configured, or nothing to hold (then release as usual).
+CLAIMS_HOLD_UNCERTAIN = sa.text(
+    f"""
+    UPDATE keyed_claims c
+       SET state = 'uncertain', held_outcome = :outcome,
+           lease_expires_at = {NOW} + make_interval(secs => h.secs)
+      FROM (SELECT COALESCE(CAST(:hold AS double precision), (
+                SELECT max(n.uncertain_hold) FROM keyed_names n, keyed_claims k
+                 WHERE k.task_id = :task_id AND k.attempt = :attempt
+                   AND n.name = ANY(array_prepend(split_part(k.key, ':', 1),
+                       ARRAY(SELECT split_part(x, ':', 1) FROM unnest(k.extra_keys) AS x))))) AS secs) h
+     WHERE c.task_id = :task_id AND c.attempt = :attempt AND c.fence = :fence AND c.state = 'running'
+       AND c.key IS NOT NULL AND h.secs > 0
+    RETURNING c.lease_expires_at
+    """
+)
+
+# claims_delete_uncertain_due: uncertain holds whose time is up; the sweep gives their slots back.
+CLAIMS_DELETE_UNCERTAIN_DUE = sa.text(
+    f"""
+    DELETE FROM keyed_claims c
+     WHERE (c.task_id, c.attempt) IN (
+            SELECT task_id, attempt FROM keyed_claims
+             WHERE state = 'uncertain' AND lease_expires_at <= {NOW}
+             ORDER BY lease_expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)
+    RETURNING c.task_id, c.attempt, c.key, c.shard, c.group_key, c.fence, c.parked, c.cost, c.extra_keys,
+              c.extra_shards, c.held_outcome
     """
 )
 
@@ -105,7 +139,8 @@ CLAIMS_RENEW = sa.text(
 # claims_get: the live claim of a token, if any.
 CLAIMS_GET = sa.text(
     """
-    SELECT task_id, attempt, key, shard, group_key, state, fence, holder, lease_expires_at
+    SELECT task_id, attempt, key, shard, group_key, state, fence, holder, lease_expires_at, cost, extra_keys,
+           extra_shards, held_outcome
       FROM keyed_claims WHERE task_id = :task_id AND attempt = :attempt
     """
 )
@@ -124,6 +159,43 @@ class HeldClaim:
         return Token(self.task_id, self.attempt)
 
 
+@dataclass(frozen=True)
+class Holding:
+    """The slots a claim holds: ``cost`` of its first key on ``shard``, and of each extra key on its shard."""
+
+    key: str | None
+    shard: int | None
+    extra_keys: tuple[str, ...] = ()
+    extra_shards: tuple[int, ...] = ()
+    cost: int = 1
+
+    @classmethod
+    def of(cls, row: Any) -> Holding:
+        """The holding of a claim row (any row with key, shard and, optionally, the extra columns)."""
+        return cls(
+            key=row.key,
+            shard=row.shard,
+            extra_keys=tuple(getattr(row, "extra_keys", None) or ()),
+            extra_shards=tuple(getattr(row, "extra_shards", None) or ()),
+            cost=int(getattr(row, "cost", None) or 1),
+        )
+
+    def slots(self) -> list[tuple[str, int]]:
+        """Every (key, shard) held, in lock order."""
+        if self.key is None or self.shard is None:
+            return []
+        return sorted([(self.key, self.shard), *zip(self.extra_keys, self.extra_shards, strict=True)])
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "shard": self.shard,
+            "cost": self.cost,
+            "extra_keys": list(self.extra_keys) or None,
+            "extra_shards": list(self.extra_shards) or None,
+        }
+
+
 def claims_insert_running(
     conn: sa.Connection,
     token: Token,
@@ -134,15 +206,16 @@ def claims_insert_running(
     holder: str,
     lease: float,
     parked: str | None = None,
+    holding: Holding | None = None,
     now: Any = None,
 ) -> int:
     """Insert the running claim for a slot the caller has just taken; its fence. ``parked``: the waiting row
-    it came from (a promotion run by its releaser), kept so that a lost run goes back in line."""
+    it came from (a promotion run by its releaser), kept so that a lost run goes back in line. ``holding``:
+    the slots taken when they are more than one slot of ``key`` (extra keys, a cost)."""
     params = {
         "task_id": token.task_id,
         "attempt": token.attempt,
-        "key": key,
-        "shard": shard,
+        **(holding or Holding(key, shard)).params(),
         "group_key": group_key,
         "holder": holder,
         "lease": lease,
@@ -162,13 +235,13 @@ def claims_insert_promoted(
     nonce: uuid.UUID,
     dispatch: float,
     parked: str,
+    holding: Holding | None = None,
     now: Any = None,
 ) -> int:
     params = {
         "task_id": token.task_id,
         "attempt": token.attempt,
-        "key": key,
-        "shard": shard,
+        **(holding or Holding(key, shard)).params(),
         "group_key": group_key,
         "nonce": nonce,
         "dispatch": dispatch,
@@ -197,6 +270,21 @@ def claims_delete_fenced(conn: sa.Connection, token: Token, fence: int) -> sa.Ro
     """Delete the claim held with ``fence``; the row when this call released it, None when it did not."""
     params = {"task_id": token.task_id, "attempt": token.attempt, "fence": fence}
     return conn.execute(CLAIMS_DELETE_FENCED, params).first()
+
+
+def claims_hold_uncertain(
+    conn: sa.Connection, token: Token, fence: int, outcome: str, *, hold: float | None, now: Any = None
+) -> bool:
+    """Keep the claim's slots for the uncertain hold instead of releasing them; False when no hold applies."""
+    params = {
+        "task_id": token.task_id,
+        "attempt": token.attempt,
+        "fence": fence,
+        "outcome": outcome,
+        "hold": hold,
+        "now": now,
+    }
+    return conn.execute(CLAIMS_HOLD_UNCERTAIN, params).first() is not None
 
 
 def claims_renew(

@@ -20,14 +20,16 @@ from celery_keyed.ledger.keyspec import validate_name
 
 Overflow = Literal["reject", "supersede"]
 
-_KNOWN_OPTIONS = {"limit", "shards", "max_waiting", "max_wait", "overflow"}
+_KNOWN_OPTIONS = {"limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold"}
 
 
 @dataclass(frozen=True)
 class NameConfig:
     """The configuration of one name. ``limit`` slots per key; ``shards`` counter rows per key (D12);
     ``max_waiting`` parked attempts per key (None = unbounded); ``max_wait`` seconds from arrival to the
-    latest start (None = no bound); ``overflow`` what a full waiting room does with a new arrival."""
+    latest start (None = no bound); ``overflow`` what a full waiting room does with a new arrival;
+    ``uncertain_hold`` seconds a slot stays held after a hard time limit or a lost worker (None = released at
+    once), because the remote call may still be running."""
 
     name: str
     limit: int = 1
@@ -35,6 +37,7 @@ class NameConfig:
     max_waiting: int | None = None
     max_wait: float | None = None
     overflow: Overflow = "reject"
+    uncertain_hold: float | None = None
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -49,6 +52,12 @@ class NameConfig:
             or self.max_wait <= 0
         ):
             raise InvalidConfig(f"{self.name}: max_wait must be a positive number of seconds, got {self.max_wait!r}")
+        for option in ("max_wait", "uncertain_hold"):
+            value = getattr(self, option)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
+            ):
+                raise InvalidConfig(f"{self.name}: {option} must be a positive number of seconds, got {value!r}")
         if self.overflow not in ("reject", "supersede"):
             raise InvalidConfig(f"{self.name}: overflow must be 'reject' or 'supersede', got {self.overflow!r}")
 
@@ -86,18 +95,20 @@ def _check_int(name: str, option: str, value: Any, *, minimum: int, maximum: int
 # names_upsert: write one name's configuration (worker start, tests, admin).
 NAMES_UPSERT = sa.text(
     f"""
-    INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, updated_at)
-    VALUES (:name, :limit, :shards, :max_waiting, :max_wait, :overflow, {NOW})
+    INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, updated_at)
+    VALUES (:name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, {NOW})
     ON CONFLICT (name) DO UPDATE SET
         slot_limit = excluded.slot_limit, shards = excluded.shards, max_waiting = excluded.max_waiting,
-        max_wait = excluded.max_wait, overflow = excluded.overflow, updated_at = excluded.updated_at
+        max_wait = excluded.max_wait, overflow = excluded.overflow, uncertain_hold = excluded.uncertain_hold,
+        updated_at = excluded.updated_at
     RETURNING (SELECT k.slot_limit FROM keyed_names k WHERE k.name = :name) AS old_limit
     """
 )
 
 # names_get: one name's stored configuration.
 NAMES_GET = sa.text(
-    "SELECT name, slot_limit, shards, max_waiting, max_wait, overflow FROM keyed_names WHERE name = :name"
+    "SELECT name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold FROM keyed_names"
+    " WHERE name = :name"
 )
 
 # names_effective_limit: the limit the next claim of a key of this name will use.
@@ -116,6 +127,7 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, now: Any = None) ->
             "max_waiting": config.max_waiting,
             "max_wait": config.max_wait,
             "overflow": config.overflow,
+            "uncertain_hold": config.uncertain_hold,
             "now": now,
         },
     )
@@ -133,6 +145,7 @@ def names_get(conn: sa.Connection, name: str) -> NameConfig | None:
         max_waiting=row["max_waiting"],
         max_wait=row["max_wait"],
         overflow=row["overflow"],
+        uncertain_hold=row["uncertain_hold"],
     )
 
 

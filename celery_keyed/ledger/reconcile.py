@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger import admission, groups, keys, overrides, slots, waiting
 from celery_keyed.ledger.attempts import Outcome, Promotion, Token
+from celery_keyed.ledger.claims import CLAIMS_DELETE_UNCERTAIN_DUE, Holding
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.events import events_record
 from celery_keyed.ledger.keyspec import key_name
@@ -38,7 +39,7 @@ CLAIMS_DELETE_EXPIRED_ONE = sa.text(
     DELETE FROM keyed_claims
      WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
        AND state = 'running' AND lease_expires_at < {NOW}
-    RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked
+    RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked, cost, extra_keys, extra_shards
     """
 )
 CLAIMS_STALE_PROMOTED_CANDIDATES = sa.text(
@@ -52,7 +53,7 @@ CLAIMS_DELETE_STALE_PROMOTED_ONE = sa.text(
     DELETE FROM keyed_claims
      WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
        AND state = 'promoted' AND dispatch_deadline < {NOW}
-    RETURNING task_id, attempt, key, shard, group_key, fence, parked
+    RETURNING task_id, attempt, key, shard, group_key, fence, parked, cost, extra_keys, extra_shards
     """
 )
 SLOT_KEYS = sa.text("SELECT DISTINCT key FROM keyed_slots WHERE key > :after ORDER BY key LIMIT :batch")
@@ -61,6 +62,7 @@ IDLE_KEYS = sa.text(
     SELECT k.key FROM keyed_keys k
      WHERE k.waiting = 0 AND k.active_at < {NOW} - make_interval(secs => :idle)
        AND NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = k.key AND s.used > 0)
+       AND NOT EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.keys @> ARRAY[k.key])
      LIMIT :batch
     """
 )
@@ -170,6 +172,17 @@ def sweep_once(
                 report.promotions += admission.promote_group(conn, m.group_key, dispatch=dispatch, now=now)
         if not lost:
             break
+    while True:
+        with engine.begin() as conn:
+            over = conn.execute(CLAIMS_DELETE_UNCERTAIN_DUE, {"batch": 1, "now": now}).all()
+            for row in over:
+                released = admission._after_claim_removed(
+                    conn, row, Outcome(row.held_outcome), detail="uncertain hold over", dispatch=dispatch, now=now
+                )
+                report.promotions += released.promotions
+                report.finished += released.finished
+        if not over:
+            break
     report.merge(promote_all(engine, now=now, dispatch=dispatch))
     return report
 
@@ -188,6 +201,13 @@ def promote_all(
     for group_key in sorted(group_list):
         with engine.begin() as conn:
             report.promotions += admission.promote_group(conn, group_key, dispatch=dispatch, now=now)
+    with engine.connect() as conn:
+        multi = conn.execute(waiting.WAITING_MULTI_PROMOTABLE, {"limit": 1_000, "now": now}).all()
+    for m in multi:
+        with engine.begin() as conn:
+            report.promotions += admission.promote_multi(
+                conn, Token(m.task_id, m.attempt), dispatch=dispatch, now=now
+            )
     return report
 
 
@@ -239,17 +259,14 @@ def reclaim_once(
             if row is None:
                 continue
             report.voided.append(Token(row.task_id, row.attempt))
-            room = False
-            if row.key is not None:
-                room = slots.slots_give_back(conn, row.key, row.shard, now=now)
-                keys.keys_lock(conn, row.key, key_name(row.key), now=now)
+            freed = admission.give_back(conn, Holding.of(row), now=now)
+            for key in sorted({k for k, _ in freed} | ({row.key} if row.key is not None else set())):
+                keys.keys_lock(conn, key, key_name(key), now=now)
             waiting.waiting_restore(conn, row.parked)
             if row.key is not None:
                 keys.keys_add_waiting(conn, row.key, force=True)
-                if room:
-                    report.promotions += admission._promote_waiters(
-                        conn, row.key, [row.shard], dispatch=dispatch, now=now
-                    )
+            for key, shard in freed:
+                report.promotions += admission._promote_waiters(conn, key, [shard], dispatch=dispatch, now=now)
             if row.group_key is not None:
                 report.promotions += admission.promote_group(conn, row.group_key, dispatch=dispatch, now=now)
     return report

@@ -26,13 +26,14 @@ SLOTS_CLAIM_ANY = sa.text(
         SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim
-         WHERE s.key = :key AND s.used < keyed_shard_share(lim.k, lim.n, s.shard) AND NOT {PROMOTABLE_EXISTS}
+         WHERE s.key = :key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
+           AND NOT {PROMOTABLE_EXISTS}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
     ), took AS (
-        UPDATE keyed_slots s SET used = s.used + 1
+        UPDATE keyed_slots s SET used = s.used + :cost
           FROM pick, lim
-         WHERE s.key = :key AND s.shard = pick.shard AND s.used < keyed_shard_share(lim.k, lim.n, s.shard)
+         WHERE s.key = :key AND s.shard = pick.shard AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
         RETURNING s.shard
     )
     SELECT (SELECT shard FROM took) AS shard, lim.n AS shards FROM lim
@@ -72,12 +73,12 @@ SLOTS_LOCK_ONE = sa.text(
     """
 )
 
-# slots_take: add one use to a shard the caller holds locked, if it still has room.
+# slots_take: add ``cost`` uses to a shard the caller holds locked, if it still has room for them.
 SLOTS_TAKE = sa.text(
     f"""
-    UPDATE keyed_slots s SET used = s.used + 1
+    UPDATE keyed_slots s SET used = s.used + :cost
      WHERE s.key = :key AND s.shard = :shard
-       AND s.used < keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)
+       AND s.used + :cost <= keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)
     RETURNING s.shard
     """
 )
@@ -89,21 +90,22 @@ SLOTS_TAKE_NOWAIT = sa.text(
     WITH pick AS (
         SELECT s.shard FROM keyed_slots s
          WHERE s.key = :key
-           AND s.used < keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)
+           AND s.used + :cost
+               <= keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)
          ORDER BY s.shard LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
     )
-    UPDATE keyed_slots s SET used = s.used + 1 FROM pick
+    UPDATE keyed_slots s SET used = s.used + :cost FROM pick
      WHERE s.key = :key AND s.shard = pick.shard
     RETURNING s.shard
     """
 )
 
-# slots_give_back: one use less on the shard a deleted claim came from (release credits its own shard, D12).
-# Returns whether the shard now has room for a promotion.
+# slots_give_back: ``cost`` uses less on the shard a deleted claim came from (release credits its own shard,
+# D12). Returns whether the shard now has room for a promotion (of at least one slot).
 SLOTS_GIVE_BACK = sa.text(
     f"""
-    UPDATE keyed_slots s SET used = s.used - 1
+    UPDATE keyed_slots s SET used = s.used - :cost
      WHERE s.key = :key AND s.shard = :shard
     RETURNING s.used < keyed_shard_share(keyed_effective_limit(s.name, {NOW}), keyed_name_shards(s.name), s.shard)
               AS has_room
@@ -112,8 +114,17 @@ SLOTS_GIVE_BACK = sa.text(
 
 # slots_recount: set a locked shard row to the number of claims that exist for it (reconcile, after locking
 # the row in an earlier statement — D1: a single UPDATE ... = (SELECT count) would overwrite a concurrent claim).
+# Counted in slots: a claim holds ``cost`` of its first key and of each extra key.
 SLOTS_COUNT_CLAIMS = sa.text(
-    "SELECT shard, count(*) AS n FROM keyed_claims WHERE key = :key AND shard IS NOT NULL GROUP BY shard"
+    """
+    SELECT shard, sum(n) AS n FROM (
+        SELECT shard, cost AS n FROM keyed_claims WHERE key = :key AND shard IS NOT NULL
+        UNION ALL
+        SELECT x.shard, c.cost FROM keyed_claims c,
+               unnest(c.extra_keys, c.extra_shards) AS x(key, shard)
+         WHERE c.extra_keys @> ARRAY[CAST(:key AS text)] AND x.key = :key
+    ) held GROUP BY shard
+    """
 )
 SLOTS_SET_USED = sa.text("UPDATE keyed_slots SET used = :used WHERE key = :key AND shard = :shard")
 
@@ -131,6 +142,9 @@ class ShardUse:
     def has_room(self) -> bool:
         return self.used < self.share
 
+    def fits(self, cost: int) -> bool:
+        return self.used + cost <= self.share
+
 
 def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> list[ShardUse]:
     """Lock every shard row of the key in shard order and return their use; rows missing (first use, idle
@@ -143,18 +157,20 @@ def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: Any = None)
     return [ShardUse(r.shard, r.used, r.share) for r in rows]
 
 
-def slots_take(conn: sa.Connection, key: str, name: str, shard: int, *, now: Any = None) -> bool:
-    """Take a slot on a shard the caller holds locked; False when it has no room."""
-    params = {"key": key, "name": name, "shard": shard, "now": now}
+def slots_take(conn: sa.Connection, key: str, name: str, shard: int, *, cost: int = 1, now: Any = None) -> bool:
+    """Take ``cost`` slots on a shard the caller holds locked; False when it has no room for them."""
+    params = {"key": key, "name": name, "shard": shard, "cost": cost, "now": now}
     return conn.execute(SLOTS_TAKE, params).first() is not None
 
 
-def slots_take_nowait(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> int | None:
-    """Take a slot on any shard with room that nobody holds locked, without waiting; the shard or None."""
-    return conn.execute(SLOTS_TAKE_NOWAIT, {"key": key, "name": name, "now": now}).scalar_one_or_none()
+def slots_take_nowait(conn: sa.Connection, key: str, name: str, *, cost: int = 1, now: Any = None) -> int | None:
+    """Take ``cost`` slots on any shard with room that nobody else holds locked, without waiting; the shard or
+    None."""
+    params = {"key": key, "name": name, "cost": cost, "now": now}
+    return conn.execute(SLOTS_TAKE_NOWAIT, params).scalar_one_or_none()
 
 
-def slots_give_back(conn: sa.Connection, key: str, shard: int, *, now: Any = None) -> bool:
-    """Return one slot to (key, shard), locking the row; True when the shard has room afterwards."""
-    row = conn.execute(SLOTS_GIVE_BACK, {"key": key, "shard": shard, "now": now}).first()
+def slots_give_back(conn: sa.Connection, key: str, shard: int, *, cost: int = 1, now: Any = None) -> bool:
+    """Return ``cost`` slots to (key, shard), locking the row; True when the shard has room afterwards."""
+    row = conn.execute(SLOTS_GIVE_BACK, {"key": key, "shard": shard, "cost": cost, "now": now}).first()
     return bool(row and row.has_room)

@@ -19,8 +19,9 @@ from celery_keyed.ledger.clock import NOW
 
 _COLUMNS = (
     "task_id, attempt, key, group_key, group_seq, priority, arrival, arrived_at, not_before, deadline, "
-    "supersede_key, shadow, group_blocked, queue, message"
+    "supersede_key, shadow, group_blocked, queue, message, keys, cost"
 )
+_W_COLUMNS = ", ".join(f"w.{c.strip()}" for c in _COLUMNS.split(","))
 
 # waiting_insert: park an attempt. The latest start is the earlier of Celery's expires and arrival + max_wait.
 # ON CONFLICT: the token is parked already (a duplicate raced us) → no row.
@@ -31,38 +32,54 @@ WAITING_INSERT = sa.text(
             CASE WHEN CAST(:not_before AS timestamptz) > {NOW} THEN CAST(:not_before AS timestamptz) END,
             LEAST(CAST(:deadline AS timestamptz),
                   {NOW} + (SELECT make_interval(secs => c.max_wait) FROM keyed_names c WHERE c.name = :name)),
-            :supersede_key, :shadow, :group_blocked, :queue, CAST(:message AS jsonb))
+            :supersede_key, :shadow, :group_blocked, :queue, CAST(:message AS jsonb), CAST(:keys AS text[]), :cost)
     ON CONFLICT (task_id, attempt) DO NOTHING
     RETURNING arrival
     """
 )
 
 # waiting_next_for_key: the next promotable attempts of a key, in order, skipping rows another transaction is
-# promoting. Rows past their latest start are left to the sweep, which records them expired (D2, §3.6).
+# promoting: its own parked rows and the attempts with several keys that need it too (their line is every
+# one of their keys'). Rows past their latest start are left to the sweep, which records them expired (D2).
 WAITING_NEXT_FOR_KEY = sa.text(
     f"""
-    SELECT {_COLUMNS} FROM keyed_waiting
-     WHERE key = :key AND NOT shadow AND not_before IS NULL AND NOT group_blocked
-       AND (deadline IS NULL OR deadline > {NOW})
-     ORDER BY priority DESC, arrival
+    WITH line AS (
+        (SELECT task_id, attempt, priority, arrival FROM keyed_waiting
+          WHERE key = :key AND NOT shadow AND not_before IS NULL AND NOT group_blocked
+            AND (deadline IS NULL OR deadline > {NOW})
+          ORDER BY priority DESC, arrival LIMIT :limit)
+        UNION ALL
+        (SELECT task_id, attempt, priority, arrival FROM keyed_waiting
+          WHERE keys @> ARRAY[CAST(:key AS text)] AND key <> :key AND NOT shadow AND not_before IS NULL
+            AND NOT group_blocked AND (deadline IS NULL OR deadline > {NOW})
+          ORDER BY priority DESC, arrival LIMIT :limit)
+    )
+    SELECT {_W_COLUMNS} FROM keyed_waiting w JOIN line l ON l.task_id = w.task_id AND l.attempt = w.attempt
+     ORDER BY l.priority DESC, l.arrival
      LIMIT :limit
-       FOR UPDATE SKIP LOCKED
+       FOR UPDATE OF w SKIP LOCKED
     """
 )
 
 # waiting_promotable_exists: SQL condition "the key has a promotable parked attempt" (a not-before time that
 # passed counts, even before the sweep cleared it). An arrival never takes a free slot ahead of one (FIFO,
 # D10): the room belongs to the head of the line, which the releaser (or the sweep) promotes.
-PROMOTABLE_EXISTS = f"""EXISTS (
+PROMOTABLE_EXISTS = f"""(EXISTS (
     SELECT 1 FROM keyed_waiting w
      WHERE w.key = :key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= {NOW})
-       AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW}))"""
+       AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW}))
+    OR EXISTS (
+    SELECT 1 FROM keyed_waiting w
+     WHERE w.keys @> ARRAY[CAST(:key AS text)] AND NOT w.shadow
+       AND (w.not_before IS NULL OR w.not_before <= {NOW})
+       AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW})))"""
 WAITING_PROMOTABLE_EXISTS = sa.text(f"SELECT {PROMOTABLE_EXISTS}")
 
 # waiting_clear_due_for_key: rows of a key whose not-before time passed join the line before a promotion
 # picks from it (their arrival number keeps their place; the sweep does the same for every key, D2).
 WAITING_CLEAR_DUE_FOR_KEY = sa.text(
-    f"UPDATE keyed_waiting SET not_before = NULL WHERE key = :key AND not_before <= {NOW}"
+    f"""UPDATE keyed_waiting SET not_before = NULL
+         WHERE (key = :key OR keys @> ARRAY[CAST(:key AS text)]) AND not_before <= {NOW}"""
 )
 
 # waiting_group_member: the parked (non-shadow) row of a group member, locked, if it is not being promoted.
@@ -183,6 +200,38 @@ WAITING_KEYS_PROMOTABLE = sa.text(
      LIMIT :limit
     """
 )
+# waiting_multi_promotable: promotable attempts with several keys, oldest first (the sweep promotes each
+# with its keys locked in lock order, so a lock-order skip never strands one, D2).
+WAITING_MULTI_PROMOTABLE = sa.text(
+    f"""
+    SELECT task_id, attempt FROM keyed_waiting
+     WHERE keys IS NOT NULL AND NOT shadow AND not_before IS NULL AND NOT group_blocked
+       AND (deadline IS NULL OR deadline > {NOW})
+     ORDER BY priority DESC, arrival
+     LIMIT :limit
+    """
+)
+
+# waiting_get_locked: one parked row, locked, unless another transaction is promoting it.
+WAITING_GET_LOCKED = sa.text(
+    f"""
+    SELECT {_COLUMNS} FROM keyed_waiting
+     WHERE task_id = :task_id AND attempt = :attempt AND NOT shadow
+       FOR UPDATE SKIP LOCKED
+    """
+)
+
+# waiting_ahead: whether any promotable attempt of the key stands before (priority, arrival) in its line.
+WAITING_AHEAD = sa.text(
+    f"""
+    SELECT EXISTS (
+        SELECT 1 FROM keyed_waiting w
+         WHERE (w.key = :key OR w.keys @> ARRAY[CAST(:key AS text)]) AND NOT w.shadow AND w.not_before IS NULL
+           AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW})
+           AND (w.priority > :priority OR (w.priority = :priority AND w.arrival < :arrival)))
+    """
+)
+
 WAITING_GROUPS_PROMOTABLE = sa.text(
     f"""
     SELECT DISTINCT group_key FROM keyed_waiting
@@ -219,6 +268,8 @@ def waiting_insert(
         "group_blocked": group_blocked,
         "queue": arrival.queue,
         "message": json.dumps(arrival.message),
+        "keys": list(arrival.keys) if arrival.extra_keys else None,
+        "cost": arrival.cost,
         "now": now,
     }
     return conn.execute(WAITING_INSERT, params).scalar_one_or_none()

@@ -17,11 +17,14 @@ CREATE TABLE keyed_names (
     max_wait double precision,
     overflow text NOT NULL DEFAULT 'reject',
     updated_at timestamptz NOT NULL DEFAULT now(),
+    -- seconds a slot stays held after a hard time limit or a lost worker (the remote call may still run)
+    uncertain_hold double precision,
     CONSTRAINT keyed_names_limit_nonnegative CHECK (slot_limit >= 0),
     CONSTRAINT keyed_names_shards_range CHECK (shards BETWEEN 1 AND 1024),
     CONSTRAINT keyed_names_max_waiting_nonnegative CHECK (max_waiting >= 0),
     CONSTRAINT keyed_names_max_wait_positive CHECK (max_wait > 0),
-    CONSTRAINT keyed_names_overflow_known CHECK (overflow IN ('reject', 'supersede'))
+    CONSTRAINT keyed_names_overflow_known CHECK (overflow IN ('reject', 'supersede')),
+    CONSTRAINT keyed_names_uncertain_hold_positive CHECK (uncertain_hold > 0)
 );
 
 -- Overrides: an operator's runtime limit for a name (0 pauses), who, why, until when.
@@ -108,6 +111,10 @@ CREATE INDEX keyed_tasks_unnotified_idx ON keyed_tasks (finished_at)
 -- group); only the actor whose DELETE returns the row gives the slot back (release exactly once).
 -- state 'promoted': handed to a parked attempt, waiting to be bound by its nonce (D5); parked keeps the
 -- waiting row (message, place in line) so that a promotion nobody binds is put back where it was.
+-- A claim holds its first key in (key, shard) and any further keys in extra_keys/extra_shards (same order),
+-- cost slots of each, all taken in one transaction (all-or-nothing). state 'uncertain': the attempt is over
+-- but its slots stay held until lease_expires_at because its remote call may still run; held_outcome says how
+-- it ended.
 CREATE TABLE keyed_claims (
     task_id text NOT NULL,
     attempt integer NOT NULL,
@@ -122,23 +129,36 @@ CREATE TABLE keyed_claims (
     lease_expires_at timestamptz NOT NULL,
     claimed_at timestamptz NOT NULL,
     parked jsonb,
+    cost integer NOT NULL DEFAULT 1,
+    extra_keys text[],
+    extra_shards integer[],
+    held_outcome text,
     PRIMARY KEY (task_id, attempt),
-    CONSTRAINT keyed_claims_state_known CHECK (state IN ('running', 'promoted')),
+    CONSTRAINT keyed_claims_state_known CHECK (state IN ('running', 'promoted', 'uncertain')),
     CONSTRAINT keyed_claims_holds_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
     CONSTRAINT keyed_claims_shard_with_key CHECK ((key IS NULL) = (shard IS NULL)),
     CONSTRAINT keyed_claims_promoted_has_nonce CHECK (state <> 'promoted' OR (nonce IS NOT NULL AND parked IS NOT NULL)),
-    CONSTRAINT keyed_claims_running_has_holder CHECK (state <> 'running' OR holder IS NOT NULL)
+    CONSTRAINT keyed_claims_running_has_holder CHECK (state <> 'running' OR holder IS NOT NULL),
+    CONSTRAINT keyed_claims_cost_positive CHECK (cost >= 1),
+    CONSTRAINT keyed_claims_extra_with_key CHECK (extra_keys IS NULL OR key IS NOT NULL),
+    CONSTRAINT keyed_claims_extra_shards_match CHECK (
+        cardinality(extra_keys) IS NOT DISTINCT FROM cardinality(extra_shards)),
+    CONSTRAINT keyed_claims_uncertain_has_outcome CHECK ((state = 'uncertain') = (held_outcome IS NOT NULL))
 );
 CREATE INDEX keyed_claims_slot_idx ON keyed_claims (key, shard);
 CREATE INDEX keyed_claims_holder_idx ON keyed_claims (holder);
 CREATE INDEX keyed_claims_lease_idx ON keyed_claims (lease_expires_at) WHERE state = 'running';
 CREATE INDEX keyed_claims_dispatch_idx ON keyed_claims (dispatch_deadline) WHERE state = 'promoted';
+CREATE INDEX keyed_claims_extra_idx ON keyed_claims USING gin (extra_keys) WHERE extra_keys IS NOT NULL;
+CREATE INDEX keyed_claims_uncertain_idx ON keyed_claims (lease_expires_at) WHERE state = 'uncertain';
 -- Backs the group rule (one attempt of a group runs at a time); groups have no override, so this index can
 -- never conflict with a runtime limit (D1). The guard itself is the admission statement's head check.
 CREATE UNIQUE INDEX keyed_claims_one_per_group ON keyed_claims (group_key) WHERE group_key IS NOT NULL;
 
 -- Waiting room: parked attempts with their full message. A row is promotable when it is not a shadow
 -- (D8), not before its not_before time (cleared by the sweep when due, D2), and not blocked by its group.
+-- A parked attempt with several keys: key is its first key (its waiting room, max_waiting), keys all of them;
+-- it stands in the line of every one of them (strict FIFO per key, docs/ledger.md); cost slots of each key.
 CREATE TABLE keyed_waiting (
     task_id text NOT NULL,
     attempt integer NOT NULL,
@@ -155,9 +175,13 @@ CREATE TABLE keyed_waiting (
     group_blocked boolean NOT NULL DEFAULT false,
     queue text,
     message jsonb NOT NULL,
+    keys text[],
+    cost integer NOT NULL DEFAULT 1,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT keyed_waiting_waits_for_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
-    CONSTRAINT keyed_waiting_group_seq_with_group CHECK ((group_key IS NULL) = (group_seq IS NULL))
+    CONSTRAINT keyed_waiting_group_seq_with_group CHECK ((group_key IS NULL) = (group_seq IS NULL)),
+    CONSTRAINT keyed_waiting_cost_positive CHECK (cost >= 1),
+    CONSTRAINT keyed_waiting_keys_with_key CHECK (keys IS NULL OR key IS NOT NULL)
 );
 -- FIFO per key by priority then arrival, over promotable rows only, so promotion never walks past rows that
 -- are not yet due, shadows or blocked group members.
@@ -167,6 +191,7 @@ CREATE INDEX keyed_waiting_key_idx ON keyed_waiting (key);
 CREATE INDEX keyed_waiting_group_idx ON keyed_waiting (group_key, group_seq) WHERE group_key IS NOT NULL;
 CREATE INDEX keyed_waiting_not_before_idx ON keyed_waiting (not_before) WHERE not_before IS NOT NULL;
 CREATE INDEX keyed_waiting_deadline_idx ON keyed_waiting (deadline) WHERE deadline IS NOT NULL;
+CREATE INDEX keyed_waiting_keys_idx ON keyed_waiting USING gin (keys) WHERE keys IS NOT NULL;
 CREATE INDEX keyed_waiting_supersede_idx ON keyed_waiting (key, supersede_key) WHERE supersede_key IS NOT NULL;
 
 -- Groups: one row per group_key, the lock of the group's admission and its sequence counter (D10).

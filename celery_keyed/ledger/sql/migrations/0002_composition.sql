@@ -1,0 +1,33 @@
+-- 0002: composition (issue 4): several concurrency keys per attempt, weighted slots, uncertain holds.
+
+-- Claims hold their first key in (key, shard) and any further keys in extra_keys/extra_shards (same order);
+-- cost slots of each. state 'uncertain': the attempt is over but its slots stay held until lease_expires_at,
+-- because the remote call it made may still be running (uncertain_hold); held_outcome is how it ended.
+ALTER TABLE keyed_claims
+    ADD COLUMN cost integer NOT NULL DEFAULT 1,
+    ADD COLUMN extra_keys text[],
+    ADD COLUMN extra_shards integer[],
+    ADD COLUMN held_outcome text,
+    ADD CONSTRAINT keyed_claims_cost_positive CHECK (cost >= 1),
+    ADD CONSTRAINT keyed_claims_extra_with_key CHECK (extra_keys IS NULL OR key IS NOT NULL),
+    ADD CONSTRAINT keyed_claims_extra_shards_match CHECK (
+        cardinality(extra_keys) IS NOT DISTINCT FROM cardinality(extra_shards)),
+    DROP CONSTRAINT keyed_claims_state_known,
+    ADD CONSTRAINT keyed_claims_state_known CHECK (state IN ('running', 'promoted', 'uncertain')),
+    ADD CONSTRAINT keyed_claims_uncertain_has_outcome CHECK ((state = 'uncertain') = (held_outcome IS NOT NULL));
+CREATE INDEX keyed_claims_extra_idx ON keyed_claims USING gin (extra_keys) WHERE extra_keys IS NOT NULL;
+CREATE INDEX keyed_claims_uncertain_idx ON keyed_claims (lease_expires_at) WHERE state = 'uncertain';
+
+-- A parked attempt with several keys: key is its first key (its waiting room, max_waiting), keys all of them;
+-- it stands in the line of every one of them (strict FIFO per key, docs/ledger.md). cost slots of each key.
+ALTER TABLE keyed_waiting
+    ADD COLUMN keys text[],
+    ADD COLUMN cost integer NOT NULL DEFAULT 1,
+    ADD CONSTRAINT keyed_waiting_cost_positive CHECK (cost >= 1),
+    ADD CONSTRAINT keyed_waiting_keys_with_key CHECK (keys IS NULL OR key IS NOT NULL);
+CREATE INDEX keyed_waiting_keys_idx ON keyed_waiting USING gin (keys) WHERE keys IS NOT NULL;
+
+-- Names: seconds a slot stays held after a hard time limit or a lost worker (the remote call may still run).
+ALTER TABLE keyed_names
+    ADD COLUMN uncertain_hold double precision,
+    ADD CONSTRAINT keyed_names_uncertain_hold_positive CHECK (uncertain_hold > 0);
