@@ -42,7 +42,7 @@ from celery_keyed.ledger.status import (
     status_key_count,
     status_keys,
     status_names,
-    status_set_timeout,
+    status_prepare,
 )
 from celery_keyed.settings import KeyedSettings, read_settings
 
@@ -237,7 +237,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
     (most waiting, then most in flight)."""
     name = _name_option(name)
     with operator.engine.begin() as conn:
-        status_set_timeout(conn, timeout)
+        status_prepare(conn, timeout=timeout)
         at = conn.execute(sa.text("SELECT now()")).scalar_one()
         names = status_names(conn, name=name)
         key_rows = status_keys(conn, name=name, limit=limit, idle=idle) if limit else []

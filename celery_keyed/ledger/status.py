@@ -115,8 +115,10 @@ STATUS_KEY_COUNT = sa.text(
     """
 )
 
-# status_set_timeout: bound every statement of the caller's transaction (set_config(..., true) = SET LOCAL).
-STATUS_SET_TIMEOUT = sa.text("SELECT set_config('statement_timeout', :ms, true)")
+# status_prepare: bound every statement of the caller's transaction (set_config(..., true) = SET LOCAL), and turn
+# JIT compilation off for it: these aggregates are estimated far above their real size, and on 100,000 keys
+# compiling them took 0.7 s of a 0.8 s query (the work itself: 0.1 s).
+STATUS_PREPARE = sa.text("SELECT set_config('statement_timeout', :ms, true), set_config('jit', 'off', true)")
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,10 @@ class KeyStatus:
         return {**asdict(self), "paused": self.paused}
 
 
-def status_set_timeout(conn: sa.Connection, seconds: float) -> None:
-    """Bound the statements of ``conn``'s current transaction to ``seconds`` (a scrape must not hang)."""
-    conn.execute(STATUS_SET_TIMEOUT, {"ms": str(max(1, int(seconds * 1000)))})
+def status_prepare(conn: sa.Connection, *, timeout: float) -> None:
+    """Prepare ``conn``'s current transaction for the views: statements bounded to ``timeout`` seconds (a scrape
+    must not hang), no JIT. Call it inside a transaction (``engine.begin()``)."""
+    conn.execute(STATUS_PREPARE, {"ms": str(max(1, int(timeout * 1000)))})
 
 
 def _age(value: Any) -> float | None:
