@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from celery_keyed import metrics
 from celery_keyed.ledger import Ledger
 from celery_keyed.messages import republish
 from celery_keyed.publisher import publisher_for
@@ -39,6 +40,7 @@ def reconcile(app: Any) -> dict[str, Any]:
         raise
     for promotion in report.promotions:
         republish(app, promotion.message, nonce=str(promotion.nonce))
+    metrics.drift_repaired(report.drift)
     if report.drift:
         logger.error("celery-keyed reconcile repaired drift (a bug, please report): %s", report.drift)
     summary = {

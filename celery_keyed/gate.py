@@ -26,7 +26,7 @@ from celery.exceptions import TaskRevokedError
 from celery.worker import state as worker_state
 from celery.worker.strategy import default as default_strategy
 
-from celery_keyed import exceptions
+from celery_keyed import exceptions, metrics
 from celery_keyed.engine import create_ledger_engine
 from celery_keyed.ledger import Arrival, Ledger, Outcome, Promotion, Token, Verdict, new_holder
 from celery_keyed.ledger.books import books_mark_notified, books_reject_unkeyable, books_unnotified
@@ -116,6 +116,7 @@ class GateService:
     def start(self) -> None:
         global _current
         _current = self
+        metrics.serve(self.settings)  # keyed_metrics_port: once per process
         try:
             self.ledger.register_holder()
             self._warn_prefix_capture()
@@ -191,6 +192,7 @@ class GateService:
             arrival = self.arrival_for(request)
         except InvalidKey as exc:
             self._finish_without_running(request, "rejected", f"malformed keys: {exc}", record_in_ledger=True)
+            metrics.admission("rejected")
             raise TaskRevokedError(request.id) from None
         if arrival is None:  # this call carries no key after all: Celery's own path
             return submit()
@@ -206,6 +208,7 @@ class GateService:
             self._open_breaker(exc)
             self._hold(request)
             raise TaskRevokedError(request.id) from None
+        metrics.started(arrival.token, None if admission is None else admission.verdict)
         request.keyed_arrival_key = arrival.key
         if admission is None and arrival.key is not None:  # bound a promotion: the key has a line
             self._contended[arrival.key] = time.monotonic()
@@ -320,6 +323,7 @@ class GateService:
         key = getattr(request, "keyed_arrival_key", None)
         contended = key is not None and time.monotonic() - self._contended.get(key, -1e9) < _CONTENDED_FOR
         local_queues, local_tasks = self._local_handoff()
+        released_at = metrics.clock()
         try:
             report = self.ledger.release(
                 token, fence, outcome, contended=contended, local_queues=local_queues, local_tasks=local_tasks
@@ -333,6 +337,7 @@ class GateService:
         for task_id, final in report.finished:
             if final == "dead_lettered":
                 logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", request.name, task_id)
+        metrics.promoted(report.promotions, released_at)
         self.dispatch(report.promotions, local=True)
 
     def _flush_pending_releases(self) -> None:
@@ -627,6 +632,7 @@ class GateService:
 
     def _hold(self, request: Any) -> None:
         """Keep a keyed request in memory (unacked) while the ledger is down; it stays in the broker's hands."""
+        metrics.admission("held")
         self._held.append(request)
 
     def _resubmit_held(self) -> None:

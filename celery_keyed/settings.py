@@ -30,6 +30,9 @@ DEFAULTS: dict[str, Any] = {
     "register_groups": True,  # allocate group numbers at publish (in Postgres)
     "local_handoff": True,  # run a promoted attempt here when this worker consumes its queue (D4)
     "probe_interval": 1.0,  # seconds between probes of an unreachable Postgres (D9)
+    "metrics_port": None,  # serve Prometheus metrics from each worker on this port (celery_keyed.metrics); off
+    "metrics_addr": "0.0.0.0",  # address the metrics server listens on
+    "metrics_timeout": 2.0,  # seconds a scrape may spend reading the ledger gauges
     "connect_timeout": 3.0,  # seconds to connect to Postgres
     "statement_timeout": 5.0,  # seconds a ledger statement may take (bounds a blocked consumer loop)
     "pool_size": 5,  # ledger connections per worker process
@@ -52,6 +55,9 @@ class KeyedSettings:
     register_groups: bool = True
     local_handoff: bool = True
     probe_interval: float = 1.0
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    metrics_timeout: float = 2.0
     connect_timeout: float = 3.0
     statement_timeout: float = 5.0
     pool_size: int = 5
@@ -95,10 +101,24 @@ def read_settings(conf: Any) -> KeyedSettings:
         register_groups=bool(get("register_groups")),
         local_handoff=bool(get("local_handoff")),
         probe_interval=_positive(get("probe_interval"), "keyed_probe_interval"),
+        metrics_port=_port(get("metrics_port")),
+        metrics_addr=str(get("metrics_addr")),
+        metrics_timeout=_positive(get("metrics_timeout"), "keyed_metrics_timeout"),
         connect_timeout=_positive(get("connect_timeout"), "keyed_connect_timeout"),
         statement_timeout=_positive(get("statement_timeout"), "keyed_statement_timeout"),
         pool_size=int(_positive(get("pool_size"), "keyed_pool_size")),
     )
+
+
+def _port(value: Any) -> int | None:
+    """``keyed_metrics_port``: a TCP port, or None / 0 for no metrics server."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise InvalidConfig(f"keyed_metrics_port must be a TCP port (1-65535) or None, got {value!r}")
+    return value
 
 
 def _positive(value: Any, setting: str) -> float:

@@ -1,0 +1,256 @@
+"""Prometheus metrics (optional extra: ``pip install 'celery-keyed[prometheus]'``).
+
+Two kinds, documented in the README (section "Metrics"):
+
+- **Ledger gauges**, read from Postgres when scraped by ``LedgerCollector``: in flight, waiting, oldest waiting
+  age, effective limit and keys, per name (never per key: 100,000 keys would be 100,000 series). One aggregated
+  query (``celery_keyed.ledger.status``), bounded by a statement timeout; a scrape that cannot reach the ledger
+  reports ``celery_keyed_ledger_up 0`` instead of failing. They are cluster-wide: every process that exposes
+  them reports the same values.
+- **Process counters**, moved by the code that sees the event: admission outcomes and the handoff latency in
+  the worker's gate (its main process), drift repaired by the reconcile task wherever it runs (a pool process
+  under prefork: set ``PROMETHEUS_MULTIPROC_DIR`` to collect them from every process, see ``serve``).
+
+Without ``prometheus_client`` this module still imports, every hook is a no-op, and ``serve`` logs that the
+extra is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.status import status_names, status_prepare
+
+logger = logging.getLogger("celery_keyed")
+
+try:
+    import prometheus_client
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector, CollectorRegistry
+except ImportError:  # the optional extra is not installed: every hook below is a no-op
+    prometheus_client = None  # type: ignore[assignment]
+    Collector = object  # type: ignore[assignment,misc]
+
+#: Seconds: a handoff is well under 25 ms (DESIGN §8); the upper buckets catch republished promotions.
+HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+#: A promotion whose start this process has not seen within this many seconds is forgotten (it was republished
+#: and started by another worker, or it was lost and re-parked).
+_HANDOFF_FORGET_AFTER = 60.0
+_HANDOFF_MAX_PENDING = 10_000
+
+if prometheus_client is not None:
+    ADMISSIONS: Any = prometheus_client.Counter(
+        "celery_keyed_admissions",
+        "Keyed arrivals by what the gate did with them when a pool process was ready: admitted (slot taken), "
+        "promoted (a handed-off slot started), parked, rejected (waiting room full or malformed keys), expired, "
+        "duplicate, held (the ledger was unreachable).",
+        ["outcome"],
+    )
+    HANDOFF: Any = prometheus_client.Histogram(
+        "celery_keyed_handoff_seconds",
+        "Seconds from a release that promoted a parked attempt to that attempt's start in this worker.",
+        buckets=HANDOFF_BUCKETS,
+    )
+    DRIFT: Any = prometheus_client.Counter(
+        "celery_keyed_reconcile_drift_repaired",
+        "Counters found out of step with the claims and parked rows that exist, and repaired, by reconcile "
+        "(each one is a bug: please report it).",
+    )
+else:
+    ADMISSIONS = HANDOFF = DRIFT = None
+
+_promoted_at: dict[Any, float] = {}  # attempt token -> monotonic time of the release that promoted it
+_promoted_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether ``prometheus_client`` is installed (else every hook is a no-op)."""
+    return prometheus_client is not None
+
+
+def clock() -> float:
+    """The clock handoffs are measured with."""
+    return time.monotonic()
+
+
+def admission(outcome: str) -> None:
+    """Count one arrival's admission outcome (``Verdict`` value, ``promoted`` or ``held``)."""
+    if ADMISSIONS is not None:
+        ADMISSIONS.labels(outcome=outcome).inc()
+
+
+def promoted(promotions: Iterable[Any], released_at: float) -> None:
+    """A release that began at ``released_at`` (``clock()``) promoted these attempts: time their start."""
+    if HANDOFF is None:
+        return
+    with _promoted_lock:
+        for promotion in promotions:
+            _promoted_at[promotion.token] = released_at
+        if len(_promoted_at) > _HANDOFF_MAX_PENDING:
+            horizon = clock() - _HANDOFF_FORGET_AFTER
+            for token in [t for t, at in _promoted_at.items() if at < horizon]:
+                del _promoted_at[token]
+
+
+def started(token: Any, verdict: Any) -> None:
+    """The gate decided about ``token``: ``verdict`` is its admission's verdict, or None when it starts on a
+    promoted slot (its handoff latency is observed if this process saw the release)."""
+    if ADMISSIONS is None:
+        return
+    if verdict is not None:
+        ADMISSIONS.labels(outcome=str(getattr(verdict, "value", verdict))).inc()
+        return
+    ADMISSIONS.labels(outcome="promoted").inc()
+    with _promoted_lock:
+        released_at = _promoted_at.pop(token, None)
+    if released_at is not None:
+        HANDOFF.observe(max(0.0, clock() - released_at))
+
+
+def drift_repaired(drift: list[str]) -> None:
+    """Count the drift a reconcile pass found and repaired."""
+    if DRIFT is not None and drift:
+        DRIFT.inc(len(drift))
+
+
+class LedgerCollector(Collector):
+    """Ledger gauges per name, queried from Postgres on every scrape.
+
+    Register it in any registry: ``prometheus_client.REGISTRY.register(LedgerCollector(url))`` (a Django view,
+    a sidecar, a worker through ``keyed_metrics_port``). ``database`` is a SQLAlchemy URL or an engine; the
+    collector keeps one connection at most. ``timeout`` bounds connect + query (seconds).
+    """
+
+    def __init__(self, database: str | sa.Engine, *, timeout: float = 2.0) -> None:
+        if prometheus_client is None:
+            raise RuntimeError("celery-keyed metrics need prometheus_client: pip install 'celery-keyed[prometheus]'")
+        self.timeout = float(timeout)
+        if isinstance(database, sa.Engine):
+            self.engine = database
+        else:
+            url = str(database)
+            if url.startswith(("postgresql://", "postgres://")):
+                url = "postgresql+psycopg://" + url.split("://", 1)[1]
+            self.engine = sa.create_engine(
+                url,
+                pool_size=1,
+                max_overflow=0,
+                pool_timeout=self.timeout,
+                pool_pre_ping=True,
+                connect_args={"connect_timeout": max(1, math.ceil(self.timeout)), "application_name": "celery-keyed"},
+            )
+
+    @classmethod
+    def for_app(cls, app: Any, *, timeout: float | None = None) -> LedgerCollector:
+        """A collector on the ledger of a Celery app (its ``keyed_database_url``)."""
+        from celery_keyed.settings import read_settings
+
+        settings = read_settings(app.conf)
+        return cls(settings.database_url, timeout=settings.metrics_timeout if timeout is None else timeout)
+
+    def describe(self) -> Iterator[Metric]:
+        # The families without samples: registering never queries the ledger.
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        started_at = time.perf_counter()
+        families = self._families()
+        up = 1.0
+        try:
+            with self.engine.begin() as conn:
+                status_prepare(conn, timeout=self.timeout)
+                names = status_names(conn)
+        except Exception as exc:
+            logger.warning("celery-keyed metrics: could not read the ledger: %s", exc)
+            names = []
+            up = 0.0
+        in_flight, waiting, oldest, limit, keys, paused, up_family, duration = families
+        for n in names:
+            in_flight.add_metric([n.name], n.in_flight)
+            waiting.add_metric([n.name], n.waiting)
+            oldest.add_metric([n.name], n.oldest_waiting_age or 0.0)
+            limit.add_metric([n.name, n.source], n.limit)
+            keys.add_metric([n.name], n.keys)
+            paused.add_metric([n.name], 1.0 if n.paused else 0.0)
+        up_family.add_metric([], up)
+        duration.add_metric([], time.perf_counter() - started_at)
+        yield from families
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(
+                "celery_keyed_in_flight",
+                "Slots held (running or promoted attempts) over the keys of a name.",
+                labels=["name"],
+            ),
+            GaugeMetricFamily("celery_keyed_waiting", "Parked attempts over the keys of a name.", labels=["name"]),
+            GaugeMetricFamily(
+                "celery_keyed_oldest_waiting_seconds",
+                "Age of the oldest parked attempt of a name (0 when none waits).",
+                labels=["name"],
+            ),
+            GaugeMetricFamily(
+                "celery_keyed_limit",
+                "Effective slots per key of a name; source: override, config or default (0 = paused).",
+                labels=["name", "source"],
+            ),
+            GaugeMetricFamily("celery_keyed_keys", "Keys of a name the ledger holds rows for.", labels=["name"]),
+            GaugeMetricFamily("celery_keyed_paused", "1 when a name's effective limit is 0.", labels=["name"]),
+            GaugeMetricFamily("celery_keyed_ledger_up", "1 when the last scrape could read the ledger."),
+            GaugeMetricFamily("celery_keyed_ledger_scrape_seconds", "Seconds the last scrape of the ledger took."),
+        ]
+
+
+_served: dict[str, Any] = {}
+_serve_lock = threading.Lock()
+
+
+def serve(settings: Any) -> Any:
+    """Start the metrics HTTP server of this process on ``keyed_metrics_port`` (once; later calls return the
+    first registry). The endpoint has the process counters and the ledger gauges; with
+    ``PROMETHEUS_MULTIPROC_DIR`` set it aggregates the counters of every process of the worker (pool processes
+    run the reconcile task). A port already taken is logged, never fatal. Returns the registry served, or None."""
+    port = getattr(settings, "metrics_port", None)
+    if not port:
+        return None
+    if prometheus_client is None:
+        logger.error("celery-keyed: keyed_metrics_port is set but prometheus_client is not installed (pip install "
+                     "'celery-keyed[prometheus]'); no metrics are served")  # fmt: skip
+        return None
+    with _serve_lock:
+        if "registry" in _served:
+            return _served["registry"]
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = prometheus_client.REGISTRY
+        collector = LedgerCollector(settings.database_url, timeout=settings.metrics_timeout)
+        registered = True
+        try:
+            registry.register(collector)
+        except ValueError:  # the application registered a LedgerCollector itself
+            logger.info("celery-keyed metrics: ledger gauges already registered; not adding them twice")
+            registered = False
+        try:
+            started_server = prometheus_client.start_http_server(port, addr=settings.metrics_addr, registry=registry)
+        except OSError as exc:
+            logger.error("celery-keyed: cannot serve metrics on %s:%s: %s", settings.metrics_addr, port, exc)
+            if registered:
+                registry.unregister(collector)
+            return None
+        _served.update(registry=registry, collector=collector, server=started_server)
+        logger.info("celery-keyed: metrics on http://%s:%s/metrics", settings.metrics_addr, port)
+        return registry
