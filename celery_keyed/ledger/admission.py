@@ -291,14 +291,23 @@ def admit(
             )
             return Admission(Verdict.ADMITTED, fence=fence, shard=room)
 
+    too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 else None
+    if too_heavy is not None:
+        _finish_never_ran(conn, token, "rejected", detail=too_heavy, now=now)
+        return Admission(Verdict.REJECTED, detail=too_heavy)
+    # Park in the line of the first key (in the task's order) without room for it; an attempt that waits for
+    # its group or its not-before time stands in its first key's line.
+    line = next((k for k in arrival.keys if rooms[k] is None), arrival.key)
     superseded: list[str] | None = []
-    if arrival.key and name:
-        superseded = _make_place(conn, arrival, name, now=now)
+    if line is not None:
+        superseded = _make_place(conn, arrival, line, now=now)
         if superseded is None:
-            detail = f"waiting room of {arrival.key} is full"
+            detail = f"waiting room of {line} is full"
             _finish_never_ran(conn, token, "rejected", detail=detail, now=now)
             return Admission(Verdict.REJECTED, detail=detail)
-    waiting.waiting_insert(conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, now=now)
+    waiting.waiting_insert(
+        conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, line=line, now=now
+    )
     return Admission(Verdict.PARKED, superseded=tuple(superseded or ()))
 
 
@@ -324,6 +333,26 @@ def _take_locked(
         extra_shards=tuple(int(rooms[k]) for k in arrival.extra_keys),  # type: ignore[arg-type]
         cost=arrival.cost,
     )
+
+
+# names_largest_share: the most slots one claim can take on a key of each name (a shard's share of the
+# configured limit; an override may lower it for a while, but the configuration is what can ever be had).
+NAMES_LARGEST_SHARE = sa.text(
+    """
+    SELECT n.name, COALESCE(keyed_shard_share(c.slot_limit, c.shards, 0), 1) AS share
+      FROM unnest(CAST(:names AS text[])) AS n(name) LEFT JOIN keyed_names c ON c.name = n.name
+    """
+)
+
+
+def _too_heavy(conn: sa.Connection, arrival: Arrival) -> str | None:
+    """Why an attempt of this cost can never start (it needs more slots than a key of its name can have), or
+    None. Bad input gets a recorded rejection instead of waiting for ever."""
+    names = sorted({key_name(k) for k in arrival.keys})
+    for row in conn.execute(NAMES_LARGEST_SHARE, {"names": names}):
+        if arrival.cost > row.share:
+            return f"cost {arrival.cost} exceeds the {row.share} slots a key of {row.name} can have"
+    return None
 
 
 def bind(
@@ -374,12 +403,7 @@ RELEASE_FAST = sa.text(
 
 # keys_waiting: whether a key has parked attempts, read after the slot row's lock is held (a new snapshot:
 # an attempt parked by a transaction that held that lock before us is seen, D2).
-KEYS_WAITING = sa.text(
-    """
-    SELECT COALESCE((SELECT waiting > 0 FROM keyed_keys WHERE key = :key), false)
-        OR EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.keys @> ARRAY[CAST(:key AS text)] AND NOT w.shadow)
-    """
-)
+KEYS_WAITING = sa.text("SELECT waiting FROM keyed_keys WHERE key = :key")
 
 
 def release(
@@ -564,6 +588,26 @@ def give_back(conn: sa.Connection, holding: claims.Holding, *, now: Any = None) 
     ]
 
 
+def give_back_reserved(conn: sa.Connection, row: Any, *, now: Any = None) -> list[tuple[str, int]]:
+    """Give back the slots a deleted (or lapsed) waiting row had reserved; the (key, shard) rows with room."""
+    if not getattr(row, "reserved_keys", None):
+        return []
+    pairs = sorted(zip(row.reserved_keys, row.reserved_shards, strict=True))
+    return [(k, sh) for k, sh in pairs if slots.slots_give_back(conn, k, sh, cost=int(row.cost or 1), now=now)]
+
+
+def promote_freed(
+    conn: sa.Connection, freed: list[tuple[str, int]], *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+) -> list[Promotion]:
+    """Give slots given back outside a release to the next waiters of their keys (head rows locked in order)."""
+    for key in sorted({k for k, _ in freed}):
+        keys.keys_lock(conn, key, key_name(key), now=now)
+    promotions: list[Promotion] = []
+    for key, shard in freed:
+        promotions += _promote_waiters(conn, key, [shard], dispatch=dispatch, now=now)
+    return promotions
+
+
 def _final_outcome(outcome: Outcome, *, grouped: bool) -> str | None:
     """The task's final outcome for an attempt outcome, or None when the task goes on (retry, worker lost).
     A group head's final failure is a dead-letter (D11): the group moves on."""
@@ -600,10 +644,11 @@ def _promote_waiters(
     """Promote waiters of ``key`` into ``free_shards`` (rows the caller holds locked; at most one promotion per
     entry), in order. The caller holds the key's head row too.
 
-    Strict FIFO per key: when the head of the line cannot start (it needs more slots than are free — a weight
-    — or another key that has no room), nobody behind it passes: the free slots stay reserved for it, so a
-    multi-key or heavy attempt is never starved by a stream of light ones (docs/ledger.md). Its other keys are
-    taken without waiting (out of lock order); a busy row leaves the work to that row's holder or the sweep."""
+    FIFO per key: when the head of the line needs more slots than are free (a weight), nobody behind it passes:
+    the free slots stay reserved for it. An attempt with several keys takes its other keys without waiting (out
+    of lock order) where no one stands before it in their lines; when one has no room it moves to that key's
+    line, keeping its arrival number, and holds the slots of the keys listed before that one meanwhile
+    (docs/ledger.md: the waiting-order policy). A busy row leaves the work to its holder or the sweep."""
     promoted: list[Promotion] = []
     shards = list(dict.fromkeys(free_shards))
     budget = len(free_shards)
@@ -625,11 +670,17 @@ def _promote_waiters(
                 if busy or head != cand.group_seq:
                     continue
             holding = _take_for(conn, cand, key, shards, now=now)
+            if holding is _MOVED:
+                progressed = True  # it left this line for the line of a key it lacks: the next one may start
+                continue
             if holding is None:
                 return promoted  # the head of the line waits for room; the room is reserved for it
+            assert isinstance(holding, claims.Holding)
             promoted.append(
-                _promote_row(conn, cand, key=cand.key, shard=holding.shard, holding=holding, dispatch=dispatch,
-                             local=local, now=now)
+                _promote_row(
+                    conn, cand, key=holding.key, shard=holding.shard, holding=holding, dispatch=dispatch, local=local,
+                    now=now,
+                )
             )
             keys.keys_remove_waiting(conn, cand.key, now=now)
             budget -= 1
@@ -639,48 +690,77 @@ def _promote_waiters(
     return promoted
 
 
-def _take_for(
-    conn: sa.Connection, cand: Any, key: str, shards: list[int], *, now: Any
-) -> claims.Holding | None:
-    """Take every slot a locked waiting row needs, being promoted through ``key`` (one of ``shards``, which the
-    caller holds locked): all or none. Its other keys (and its own head row, when its first key is not ``key``)
-    are taken without waiting and only when no one stands before it in their lines."""
+#: ``_take_for``'s answer when the attempt moved to the line of a key it lacks.
+_MOVED: Any = object()
+
+
+def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, now: Any) -> Any:
+    """Take every slot a locked waiting row needs, being promoted through the line of ``key`` (one of
+    ``shards``, which the caller holds locked), all or none: a Holding; None when it cannot start and stays at
+    the head of this line; ``_MOVED`` when it moved to the line of another key it lacks.
+
+    Its other keys are taken without waiting and only where no one stands before it in their lines. When one
+    of them has no room, the attempt moves to that key's line and keeps (reserves) the slots of the keys listed
+    before it; those after are given back. Reserving only in the task's order means two attempts listing their
+    keys in one order can never hold what the other needs; other orders are broken by the reservation timeout."""
     cost = int(cand.cost or 1)
-    others = [k for k in (cand.keys or ()) if k != key]
-    savepoint = conn.begin_nested() if others else None
-
-    def fail() -> None:
-        if savepoint is not None:
-            savepoint.rollback()
-
     name = key_name(key)
     shard = next((sh for sh in shards if slots.slots_take(conn, key, name, sh, cost=cost, now=now)), None)
     if shard is None:
-        fail()
         return None
-    got = {key: shard}
-    for other in sorted(others):
+    if not cand.keys:
+        return claims.Holding(key, shard, cost=cost)
+    got = dict(zip(cand.reserved_keys or (), cand.reserved_shards or (), strict=True))
+    got[key] = shard
+    taken_now = [(key, shard)]
+    missing: str | None = None
+    for other in sorted(k for k in cand.keys if k not in got):
         if _someone_ahead(conn, other, cand, now=now):
-            fail()
-            return None
+            missing = other
+            break
         taken = slots.slots_take_nowait(conn, other, key_name(other), cost=cost, now=now)
         if taken is None:
-            fail()
-            return None
+            missing = other
+            break
         got[other] = taken
-    if cand.key != key and conn.execute(KEYS_LOCK_NOWAIT, {"key": cand.key}).first() is None:
-        fail()
+        taken_now.append((other, taken))
+    if missing is None:
+        return _holding(cand, got)
+    # Cannot start: keep the slots of keys listed before the missing one, give back the rest taken now.
+    order = list(cand.keys)
+    keep = {k: sh for k, sh in got.items() if order.index(k) < order.index(missing)}
+    for k, sh in taken_now:
+        if k not in keep:
+            slots.slots_give_back(conn, k, sh, cost=cost, now=now)
+    if conn.execute(KEYS_LOCK_NOWAIT, {"key": missing}).first() is None:
+        # The missing key's head row is busy (or not there yet): stay here; the sweep moves or starts it.
+        for k, sh in taken_now:
+            if k in keep:
+                slots.slots_give_back(conn, k, sh, cost=cost, now=now)
         return None
-    if savepoint is not None:
-        savepoint.commit()
-    return _holding(cand, got)
+    conn.execute(
+        waiting.WAITING_MOVE,
+        {
+            "task_id": cand.task_id,
+            "attempt": cand.attempt,
+            "to_key": missing,
+            "reserved_keys": list(keep) or None,
+            "reserved_shards": list(keep.values()) or None,
+            "now": now,
+        },
+    )
+    keys.keys_remove_waiting(conn, key, now=now)
+    keys.keys_add_waiting(conn, missing, force=True)
+    return _MOVED
 
 
 def _holding(cand: Any, got: dict[str, int]) -> claims.Holding:
-    extra = tuple(k for k in (cand.keys or ()) if k != cand.key)
+    """The claim's holding: its first key (in the task's order) and the rest as extra keys."""
+    first = cand.keys[0] if cand.keys else cand.key
+    extra = tuple(k for k in (cand.keys or ()) if k != first)
     return claims.Holding(
-        key=cand.key,
-        shard=got[cand.key],
+        key=first,
+        shard=got[first],
         extra_keys=extra,
         extra_shards=tuple(got[k] for k in extra),
         cost=int(cand.cost or 1),
@@ -721,22 +801,23 @@ def promote_multi(
         if busy or head != cand.group_seq:
             return []
     cost = int(cand.cost or 1)
-    rooms: dict[str, int | None] = {}
-    for k in all_keys:
-        if _someone_ahead(conn, k, cand, now=now):
+    rooms = dict(zip(cand.reserved_keys or (), cand.reserved_shards or (), strict=True))
+    needed = [k for k in all_keys if k not in rooms]
+    for k in needed:
+        room = next((u.shard for u in uses[k] if u.fits(cost)), None)
+        if room is None or _someone_ahead(conn, k, cand, now=now):
             return []
-        rooms[k] = next((u.shard for u in uses[k] if u.fits(cost)), None)
-        if rooms[k] is None:
-            return []
+        rooms[k] = room
     savepoint = conn.begin_nested()
-    for k in all_keys:
-        if not slots.slots_take(conn, k, key_name(k), int(rooms[k]), cost=cost, now=now):  # type: ignore[arg-type]
+    for k in needed:
+        if not slots.slots_take(conn, k, key_name(k), rooms[k], cost=cost, now=now):
             savepoint.rollback()
             return []
     savepoint.commit()
-    holding = _holding(cand, {k: int(v) for k, v in rooms.items() if v is not None})
-    promotion = _promote_row(conn, cand, key=cand.key, shard=holding.shard, holding=holding, dispatch=dispatch,
-                             now=now)
+    holding = _holding(cand, rooms)
+    promotion = _promote_row(
+        conn, cand, key=holding.key, shard=holding.shard, holding=holding, dispatch=dispatch, now=now
+    )
     keys.keys_remove_waiting(conn, cand.key, now=now)
     return [promotion]
 
@@ -767,10 +848,9 @@ def promote_group(
         if holding is None:
             return []
         keys.keys_remove_waiting(conn, cand.key, now=now)
+    key = cand.key if holding is None else holding.key
     shard = None if holding is None else holding.shard
-    return [
-        _promote_row(conn, cand, key=cand.key, shard=shard, holding=holding, dispatch=dispatch, local=local, now=now)
-    ]
+    return [_promote_row(conn, cand, key=key, shard=shard, holding=holding, dispatch=dispatch, local=local, now=now)]
 
 
 def _take_nowait_all(conn: sa.Connection, cand: Any, *, now: Any) -> claims.Holding | None:
@@ -778,9 +858,9 @@ def _take_nowait_all(conn: sa.Connection, cand: Any, *, now: Any) -> claims.Hold
     in the lock order), only where no one stands before it in line: all or none."""
     cost = int(cand.cost or 1)
     savepoint = conn.begin_nested()
-    got: dict[str, int] = {}
+    got = dict(zip(cand.reserved_keys or (), cand.reserved_shards or (), strict=True))
     ok = conn.execute(KEYS_LOCK_NOWAIT, {"key": cand.key}).first() is not None
-    for k in sorted(cand.keys or (cand.key,)):
+    for k in sorted(k for k in (cand.keys or (cand.key,)) if k not in got):
         if not ok:
             break
         if cand.keys and _someone_ahead(conn, k, cand, now=now):
@@ -869,11 +949,13 @@ def revoke(
     rows = conn.execute(waiting.WAITING_DELETE_TASK, {"task_id": task_id}).all()
     if not rows:
         return []
+    freed = [fr for r in rows for fr in give_back_reserved(conn, r, now=now)]
     for r in rows:
         if r.key is not None:
             keys.keys_lock(conn, r.key, key_name(r.key), now=now)
             keys.keys_remove_waiting(conn, r.key, now=now)
-    return _finish_never_ran(
+    promotions = promote_freed(conn, freed, dispatch=dispatch, now=now)
+    return promotions + _finish_never_ran(
         conn,
         Token(task_id, rows[0].attempt),
         "revoked",
@@ -949,30 +1031,30 @@ def _member_seq(conn: sa.Connection, task_id: str) -> int | None:
     return None if member is None else int(member.seq)
 
 
-def _make_place(conn: sa.Connection, arrival: Arrival, name: str, *, now: Any) -> list[str] | None:
+def _make_place(conn: sa.Connection, arrival: Arrival, line: str, *, now: Any) -> list[str] | None:
     """Count the arrival in its key's waiting room (max_waiting). Under the overflow policy 'supersede' a
     newer arrival first replaces the parked attempt with the same supersede key, and when the room is full,
     the oldest parked attempt of the lowest priority. Returns the replaced task ids, or None when there is no
-    place. (The policy is only read when it can matter.)"""
-    assert arrival.key is not None
+    place. (The policy is only read when it can matter.) ``line``: the key whose waiting room it enters."""
+    name = key_name(line)
     replaced: list[str] = []
     policy: str | None = None
     if arrival.supersede_key:
         policy = _overflow_policy(conn, name)
         if policy == "supersede":
             rows = conn.execute(
-                waiting.WAITING_DELETE_SUPERSEDED, {"key": arrival.key, "supersede_key": arrival.supersede_key}
+                waiting.WAITING_DELETE_SUPERSEDED, {"key": line, "supersede_key": arrival.supersede_key}
             ).all()
-            replaced += _supersede(conn, arrival, rows, now=now)
-    if keys.keys_add_waiting(conn, arrival.key):
+            replaced += _supersede(conn, arrival, line, rows, now=now)
+    if keys.keys_add_waiting(conn, line):
         return replaced
     if (policy or _overflow_policy(conn, name)) != "supersede":
         return None
-    rows = conn.execute(waiting.WAITING_DELETE_OLDEST, {"key": arrival.key}).all()
+    rows = conn.execute(waiting.WAITING_DELETE_OLDEST, {"key": line}).all()
     if not rows:
         return None
-    replaced += _supersede(conn, arrival, rows, now=now)
-    keys.keys_add_waiting(conn, arrival.key, force=True)
+    replaced += _supersede(conn, arrival, line, rows, now=now)
+    keys.keys_add_waiting(conn, line, force=True)
     return replaced
 
 
@@ -982,10 +1064,9 @@ def _overflow_policy(conn: sa.Connection, name: str) -> str | None:
     ).scalar_one_or_none()
 
 
-def _supersede(conn: sa.Connection, arrival: Arrival, rows: Sequence[Any], *, now: Any) -> list[str]:
-    assert arrival.key is not None
+def _supersede(conn: sa.Connection, arrival: Arrival, line: str, rows: Sequence[Any], *, now: Any) -> list[str]:
     if rows:
-        keys.keys_remove_waiting(conn, arrival.key, len(rows), now=now)
+        keys.keys_remove_waiting(conn, line, len(rows), now=now)
     for r in rows:
         _finish_never_ran(
             conn, Token(r.task_id, r.attempt), "superseded", detail=f"replaced by {arrival.task_id}", now=now

@@ -16,13 +16,15 @@ EXPLAIN_TASK = sa.text(
 EXPLAIN_CLAIM = sa.text(
     f"""
     SELECT attempt, key, shard, group_key, state, fence, holder, dispatch_deadline,
-           EXTRACT(EPOCH FROM lease_expires_at - {NOW}) AS lease_left
+           EXTRACT(EPOCH FROM lease_expires_at - {NOW}) AS lease_left, cost, extra_keys, held_outcome,
+           lease_expires_at
       FROM keyed_claims WHERE task_id = :task_id ORDER BY attempt DESC LIMIT 1
     """
 )
 EXPLAIN_WAITING = sa.text(
     f"""
-    SELECT w.attempt, w.key, w.group_key, w.group_seq, w.shadow, w.group_blocked, w.deadline, w.priority,
+    SELECT w.attempt, w.key, w.keys, w.cost, w.group_key, w.group_seq, w.shadow, w.group_blocked, w.deadline,
+           w.priority,
            w.not_before, w.not_before > {NOW} AS not_due,
            (SELECT count(*) FROM keyed_waiting o
              WHERE o.key = w.key AND NOT o.shadow AND o.not_before IS NULL AND NOT o.group_blocked
@@ -67,6 +69,16 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
         return Explanation(
             task_id, "unknown", "the ledger has no record of this task id (not keyed, or not received yet)"
         )
+    claim = conn.execute(EXPLAIN_CLAIM, {"task_id": task_id, "now": now}).mappings().first()
+    if claim is not None and claim["state"] == "uncertain":
+        return Explanation(
+            task_id,
+            "uncertain",
+            f"attempt {claim['attempt']} is over ({claim['held_outcome']}) but its remote call may still be running:"
+            f" its slots of {_holds(claim)} stay held for {max(float(claim['lease_left']), 0.0):.1f}s more"
+            " (uncertain hold)",
+            dict(claim),
+        )
     if task["outcome"] is not None:
         return Explanation(
             task_id,
@@ -74,16 +86,8 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             f"finished: {task['outcome']}" + (f" ({task['detail']})" if task["detail"] else ""),
             dict(task),
         )
-    claim = conn.execute(EXPLAIN_CLAIM, {"task_id": task_id, "now": now}).mappings().first()
     if claim is not None:
-        holds = " and ".join(
-            x
-            for x in (
-                f"key {claim['key']} (shard {claim['shard']})" if claim["key"] else "",
-                f"group {claim['group_key']}" if claim["group_key"] else "",
-            )
-            if x
-        )
+        holds = _holds(claim)
         if claim["state"] == "promoted":
             return Explanation(
                 task_id,
@@ -135,6 +139,15 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
                 f"number {wait['group_seq']} of group {wait['group_key']}: the group head, task {blocker}, {why}",
                 facts,
             )
+    if wait["keys"]:
+        return Explanation(
+            task_id,
+            "waiting",
+            f"needs a slot of every one of {', '.join(wait['keys'])} at once"
+            + (f" ({wait['cost']} slots each)" if wait["cost"] > 1 else "")
+            + f"; {wait['ahead']} waiting ahead for {wait['key']} (in flight {wait['in_flight']}/{wait['k']})",
+            facts,
+        )
     if wait["key"] is not None:
         if wait["k"] == 0:
             return Explanation(
@@ -150,3 +163,15 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             facts,
         )
     return Explanation(task_id, "waiting", f"waiting for group {wait['group_key']}", facts)
+
+
+def _holds(claim: Any) -> str:
+    keys = [claim["key"], *(claim["extra_keys"] or [])] if claim["key"] else []
+    cost = f"{claim['cost']} slots of " if claim["cost"] and claim["cost"] > 1 else ""
+    parts = [
+        (f"{cost}key {keys[0]} (shard {claim['shard']})" if len(keys) == 1 else f"{cost}keys {', '.join(keys)}")
+        if keys
+        else "",
+        f"group {claim['group_key']}" if claim["group_key"] else "",
+    ]
+    return " and ".join(p for p in parts if p)

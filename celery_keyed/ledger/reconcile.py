@@ -23,6 +23,9 @@ logger = logging.getLogger("celery_keyed.ledger")
 
 _BATCH = 500
 
+#: Seconds a multi-key waiter may hold reserved slots before they are given back (docs/ledger.md).
+DEFAULT_RESERVE_TIMEOUT = 60.0
+
 # reclaim candidates: running claims whose lease expired, provided the database server itself has been up for
 # a full lease (D7: a Postgres restart must not mass-reclaim the slots of tasks that kept running).
 CLAIMS_EXPIRED_CANDIDATES = sa.text(
@@ -62,7 +65,6 @@ IDLE_KEYS = sa.text(
     SELECT k.key FROM keyed_keys k
      WHERE k.waiting = 0 AND k.active_at < {NOW} - make_interval(secs => :idle)
        AND NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = k.key AND s.used > 0)
-       AND NOT EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.keys @> ARRAY[k.key])
      LIMIT :batch
     """
 )
@@ -97,10 +99,12 @@ def sweep_once(
     now: datetime | None = None,
     group_arrival_timeout: float = 300.0,
     dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+    reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
 ) -> Report:
     """Everything time makes happen (D2): not-before times that passed, waiters past their latest start,
-    overrides that lapse, registered group numbers never received, and — as the backstop for any wakeup
-    a lock-order skip left behind — promotion of every key and group that has promotable waiters."""
+    reservations held longer than ``reserve_timeout``, uncertain holds that are over, overrides that lapse,
+    registered group numbers never received, and — as the backstop for any wakeup a lock-order skip left
+    behind — promotion of every key and group that has promotable waiters."""
     report = Report()
     with engine.begin() as conn:
         due = conn.execute(waiting.WAITING_CLEAR_DUE, {"batch": _BATCH, "now": now}).all()
@@ -108,6 +112,7 @@ def sweep_once(
     while True:
         with engine.begin() as conn:
             rows = conn.execute(waiting.WAITING_DELETE_EXPIRED, {"batch": 1, "now": now}).all()
+            freed = [fr for r in rows for fr in admission.give_back_reserved(conn, r, now=now)]
             for r in rows:
                 if r.key is not None:
                     keys.keys_remove_waiting(conn, r.key, now=now)
@@ -122,7 +127,17 @@ def sweep_once(
                     )
                     report.finished.append((r.task_id, "expired"))
                     report.expired += 1
+            report.promotions += admission.promote_freed(conn, freed, dispatch=dispatch, now=now)
         if not rows:
+            break
+    while True:
+        with engine.begin() as conn:
+            lapsed = conn.execute(
+                waiting.WAITING_RESERVATIONS_LAPSED, {"timeout": reserve_timeout, "batch": 1, "now": now}
+            ).all()
+            freed = [fr for r in lapsed for fr in admission.give_back_reserved(conn, r, now=now)]
+            report.promotions += admission.promote_freed(conn, freed, dispatch=dispatch, now=now)
+        if not lapsed:
             break
     with engine.begin() as conn:
         report.promotions += overrides.expire_overrides(conn, dispatch=dispatch, now=now)

@@ -114,7 +114,8 @@ SLOTS_GIVE_BACK = sa.text(
 
 # slots_recount: set a locked shard row to the number of claims that exist for it (reconcile, after locking
 # the row in an earlier statement — D1: a single UPDATE ... = (SELECT count) would overwrite a concurrent claim).
-# Counted in slots: a claim holds ``cost`` of its first key and of each extra key.
+# Counted in slots: a claim holds ``cost`` of its first key and of each extra key; a waiter with several keys
+# holds ``cost`` of each key it reserved.
 SLOTS_COUNT_CLAIMS = sa.text(
     """
     SELECT shard, sum(n) AS n FROM (
@@ -123,6 +124,10 @@ SLOTS_COUNT_CLAIMS = sa.text(
         SELECT x.shard, c.cost FROM keyed_claims c,
                unnest(c.extra_keys, c.extra_shards) AS x(key, shard)
          WHERE c.extra_keys @> ARRAY[CAST(:key AS text)] AND x.key = :key
+        UNION ALL
+        SELECT x.shard, w.cost FROM keyed_waiting w,
+               unnest(w.reserved_keys, w.reserved_shards) AS x(key, shard)
+         WHERE w.reserved_at IS NOT NULL AND x.key = :key
     ) held GROUP BY shard
     """
 )

@@ -19,9 +19,8 @@ from celery_keyed.ledger.clock import NOW
 
 _COLUMNS = (
     "task_id, attempt, key, group_key, group_seq, priority, arrival, arrived_at, not_before, deadline, "
-    "supersede_key, shadow, group_blocked, queue, message, keys, cost"
+    "supersede_key, shadow, group_blocked, queue, message, keys, cost, reserved_keys, reserved_shards, reserved_at"
 )
-_W_COLUMNS = ", ".join(f"w.{c.strip()}" for c in _COLUMNS.split(","))
 
 # waiting_insert: park an attempt. The latest start is the earlier of Celery's expires and arrival + max_wait.
 # ON CONFLICT: the token is parked already (a duplicate raced us) → no row.
@@ -32,54 +31,39 @@ WAITING_INSERT = sa.text(
             CASE WHEN CAST(:not_before AS timestamptz) > {NOW} THEN CAST(:not_before AS timestamptz) END,
             LEAST(CAST(:deadline AS timestamptz),
                   {NOW} + (SELECT make_interval(secs => c.max_wait) FROM keyed_names c WHERE c.name = :name)),
-            :supersede_key, :shadow, :group_blocked, :queue, CAST(:message AS jsonb), CAST(:keys AS text[]), :cost)
+            :supersede_key, :shadow, :group_blocked, :queue, CAST(:message AS jsonb), CAST(:keys AS text[]), :cost,
+            NULL, NULL, NULL)
     ON CONFLICT (task_id, attempt) DO NOTHING
     RETURNING arrival
     """
 )
 
 # waiting_next_for_key: the next promotable attempts of a key, in order, skipping rows another transaction is
-# promoting: its own parked rows and the attempts with several keys that need it too (their line is every
-# one of their keys'). Rows past their latest start are left to the sweep, which records them expired (D2).
+# promoting. Rows past their latest start are left to the sweep, which records them expired (D2, §3.6).
 WAITING_NEXT_FOR_KEY = sa.text(
     f"""
-    WITH line AS (
-        (SELECT task_id, attempt, priority, arrival FROM keyed_waiting
-          WHERE key = :key AND NOT shadow AND not_before IS NULL AND NOT group_blocked
-            AND (deadline IS NULL OR deadline > {NOW})
-          ORDER BY priority DESC, arrival LIMIT :limit)
-        UNION ALL
-        (SELECT task_id, attempt, priority, arrival FROM keyed_waiting
-          WHERE keys @> ARRAY[CAST(:key AS text)] AND key <> :key AND NOT shadow AND not_before IS NULL
-            AND NOT group_blocked AND (deadline IS NULL OR deadline > {NOW})
-          ORDER BY priority DESC, arrival LIMIT :limit)
-    )
-    SELECT {_W_COLUMNS} FROM keyed_waiting w JOIN line l ON l.task_id = w.task_id AND l.attempt = w.attempt
-     ORDER BY l.priority DESC, l.arrival
+    SELECT {_COLUMNS} FROM keyed_waiting
+     WHERE key = :key AND NOT shadow AND not_before IS NULL AND NOT group_blocked
+       AND (deadline IS NULL OR deadline > {NOW})
+     ORDER BY priority DESC, arrival
      LIMIT :limit
-       FOR UPDATE OF w SKIP LOCKED
+       FOR UPDATE SKIP LOCKED
     """
 )
 
 # waiting_promotable_exists: SQL condition "the key has a promotable parked attempt" (a not-before time that
 # passed counts, even before the sweep cleared it). An arrival never takes a free slot ahead of one (FIFO,
 # D10): the room belongs to the head of the line, which the releaser (or the sweep) promotes.
-PROMOTABLE_EXISTS = f"""(EXISTS (
+PROMOTABLE_EXISTS = f"""EXISTS (
     SELECT 1 FROM keyed_waiting w
      WHERE w.key = :key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= {NOW})
-       AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW}))
-    OR EXISTS (
-    SELECT 1 FROM keyed_waiting w
-     WHERE w.keys @> ARRAY[CAST(:key AS text)] AND NOT w.shadow
-       AND (w.not_before IS NULL OR w.not_before <= {NOW})
-       AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW})))"""
+       AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW}))"""
 WAITING_PROMOTABLE_EXISTS = sa.text(f"SELECT {PROMOTABLE_EXISTS}")
 
 # waiting_clear_due_for_key: rows of a key whose not-before time passed join the line before a promotion
 # picks from it (their arrival number keeps their place; the sweep does the same for every key, D2).
 WAITING_CLEAR_DUE_FOR_KEY = sa.text(
-    f"""UPDATE keyed_waiting SET not_before = NULL
-         WHERE (key = :key OR keys @> ARRAY[CAST(:key AS text)]) AND not_before <= {NOW}"""
+    f"UPDATE keyed_waiting SET not_before = NULL WHERE key = :key AND not_before <= {NOW}"
 )
 
 # waiting_group_member: the parked (non-shadow) row of a group member, locked, if it is not being promoted.
@@ -100,11 +84,13 @@ WAITING_TAKE = sa.text(
     """
 )
 
-# waiting_restore: put a voided promotion back where it was (same arrival number).
+# waiting_restore: put a voided promotion back where it was (same arrival number). Without its reservations:
+# the claim took them over, and whoever removed the claim gave them back.
 WAITING_RESTORE = sa.text(
     f"""
     INSERT INTO keyed_waiting ({_COLUMNS})
-    SELECT {_COLUMNS} FROM jsonb_populate_record(NULL::keyed_waiting, CAST(:parked AS jsonb))
+    SELECT {_COLUMNS.replace("reserved_keys, reserved_shards, reserved_at", "NULL, NULL, NULL")}
+      FROM jsonb_populate_record(NULL::keyed_waiting, CAST(:parked AS jsonb))
     ON CONFLICT (task_id, attempt) DO NOTHING
     RETURNING key
     """
@@ -119,7 +105,7 @@ WAITING_UNBLOCK = sa.text(
 WAITING_DELETE_SUPERSEDED = sa.text(
     """
     DELETE FROM keyed_waiting
-     WHERE key = :key AND supersede_key = :supersede_key AND NOT shadow
+     WHERE key = :key AND supersede_key = :supersede_key AND NOT shadow AND reserved_keys IS NULL
     RETURNING task_id, attempt, group_key
     """
 )
@@ -130,7 +116,8 @@ WAITING_DELETE_OLDEST = sa.text(
     """
     DELETE FROM keyed_waiting w USING (
         SELECT task_id, attempt FROM keyed_waiting
-         WHERE key = :key AND NOT shadow ORDER BY priority, arrival LIMIT 1 FOR UPDATE SKIP LOCKED) v
+         WHERE key = :key AND NOT shadow AND reserved_keys IS NULL
+         ORDER BY priority, arrival LIMIT 1 FOR UPDATE SKIP LOCKED) v
      WHERE w.task_id = v.task_id AND w.attempt = v.attempt
     RETURNING w.task_id, w.attempt, w.group_key
     """
@@ -143,7 +130,7 @@ WAITING_DELETE_EXPIRED = sa.text(
         SELECT task_id, attempt FROM keyed_waiting
          WHERE deadline <= {NOW} ORDER BY deadline LIMIT :batch FOR UPDATE SKIP LOCKED) v
      WHERE w.task_id = v.task_id AND w.attempt = v.attempt
-    RETURNING w.task_id, w.attempt, w.key, w.group_key, w.shadow
+    RETURNING w.task_id, w.attempt, w.key, w.group_key, w.shadow, w.cost, w.reserved_keys, w.reserved_shards
     """
 )
 
@@ -162,7 +149,7 @@ WAITING_CLEAR_DUE = sa.text(
 # and a running attempt is revoked by Celery and released by its worker.
 WAITING_DELETE_TASK = sa.text(
     "DELETE FROM keyed_waiting WHERE task_id = :task_id AND NOT shadow"
-    " RETURNING task_id, attempt, key, group_key, shadow"
+    " RETURNING task_id, attempt, key, group_key, shadow, cost, reserved_keys, reserved_shards"
 )
 
 # waiting_shadow_drop / waiting_shadow_live: a live claim's duplicate follows the claim's fate (D8).
@@ -221,12 +208,12 @@ WAITING_GET_LOCKED = sa.text(
     """
 )
 
-# waiting_ahead: whether any promotable attempt of the key stands before (priority, arrival) in its line.
+# waiting_ahead: whether any promotable attempt stands before (priority, arrival) in the key's line.
 WAITING_AHEAD = sa.text(
     f"""
     SELECT EXISTS (
         SELECT 1 FROM keyed_waiting w
-         WHERE (w.key = :key OR w.keys @> ARRAY[CAST(:key AS text)]) AND NOT w.shadow AND w.not_before IS NULL
+         WHERE w.key = :key AND NOT w.shadow AND w.not_before IS NULL
            AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW})
            AND (w.priority > :priority OR (w.priority = :priority AND w.arrival < :arrival)))
     """
@@ -250,13 +237,15 @@ def waiting_insert(
     group_seq: int | None,
     shadow: bool = False,
     group_blocked: bool = False,
+    line: str | None = None,
     now: Any = None,
 ) -> int | None:
-    """Park ``arrival``; its arrival number, or None when the token is already parked."""
+    """Park ``arrival`` in the line of ``line`` (default: its first key); its arrival number, or None when
+    the token is already parked."""
     params = {
         "task_id": arrival.task_id,
         "attempt": arrival.attempt,
-        "key": arrival.key,
+        "key": line or arrival.key,
         "group_key": arrival.group_key,
         "group_seq": group_seq,
         "priority": arrival.priority,
@@ -296,3 +285,30 @@ def waiting_restore(conn: sa.Connection, parked: Any) -> bool:
 
 def waiting_unblock(conn: sa.Connection, group_key: str, seq: int) -> None:
     conn.execute(WAITING_UNBLOCK, {"group_key": group_key, "seq": seq})
+
+
+# waiting_move: an attempt with several keys moves to the line of the key it now lacks, keeping its arrival
+# number (its place in every line), with the slots it reserves meanwhile (keys listed before that one).
+WAITING_MOVE = sa.text(
+    f"""
+    UPDATE keyed_waiting
+       SET key = :to_key, reserved_keys = CAST(:reserved_keys AS text[]),
+           reserved_shards = CAST(:reserved_shards AS integer[]),
+           reserved_at = CASE WHEN CAST(:reserved_keys AS text[]) IS NULL THEN NULL
+                              ELSE COALESCE(reserved_at, {NOW}) END
+     WHERE task_id = :task_id AND attempt = :attempt
+    """
+)
+
+# waiting_reservations_lapsed: reservations held longer than the timeout are given back (a waiter listing
+# shared keys in another order than others could otherwise hold what they need while they hold what it needs).
+WAITING_RESERVATIONS_LAPSED = sa.text(
+    f"""
+    UPDATE keyed_waiting w SET reserved_keys = NULL, reserved_shards = NULL, reserved_at = NULL
+      FROM (SELECT task_id, attempt, reserved_keys, reserved_shards FROM keyed_waiting
+             WHERE reserved_at <= {NOW} - make_interval(secs => :timeout)
+             ORDER BY reserved_at LIMIT :batch FOR UPDATE SKIP LOCKED) v
+     WHERE w.task_id = v.task_id AND w.attempt = v.attempt
+    RETURNING w.task_id, w.cost, v.reserved_keys, v.reserved_shards
+    """
+)

@@ -157,8 +157,9 @@ CREATE UNIQUE INDEX keyed_claims_one_per_group ON keyed_claims (group_key) WHERE
 
 -- Waiting room: parked attempts with their full message. A row is promotable when it is not a shadow
 -- (D8), not before its not_before time (cleared by the sweep when due, D2), and not blocked by its group.
--- A parked attempt with several keys: key is its first key (its waiting room, max_waiting), keys all of them;
--- it stands in the line of every one of them (strict FIFO per key, docs/ledger.md); cost slots of each key.
+-- A parked attempt with several keys (keys, in the task's order) stands in the line of one key it lacks (key);
+-- reserved_keys/reserved_shards: slots of keys listed before that one which it holds while it waits (counted in
+-- keyed_slots.used; given back when it starts, leaves, or the reservation lapses). cost slots of each key.
 CREATE TABLE keyed_waiting (
     task_id text NOT NULL,
     attempt integer NOT NULL,
@@ -177,11 +178,17 @@ CREATE TABLE keyed_waiting (
     message jsonb NOT NULL,
     keys text[],
     cost integer NOT NULL DEFAULT 1,
+    reserved_keys text[],
+    reserved_shards integer[],
+    reserved_at timestamptz,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT keyed_waiting_waits_for_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
     CONSTRAINT keyed_waiting_group_seq_with_group CHECK ((group_key IS NULL) = (group_seq IS NULL)),
     CONSTRAINT keyed_waiting_cost_positive CHECK (cost >= 1),
-    CONSTRAINT keyed_waiting_keys_with_key CHECK (keys IS NULL OR key IS NOT NULL)
+    CONSTRAINT keyed_waiting_keys_with_key CHECK (keys IS NULL OR key IS NOT NULL),
+    CONSTRAINT keyed_waiting_reserved_shards_match CHECK (
+        cardinality(reserved_keys) IS NOT DISTINCT FROM cardinality(reserved_shards)),
+    CONSTRAINT keyed_waiting_reserved_when CHECK ((reserved_keys IS NULL) = (reserved_at IS NULL))
 );
 -- FIFO per key by priority then arrival, over promotable rows only, so promotion never walks past rows that
 -- are not yet due, shadows or blocked group members.
@@ -191,7 +198,7 @@ CREATE INDEX keyed_waiting_key_idx ON keyed_waiting (key);
 CREATE INDEX keyed_waiting_group_idx ON keyed_waiting (group_key, group_seq) WHERE group_key IS NOT NULL;
 CREATE INDEX keyed_waiting_not_before_idx ON keyed_waiting (not_before) WHERE not_before IS NOT NULL;
 CREATE INDEX keyed_waiting_deadline_idx ON keyed_waiting (deadline) WHERE deadline IS NOT NULL;
-CREATE INDEX keyed_waiting_keys_idx ON keyed_waiting USING gin (keys) WHERE keys IS NOT NULL;
+CREATE INDEX keyed_waiting_reserved_idx ON keyed_waiting (reserved_at) WHERE reserved_at IS NOT NULL;
 CREATE INDEX keyed_waiting_supersede_idx ON keyed_waiting (key, supersede_key) WHERE supersede_key IS NOT NULL;
 
 -- Groups: one row per group_key, the lock of the group's admission and its sequence counter (D10).

@@ -18,14 +18,22 @@ ALTER TABLE keyed_claims
 CREATE INDEX keyed_claims_extra_idx ON keyed_claims USING gin (extra_keys) WHERE extra_keys IS NOT NULL;
 CREATE INDEX keyed_claims_uncertain_idx ON keyed_claims (lease_expires_at) WHERE state = 'uncertain';
 
--- A parked attempt with several keys: key is its first key (its waiting room, max_waiting), keys all of them;
--- it stands in the line of every one of them (strict FIFO per key, docs/ledger.md). cost slots of each key.
+-- A parked attempt with several keys (keys, in the task's order) stands in the line of one key it lacks (key).
+-- reserved_keys/reserved_shards: slots of keys listed before that one which it holds while it waits (counted
+-- in keyed_slots.used; given back when it starts, leaves, or the reservation lapses at reserved_at + timeout).
+-- cost slots of each key.
 ALTER TABLE keyed_waiting
     ADD COLUMN keys text[],
     ADD COLUMN cost integer NOT NULL DEFAULT 1,
+    ADD COLUMN reserved_keys text[],
+    ADD COLUMN reserved_shards integer[],
+    ADD COLUMN reserved_at timestamptz,
     ADD CONSTRAINT keyed_waiting_cost_positive CHECK (cost >= 1),
-    ADD CONSTRAINT keyed_waiting_keys_with_key CHECK (keys IS NULL OR key IS NOT NULL);
-CREATE INDEX keyed_waiting_keys_idx ON keyed_waiting USING gin (keys) WHERE keys IS NOT NULL;
+    ADD CONSTRAINT keyed_waiting_keys_with_key CHECK (keys IS NULL OR key IS NOT NULL),
+    ADD CONSTRAINT keyed_waiting_reserved_shards_match CHECK (
+        cardinality(reserved_keys) IS NOT DISTINCT FROM cardinality(reserved_shards)),
+    ADD CONSTRAINT keyed_waiting_reserved_when CHECK ((reserved_keys IS NULL) = (reserved_at IS NULL));
+CREATE INDEX keyed_waiting_reserved_idx ON keyed_waiting (reserved_at) WHERE reserved_at IS NOT NULL;
 
 -- Names: seconds a slot stays held after a hard time limit or a lost worker (the remote call may still run).
 ALTER TABLE keyed_names

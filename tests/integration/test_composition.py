@@ -1,0 +1,256 @@
+"""Composition on real Postgres (DESIGN §3.10, issue 4): several keys per attempt claimed all-or-nothing,
+strict FIFO per key (a multi-key or heavy attempt is never starved), weighted slots, uncertain holds."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict
+from celery_keyed.ledger.admission import promote_multi
+from celery_keyed.ledger.reconcile import check_counters_once, promote_all
+
+
+def arrive(ledger: Ledger, task_id: str, *keys: str, cost: int = 1, now=None, **kw):
+    return ledger.admit(
+        Arrival(task_id=task_id, key=keys[0], extra_keys=tuple(keys[1:]), cost=cost, message={"id": task_id}, **kw),
+        now=now,
+    )
+
+
+def used(scalar: Callable[..., object], key: str) -> int:
+    return int(scalar("SELECT COALESCE(sum(used), 0) FROM keyed_slots WHERE key = :key", key=key) or 0)
+
+
+def finish(ledger: Ledger, task_id: str, fence: int, outcome: Outcome = Outcome.COMPLETED, **kw):
+    return ledger.release(Token(task_id, 0), fence, outcome, **kw)
+
+
+def test_several_keys_are_claimed_all_or_nothing(ledger: Ledger, scalar) -> None:
+    ledger.configure({"tenant": NameConfig("tenant", limit=2), "stripe": NameConfig("stripe", limit=3)})
+    a = arrive(ledger, "a", "tenant:1", "stripe")
+    b = arrive(ledger, "b", "tenant:1", "stripe")
+    c = arrive(ledger, "c", "tenant:2", "stripe")
+    assert [x.verdict for x in (a, b, c)] == [Verdict.ADMITTED] * 3
+    assert used(scalar, "tenant:1") == 2 and used(scalar, "tenant:2") == 1 and used(scalar, "stripe") == 3
+    # stripe is full: tenant:3 has room but takes nothing (no partial hold)
+    d = arrive(ledger, "d", "tenant:3", "stripe")
+    assert d.verdict is Verdict.PARKED
+    assert used(scalar, "tenant:3") == 0 and used(scalar, "stripe") == 3
+    # tenant:1 is full: stripe keeps its count
+    assert arrive(ledger, "e", "tenant:1", "stripe").verdict is Verdict.PARKED
+    # releasing c frees both of its keys at once and promotes d (oldest waiter that fits): it holds both
+    report = finish(ledger, "c", c.fence)
+    assert [p.task_id for p in report.promotions] == ["d"]
+    assert used(scalar, "tenant:2") == 0 and used(scalar, "tenant:3") == 1 and used(scalar, "stripe") == 3
+    assert check_counters_once(ledger.engine) == []
+
+
+def test_a_multi_key_waiter_stands_in_the_line_of_the_key_it_lacks(ledger: Ledger, scalar) -> None:
+    """It parks in the line (and waiting room) of the first key, in its own order, that has no room; work on
+    its other keys is not held up by it."""
+    g = arrive(ledger, "g", "gate")  # holds "gate" (a mutex)
+    w = arrive(ledger, "w", "acct:1", "gate")
+    assert w.verdict is Verdict.PARKED
+    assert scalar("SELECT key FROM keyed_waiting WHERE task_id = 'w'") == "gate"
+    assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'gate'") == 1
+    assert arrive(ledger, "other", "acct:1").verdict is Verdict.ADMITTED  # acct:1 has room: not held up by w
+    report = finish(ledger, "other", ledger.explain("other").facts["fence"])
+    assert report.promotions == []
+    report = finish(ledger, "g", g.fence)
+    (p,) = report.promotions
+    assert p.task_id == "w" and p.key == "acct:1"  # the claim's first key is the task's first key
+    assert used(scalar, "acct:1") == 1 and used(scalar, "gate") == 1
+    assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'gate'") == 0
+    assert check_counters_once(ledger.engine) == []
+
+
+def test_a_multi_key_attempt_is_not_starved_by_single_key_streams(ledger: Ledger, scalar) -> None:
+    """W keeps its arrival number in every line it moves to, and holds the slots of the keys listed before
+    the one it still lacks: it starts after at most one more task of each key, not after the streams."""
+    x = arrive(ledger, "x0", "acct:1")  # holds acct:1
+    g = arrive(ledger, "g0", "gate")  # holds gate
+    assert arrive(ledger, "w", "acct:1", "gate").verdict is Verdict.PARKED  # in acct:1's line
+    for i in range(1, 4):  # streams of newer single-key work on both keys
+        assert arrive(ledger, f"g{i}", "gate").verdict is Verdict.PARKED
+        assert arrive(ledger, f"x{i}", "acct:1").verdict is Verdict.PARKED
+    # gate frees: w is not in gate's line, so g1 starts
+    (p1,) = finish(ledger, "g0", g.fence).promotions
+    assert p1.task_id == "g1"
+    # acct:1 frees: w is first in its line but gate is busy (g1): w reserves acct:1 and moves to gate's line,
+    # ahead of g2 and g3 (its arrival number is older); x1 does not get acct:1
+    assert finish(ledger, "x0", x.fence).promotions == []
+    assert scalar("SELECT key FROM keyed_waiting WHERE task_id = 'w'") == "gate"
+    assert scalar("SELECT reserved_keys FROM keyed_waiting WHERE task_id = 'w'") == ["acct:1"]
+    assert used(scalar, "acct:1") == 1  # held for w
+    assert arrive(ledger, "late", "acct:1").verdict is Verdict.PARKED
+    assert check_counters_once(ledger.engine) == []
+    # g1 finishes: w starts with both keys, before g2, g3 and every x
+    (pw,) = finish(ledger, "g1", ledger.bind(p1.token, p1.nonce)).promotions
+    assert pw.task_id == "w"
+    assert used(scalar, "acct:1") == 1 and used(scalar, "gate") == 1
+    report = finish(ledger, "w", ledger.bind(pw.token, pw.nonce))
+    assert sorted(p.task_id for p in report.promotions) == ["g2", "x1"]
+    assert check_counters_once(ledger.engine) == []
+
+
+def test_reservations_lapse_after_the_timeout(ledger: Ledger, clock, scalar) -> None:
+    x = arrive(ledger, "x0", "acct:1", now=clock())
+    g = arrive(ledger, "g0", "gate", now=clock())
+    arrive(ledger, "w", "acct:1", "gate", now=clock())
+    arrive(ledger, "x1", "acct:1", now=clock())
+    finish(ledger, "x0", x.fence, now=clock())  # w reserves acct:1, waits for gate
+    assert used(scalar, "acct:1") == 1 and scalar("SELECT reserved_keys FROM keyed_waiting WHERE task_id='w'")
+    assert ledger.sweep(now=clock.advance(30)).promotions == []
+    report = ledger.sweep(now=clock.advance(31))  # default timeout 60 s: given back, x1 starts
+    assert [p.task_id for p in report.promotions] == ["x1"]
+    assert scalar("SELECT reserved_keys FROM keyed_waiting WHERE task_id='w'") is None
+    assert check_counters_once(ledger.engine) == []
+    _ = g
+
+
+def test_expired_or_revoked_waiter_gives_its_reservation_back(ledger: Ledger, clock, scalar) -> None:
+    x = arrive(ledger, "x0", "acct:1", now=clock())
+    arrive(ledger, "g0", "gate", now=clock())
+    arrive(ledger, "w", "acct:1", "gate", now=clock())
+    arrive(ledger, "x1", "acct:1", now=clock())
+    finish(ledger, "x0", x.fence, now=clock())
+    assert used(scalar, "acct:1") == 1
+    promotions = ledger.revoke("w", now=clock())
+    assert [p.task_id for p in promotions] == ["x1"]
+    assert ledger.books()["revoked"] == 1
+    assert check_counters_once(ledger.engine) == []
+
+
+def test_heavy_attempt_starts_only_when_its_cost_fits(ledger: Ledger, scalar) -> None:
+    ledger.configure({"api": NameConfig("api", limit=10)})
+    light = [arrive(ledger, f"l{i}", "api:x") for i in range(6)]
+    heavy = arrive(ledger, "heavy", "api:x", cost=5)
+    assert heavy.verdict is Verdict.PARKED
+    assert arrive(ledger, "after", "api:x").verdict is Verdict.PARKED
+    # 6 in use: one release makes 5 in use, and then the heavy one fits (5 + 5 = 10)
+    report = finish(ledger, "l0", light[0].fence)
+    assert [p.task_id for p in report.promotions] == ["heavy"]
+    assert used(scalar, "api:x") == 10
+    # full: the light one behind waits
+    report = finish(ledger, "l1", light[1].fence)
+    assert [p.task_id for p in report.promotions] == ["after"]
+    assert used(scalar, "api:x") == 10
+    assert check_counters_once(ledger.engine) == []
+
+
+def test_protected_capacity(ledger: Ledger, scalar) -> None:
+    """Optional work takes ["stripe-optional", "stripe"] (7 of 10); essential work takes ["stripe"] and always
+    finds room while optional work floods."""
+    ledger.configure(
+        {"stripe": NameConfig("stripe", limit=10), "stripe-optional": NameConfig("stripe-optional", limit=7)}
+    )
+    verdicts = [arrive(ledger, f"opt{i}", "stripe-optional", "stripe").verdict for i in range(20)]
+    assert verdicts.count(Verdict.ADMITTED) == 7 and verdicts.count(Verdict.PARKED) == 13
+    essential = [arrive(ledger, f"ess{i}", "stripe").verdict for i in range(3)]
+    assert essential == [Verdict.ADMITTED] * 3
+    assert used(scalar, "stripe") == 10 and used(scalar, "stripe-optional") == 7
+
+
+def test_multi_key_waiter_skipped_for_a_busy_row_is_promoted_by_the_sweep(ledger: Ledger, engine, scalar) -> None:
+    """A promotion through one key takes the waiter's other keys without waiting (out of lock order); when
+    one of their rows is locked at that moment, the sweep's in-order promotion starts it (D2 backstop)."""
+    g = arrive(ledger, "g", "gate")
+    assert arrive(ledger, "w", "acct:1", "gate").verdict is Verdict.PARKED
+    locked, done = threading.Event(), threading.Event()
+
+    def hold_acct_row() -> None:
+        with engine.begin() as conn:
+            conn.execute(sa.text("SELECT 1 FROM keyed_slots WHERE key = 'acct:1' FOR UPDATE"))
+            locked.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold_acct_row)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        assert finish(ledger, "g", g.fence).promotions == []  # acct:1's row was busy: skipped, not waited for
+    finally:
+        done.set()
+        holder.join()
+    assert used(scalar, "gate") == 0 and used(scalar, "acct:1") == 0  # nothing half-taken
+    report = promote_all(ledger.engine)
+    assert [p.task_id for p in report.promotions] == ["w"]
+    assert used(scalar, "gate") == 1 and used(scalar, "acct:1") == 1
+    with engine.begin() as conn:  # nothing left to promote: idempotent
+        assert promote_multi(conn, Token("w", 0)) == []
+    assert check_counters_once(ledger.engine) == []
+
+
+def test_reclaim_frees_every_key_of_a_lost_multi_key_claim(ledger: Ledger, clock, scalar) -> None:
+    a = arrive(ledger, "a", "acct:1", "gate", now=clock())
+    assert a.verdict is Verdict.ADMITTED
+    b = arrive(ledger, "b", "acct:2", "gate", now=clock())
+    assert b.verdict is Verdict.PARKED
+    report = ledger.reconcile(now=clock.advance(ledger.lease + 1))
+    assert [t.task_id for t in report.reclaimed] == ["a"]
+    assert [p.task_id for p in report.promotions] == ["b"]
+    assert used(scalar, "acct:1") == 0 and used(scalar, "acct:2") == 1 and used(scalar, "gate") == 1
+    assert report.drift == []
+
+
+def test_a_cost_no_key_can_ever_have_is_rejected(ledger: Ledger) -> None:
+    ledger.configure({"api": NameConfig("api", limit=4, shards=2)})
+    verdict = arrive(ledger, "a", "api:1", cost=3)  # shares are 2 + 2
+    assert verdict.verdict is Verdict.REJECTED and "exceeds the 2 slots" in verdict.detail
+    assert ledger.books()["rejected"] == 1
+    assert arrive(ledger, "b", "api:1", cost=2).verdict is Verdict.ADMITTED
+
+
+def test_counters_check_counts_costs_and_extra_keys(ledger: Ledger, engine, scalar) -> None:
+    ledger.configure({"api": NameConfig("api", limit=5), "gate": NameConfig("gate", limit=5)})
+    arrive(ledger, "a", "api:1", "gate:1", cost=3)
+    assert used(scalar, "api:1") == 3 and used(scalar, "gate:1") == 3
+    assert check_counters_once(engine) == []
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE keyed_slots SET used = 1 WHERE key = 'gate:1'"))
+    drift = check_counters_once(engine)
+    assert drift == ["gate:1 shard 0: used 1 but 3 claims exist"]
+    assert used(scalar, "gate:1") == 3
+
+
+def test_uncertain_hold_keeps_the_slot_after_a_hard_time_limit(ledger: Ledger, clock, scalar) -> None:
+    ledger.configure({"bank": NameConfig("bank", limit=1, uncertain_hold=30.0)}, now=clock())
+    a = arrive(ledger, "a", "bank:1", now=clock())
+    b = arrive(ledger, "b", "bank:1", now=clock())
+    assert b.verdict is Verdict.PARKED
+    report = finish(ledger, "a", a.fence, Outcome.FAILED, uncertain=True, now=clock())
+    assert report.released and report.promotions == []
+    assert ledger.books()["failed"] == 1  # the outcome is recorded now
+    assert used(scalar, "bank:1") == 1  # the slot is still held
+    explained = ledger.explain("a", now=clock())
+    assert explained.state == "uncertain" and "may still be running" in explained.text
+    assert ledger.sweep(now=clock.advance(29)).promotions == []
+    # a second release of the same attempt is a no-op (fenced)
+    assert not finish(ledger, "a", a.fence, Outcome.FAILED, now=clock()).released
+    report = ledger.sweep(now=clock.advance(2))
+    assert [p.task_id for p in report.promotions] == ["b"]
+    assert ledger.explain("a", now=clock()).state == "finished"
+    assert check_counters_once(ledger.engine) == []
+
+
+def test_uncertain_hold_of_a_lost_worker_runs_the_redelivery_after_the_hold(ledger: Ledger, clock, scalar) -> None:
+    a = arrive(ledger, "a", "bank:1", now=clock())
+    # the task's own hold (no name config): its worker was lost, the broker redelivers the same attempt
+    report = finish(ledger, "a", a.fence, Outcome.WORKER_LOST, uncertain=True, hold=10.0, now=clock())
+    assert report.released
+    again = arrive(ledger, "a", "bank:1", now=clock())
+    assert again.verdict is Verdict.DUPLICATE and "shadow" in again.detail
+    assert ledger.sweep(now=clock.advance(5)).promotions == []
+    report = ledger.sweep(now=clock.advance(6))
+    assert [p.task_id for p in report.promotions] == ["a"]
+    assert used(scalar, "bank:1") == 1
+
+
+def test_no_uncertain_hold_configured_releases_at_once(ledger: Ledger, scalar) -> None:
+    a = arrive(ledger, "a", "bank:1")
+    arrive(ledger, "b", "bank:1")
+    report = finish(ledger, "a", a.fence, Outcome.FAILED, uncertain=True)
+    assert [p.task_id for p in report.promotions] == ["b"]
