@@ -236,6 +236,9 @@ class Waiting(models.Model):
     message = models.JSONField()
     keys = ArrayField(models.TextField(), null=True)
     cost = models.IntegerField()
+    reserved_keys = ArrayField(models.TextField(), null=True)
+    reserved_shards = ArrayField(models.IntegerField(), null=True)
+    reserved_at = models.DateTimeField(null=True)
 
     class Meta:
         managed = False

@@ -1,0 +1,802 @@
+"""The operators' admin: limit overrides (with their audit trail), a live view of keys, claims (force release),
+waiting tasks (cancel), outcome history, ledger events, and an "explain" panel for a task id.
+
+Every screen reads through the read-only models; every change goes through the ledger's functions (set_override,
+clear_override, the fenced release, revoke), which keep the counters, the audit trail and the promotions right,
+and then the promotions they made are dispatched (``celery_keyed_django.ledger.dispatch``). Lists of keys, claims,
+waiting tasks and outcomes are paginated and each column is one indexed lookup per shown row (no N+1, no count of
+the whole table), so they stay quick on hundreds of thousands of rows.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import PermissionDenied
+from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.functions import Coalesce, Now
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
+
+from celery_keyed.ledger import Token
+from celery_keyed.ledger.admin_queries import force_release
+from celery_keyed_django import ledger as ledger_access
+from celery_keyed_django.forms import ExplainForm, OverrideForm, ReasonForm
+from celery_keyed_django.models import (
+    OUTCOMES,
+    Claim,
+    Event,
+    Key,
+    Name,
+    Override,
+    OverrideLog,
+    Slot,
+    TaskRecord,
+    Waiting,
+)
+
+APP = "celery_keyed_django"
+CHANGE_LIMITS = f"{APP}.change_limits"
+
+
+# -- small renderers ---------------------------------------------------------------------------------------------
+
+
+def age(delta: timedelta | None) -> str:
+    """A duration as an operator reads it: ``45s``, ``3m 05s``, ``2h 04m``, ``3d 4h``."""
+    if delta is None:
+        return "—"
+    seconds = int(delta.total_seconds())
+    sign, seconds = ("-", -seconds) if seconds < 0 else ("", seconds)
+    if seconds < 60:
+        return f"{sign}{seconds}s"
+    if seconds < 3600:
+        return f"{sign}{seconds // 60}m {seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{sign}{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+    return f"{sign}{seconds // 86400}d {seconds % 86400 // 3600}h"
+
+
+def since(moment: datetime | None) -> str:
+    return "—" if moment is None else age(timezone.now() - moment)
+
+
+def _url(name: str, *args: Any, query: dict[str, Any] | None = None) -> str:
+    url = reverse(f"admin:{APP}_{name}", args=args)
+    return f"{url}?{urlencode(query)}" if query else url
+
+
+def explain_link(task_id: str) -> str:
+    return format_html('<a href="{}" title="Why is this task (not) running?">{}</a>',
+                       _url("explain", query={"task_id": task_id}), task_id)
+
+
+def configured_names() -> set[str]:
+    """Names configured in settings or synced to the ledger by a worker (keyed_names)."""
+    return ledger_access.configured_names() | set(Name.objects.values_list("name", flat=True))
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """The ledger's rows are written by the ledger only: no add, change or delete through the ORM."""
+
+    change_list_template = f"admin/{APP}/change_list.html"
+    show_full_result_count = False  # never count a whole ledger table for the "(N total)" link
+    list_per_page = 100
+    page_help = ""
+    empty_state = "Nothing here."
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        context = {"page_help": self.page_help, "empty_state": self.empty_state, **(extra_context or {})}
+        return super().changelist_view(request, extra_context=context)
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+
+def _live_override() -> QuerySet[Override]:
+    return Override.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now()))
+
+
+def _limits(qs: QuerySet[Any]) -> QuerySet[Any]:
+    """Annotate a queryset that has a ``name`` column with the name's override and configured limit."""
+    return qs.annotate(
+        override_limit=Subquery(_live_override().filter(name=OuterRef("name")).values("slot_limit")[:1]),
+        configured_limit=Subquery(Name.objects.filter(name=OuterRef("name")).values("slot_limit")[:1]),
+    )
+
+
+def _limit_and_source(obj: Any) -> tuple[int, str]:
+    if obj.override_limit is not None:
+        return obj.override_limit, "override"
+    if obj.configured_limit is not None:
+        return obj.configured_limit, "configured"
+    return 1, "default"
+
+
+def _override_link(name: str, has_override: bool) -> str:
+    if has_override:
+        return _url("override_change", name)
+    return _url("override_add", query={"name": name})
+
+
+# -- overrides -----------------------------------------------------------------------------------------------------
+
+
+@admin.register(Override)
+class OverrideAdmin(admin.ModelAdmin):
+    """Runtime limits per name. Writes go through ``set_override`` / ``clear_override`` (audit trail, promotions)."""
+
+    form = OverrideForm
+    change_list_template = f"admin/{APP}/change_list.html"
+    list_display = ("name", "limit_display", "configured_display", "reason", "author", "set_at", "expiry_display",
+                    "clear_link")
+    list_display_links = ("name",)
+    search_fields = ("name", "reason", "author")
+    ordering = ("name",)
+    list_per_page = 100
+    show_full_result_count = False
+    readonly_fields = ("audit_trail",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Override]:
+        return super().get_queryset(request).annotate(
+            configured_limit=Subquery(Name.objects.filter(name=OuterRef("name")).values("slot_limit")[:1])
+        )
+
+    # permissions: viewing needs view_override (or change_limits); every write needs change_limits.
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return super().has_view_permission(request, obj) or request.user.has_perm(CHANGE_LIMITS)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(CHANGE_LIMITS)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.has_perm(CHANGE_LIMITS)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # clearing is its own page: it needs a reason, and goes through clear_override
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        return {}
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        return ("name", "audit_trail") if obj is not None else ()
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        fields = ["name", "slot_limit", "reason", "expires_at"]
+        return [*fields, "audit_trail"] if obj is not None else fields
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        context = {
+            "page_help": "An override replaces a name's configured limit at runtime, for every key of the name, from "
+            "the next claim on. 0 pauses the name: running tasks finish, new ones wait. Every change is kept in the "
+            "override audit trail.",
+            "empty_state": "No overrides: every name runs at its configured limit (or 1, a mutex, if unconfigured). "
+            "Use “Add limit override” to pause or throttle a name.",
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, extra_context=context)
+
+    @admin.display(description="Limit", ordering="slot_limit")
+    def limit_display(self, obj: Override) -> str:
+        if obj.slot_limit == 0:
+            return format_html('<strong style="color:#ba2121">{}</strong>', "0 — paused")
+        return str(obj.slot_limit)
+
+    @admin.display(description="Configured limit")
+    def configured_display(self, obj: Override) -> str:
+        if obj.configured_limit is not None:  # type: ignore[attr-defined]
+            return str(obj.configured_limit)  # type: ignore[attr-defined]
+        if obj.name in ledger_access.configured_names():
+            return "in settings (not synced by a worker yet)"
+        return format_html('<span style="color:#a66400" title="{}">⚠ not configured</span>',
+                           "No worker has this name in keyed_concurrency_limits: its keys default to 1 (mutex).")
+
+    @admin.display(description="Expires", ordering="expires_at")
+    def expiry_display(self, obj: Override) -> str:
+        if obj.expires_at is None:
+            return "never (until cleared)"
+        if obj.expires_at <= timezone.now():
+            return format_html("lapsed {} ago (the next sweep removes it)", since(obj.expires_at))
+        return format_html('<span title="{}">in {}</span>', obj.expires_at.isoformat(),
+                           age(obj.expires_at - timezone.now()))
+
+    @admin.display(description="")
+    def clear_link(self, obj: Override) -> str:
+        return format_html('<a class="button" href="{}">Clear…</a>', _url("override_clear", obj.name))
+
+    @admin.display(description="Audit trail")
+    def audit_trail(self, obj: Override) -> str:
+        rows = OverrideLog.objects.filter(name=obj.name).order_by("-at", "-id")[:25]
+        if not rows:
+            return "No entries."
+        body = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{} → {}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (timezone.localtime(r.at).strftime("%Y-%m-%d %H:%M:%S"), r.author or "—", r.action,
+                 _limit_text(r.old_limit), _limit_text(r.new_limit), r.reason or "—",
+                 "" if r.expires_at is None else f"until {timezone.localtime(r.expires_at):%Y-%m-%d %H:%M}")
+                for r in rows
+            ),
+        )
+        more = _url("overridelog_changelist", query={"name": obj.name})
+        return format_html(
+            '<table><thead><tr><th>When</th><th>Who</th><th>Action</th><th>Old → new</th><th>Why</th>'
+            "<th>Expiry</th></tr></thead><tbody>{}</tbody></table><p><a href=\"{}\">Full audit trail of {}</a></p>",
+            body, more, obj.name,
+        )
+
+    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
+        initial = super().get_changeform_initial_data(request)
+        if "name" in initial and (current := Override.objects.filter(name=initial["name"]).first()) is not None:
+            initial.setdefault("slot_limit", current.slot_limit)
+        return initial
+
+    def save_model(self, request: HttpRequest, obj: Override, form: Any, change: bool) -> None:
+        """Through the ledger (never ``obj.save()``): upsert + audit entry + promotions, in one transaction."""
+        author = request.user.get_username()
+        promotions = ledger_access.get_ledger().set_override(
+            obj.name, obj.slot_limit, reason=obj.reason, author=author, expires_at=obj.expires_at
+        )
+        started = ledger_access.dispatch(promotions)
+        state = "paused" if obj.slot_limit == 0 else f"limited to {obj.slot_limit} per key"
+        messages.success(request, f"{obj.name} is now {state} (from its next claim on). Reason recorded: {obj.reason}")
+        if promotions:
+            messages.info(request, _promotions_text(promotions, started))
+        if obj.name not in configured_names():
+            seen = Key.objects.filter(name=obj.name).exists()
+            messages.warning(
+                request,
+                f"“{obj.name}” is not a configured name (not in keyed_concurrency_limits, not synced by any worker)"
+                + ("." if seen else ", and no key of it has been seen yet: check the spelling.")
+                + " The override applies to its keys all the same.",
+            )
+
+    def log_addition(self, request: HttpRequest, obj: Any, message: Any) -> Any:
+        return None  # the ledger's audit trail (keyed_override_log) is the record, written in save_model
+
+    def log_change(self, request: HttpRequest, obj: Any, message: Any) -> Any:
+        return None
+
+    def get_urls(self) -> list[Any]:
+        return [
+            path("<str:object_id>/clear/", self.admin_site.admin_view(self.clear_view), name=f"{APP}_override_clear"),
+            *super().get_urls(),
+        ]
+
+    def clear_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        override = get_object_or_404(_limits(Override.objects.all()), name=object_id)
+        if not self.has_change_permission(request, override):
+            raise PermissionDenied
+        form = ReasonForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            promotions = ledger_access.get_ledger().clear_override(
+                override.name, reason=form.cleaned_data["reason"], author=request.user.get_username()
+            )
+            started = ledger_access.dispatch(promotions)
+            limit = override.configured_limit if override.configured_limit is not None else 1  # type: ignore[attr-defined]
+            messages.success(request, f"Override of {override.name} cleared: its keys run at the configured limit "
+                                      f"({limit}) again.")
+            if promotions:
+                messages.info(request, _promotions_text(promotions, started))
+            return HttpResponseRedirect(_url("override_changelist"))
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Clear the override of {override.name}?",
+            "opts": self.model._meta,
+            "override": override,
+            "configured": override.configured_limit,  # type: ignore[attr-defined]
+            "form": form,
+        }
+        return TemplateResponse(request, f"admin/{APP}/override/clear.html", context)
+
+
+def _limit_text(limit: int | None) -> str:
+    if limit is None:
+        return "configured"
+    return "0 (paused)" if limit == 0 else str(limit)
+
+
+def _promotions_text(promotions: list[Any], started: int) -> str:
+    n = len(promotions)
+    text = f"{n} waiting task{'s' if n != 1 else ''} got a slot at once"
+    if started < n:
+        return text + "; a worker starts them within the dispatch timeout (no Celery app here to publish them)."
+    return text + " and were sent to the workers."
+
+
+@admin.register(OverrideLog)
+class OverrideLogAdmin(ReadOnlyAdmin):
+    list_display = ("at", "name", "action", "change_display", "reason", "author_display", "expires_at")
+    list_filter = ("action",)
+    search_fields = ("=name", "author", "reason")
+    ordering = ("-at", "-id")
+    page_help = "Every override set, cleared or lapsed: who, when, old → new limit, and why."
+    empty_state = "No override was ever set."
+
+    @admin.display(description="Old → new")
+    def change_display(self, obj: OverrideLog) -> str:
+        return f"{_limit_text(obj.old_limit)} → {_limit_text(obj.new_limit)}"
+
+    @admin.display(description="Who", ordering="author")
+    def author_display(self, obj: OverrideLog) -> str:
+        return obj.author or ("the sweep" if obj.action == "expire" else "—")
+
+
+@admin.register(Name)
+class NameAdmin(ReadOnlyAdmin):
+    list_display = ("name", "slot_limit", "override_display", "effective_display", "shards", "max_waiting",
+                    "max_wait", "overflow", "updated_at")
+    search_fields = ("name",)
+    ordering = ("name",)
+    page_help = "Names configured in keyed_concurrency_limits, as the workers synced them at start. A key "
+    "“name:ident” of a name not listed here is a mutex (limit 1)."
+    empty_state = "No configured names yet: workers sync keyed_concurrency_limits here when they start."
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Name]:
+        return _limits(super().get_queryset(request))
+
+    @admin.display(description="Override")
+    def override_display(self, obj: Any) -> str:
+        link = _override_link(obj.name, obj.override_limit is not None)
+        if obj.override_limit is None:
+            return format_html('<a href="{}">set…</a>', link)
+        return format_html('<a href="{}">{}</a>', link, _limit_text(obj.override_limit))
+
+    @admin.display(description="Effective limit")
+    def effective_display(self, obj: Any) -> str:
+        limit, source = _limit_and_source(obj)
+        return _limit_text(limit) + f" ({source})"
+
+
+# -- keys (the live view) ------------------------------------------------------------------------------------------
+
+
+class NameFilter(admin.SimpleListFilter):
+    title = "name"
+    parameter_name = "name"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        # Configured and overridden names only (small tables); any other name is reachable by search.
+        names = configured_names() | set(Override.objects.values_list("name", flat=True))
+        return [(n, n) for n in sorted(names)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset.filter(name=self.value()) if self.value() else queryset
+
+
+class LimitSourceFilter(admin.SimpleListFilter):
+    title = "limit from"
+    parameter_name = "source"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("override", "an override"), ("configured", "configuration"), ("default", "the default (1)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        overridden = _live_override().values("name")
+        configured = Name.objects.values("name")
+        if self.value() == "override":
+            return queryset.filter(name__in=overridden)
+        if self.value() == "configured":
+            return queryset.filter(name__in=configured).exclude(name__in=overridden)
+        if self.value() == "default":
+            return queryset.exclude(name__in=configured).exclude(name__in=overridden)
+        return queryset
+
+
+class KeyStateFilter(admin.SimpleListFilter):
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("paused", "paused (limit 0)"), ("waiting", "has waiting tasks"), ("running", "has tasks in flight"),
+                ("idle", "idle")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        busy = Exists(Slot.objects.filter(key=OuterRef("key"), used__gt=0))
+        if self.value() == "paused":
+            paused_override = _live_override().filter(slot_limit=0).values("name")
+            paused_config = Name.objects.filter(slot_limit=0).exclude(name__in=_live_override().values("name"))
+            return queryset.filter(Q(name__in=paused_override) | Q(name__in=paused_config.values("name")))
+        if self.value() == "waiting":
+            return queryset.filter(waiting__gt=0)
+        if self.value() == "running":
+            return queryset.filter(busy)
+        if self.value() == "idle":
+            return queryset.filter(waiting=0).exclude(busy)
+        return queryset
+
+
+@admin.register(Key)
+class KeyAdmin(ReadOnlyAdmin):
+    """The live view: one row per key, each column one indexed lookup for the rows on the page."""
+
+    list_display = ("key", "name_link", "limit_display", "source_display", "in_flight_display", "waiting_display",
+                    "oldest_display", "paused_display", "active_display")
+    list_display_links = None
+    list_filter = (NameFilter, LimitSourceFilter, KeyStateFilter)
+    search_fields = ("key",)
+    ordering = ("key",)
+    sortable_by = ("key", "waiting", "active_at")
+    page_help = "Every key the ledger knows: its limit and where it comes from, tasks in flight and waiting, and "
+    "how long the oldest has waited. Idle keys are dropped after keyed_idle_key_ttl."
+    empty_state = "No keys yet: a key appears here when its first keyed task arrives at a worker."
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Key]:
+        in_flight = Slot.objects.filter(key=OuterRef("key")).values("key").annotate(total=Sum("used")).values("total")
+        oldest = Waiting.objects.filter(key=OuterRef("key"), shadow=False).order_by("arrival").values("arrived_at")
+        return _limits(super().get_queryset(request)).annotate(
+            in_flight=Coalesce(Subquery(in_flight[:1]), 0),
+            oldest_waiting=Subquery(oldest[:1]),
+        )
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any], search_term: str) -> Any:
+        """A key is found by its exact value or by what it starts with (``account:`` lists that name's keys)."""
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        return queryset.filter(Q(key=term) | Q(key__startswith=term)), False
+
+    @admin.display(description="Name", ordering="name")
+    def name_link(self, obj: Any) -> str:
+        return format_html('<a href="{}" title="Set or change the override of {}">{}</a>',
+                           _override_link(obj.name, obj.override_limit is not None), obj.name, obj.name)
+
+    @admin.display(description="Limit")
+    def limit_display(self, obj: Any) -> str:
+        return str(_limit_and_source(obj)[0])
+
+    @admin.display(description="Limit from")
+    def source_display(self, obj: Any) -> str:
+        return {"override": "override", "configured": "configuration", "default": "default (mutex)"}[
+            _limit_and_source(obj)[1]]
+
+    @admin.display(description="In flight")
+    def in_flight_display(self, obj: Any) -> str:
+        if not obj.in_flight:
+            return "0"
+        return format_html('<a href="{}">{}</a>', _url("claim_changelist", query={"key": obj.key}), obj.in_flight)
+
+    @admin.display(description="Waiting", ordering="waiting")
+    def waiting_display(self, obj: Any) -> str:
+        if not obj.waiting:
+            return "0"
+        return format_html('<a href="{}">{}</a>', _url("waiting_changelist", query={"key": obj.key}), obj.waiting)
+
+    @admin.display(description="Oldest waiting")
+    def oldest_display(self, obj: Any) -> str:
+        return since(obj.oldest_waiting) if obj.waiting else "—"
+
+    @admin.display(description="Paused", boolean=True)
+    def paused_display(self, obj: Any) -> bool:
+        return _limit_and_source(obj)[0] == 0
+
+    @admin.display(description="Last active", ordering="active_at")
+    def active_display(self, obj: Any) -> str:
+        return since(obj.active_at) + " ago"
+
+
+# -- claims ----------------------------------------------------------------------------------------------------------
+
+
+@admin.register(Claim)
+class ClaimAdmin(ReadOnlyAdmin):
+    list_display = ("task_link", "attempt", "key", "shard", "group_key", "state", "fence", "holder", "held_display",
+                    "lease_display")
+    list_display_links = None
+    list_filter = ("state",)
+    search_fields = ("=task_id", "=key", "=group_key", "holder")
+    ordering = ("claimed_at",)
+    actions = ("force_release_action",)
+    page_help = "Held slots: one row per running attempt (or one promoted and being dispatched). A worker renews its "
+    "leases; a lease that lapses is reclaimed by the reaper. Force release frees a slot now — if its worker is still "
+    "alive, that is a recorded breach of the limit."
+    empty_state = "No claims: no keyed task is running right now."
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{APP}.force_release")
+
+    @admin.display(description="Task", ordering="task_id")
+    def task_link(self, obj: Claim) -> str:
+        return explain_link(obj.task_id)
+
+    @admin.display(description="Held for", ordering="claimed_at")
+    def held_display(self, obj: Claim) -> str:
+        return since(obj.claimed_at)
+
+    @admin.display(description="Lease left", ordering="lease_expires_at")
+    def lease_display(self, obj: Claim) -> str:
+        left = obj.lease_expires_at - timezone.now()
+        if left.total_seconds() < 0:
+            return format_html('<span style="color:#ba2121">lapsed {} ago</span>', age(-left))
+        return age(left)
+
+    @admin.action(description="Force release the selected claims…", permissions=["force_release"])
+    def force_release_action(self, request: HttpRequest, queryset: QuerySet[Claim]) -> HttpResponse | None:
+        claims = list(queryset.order_by("claimed_at"))
+        form = ReasonForm(request.POST if request.POST.get("post") == "yes" else None)
+        if request.POST.get("post") == "yes" and form.is_valid():
+            self._force_release(request, claims, form.cleaned_data["reason"])
+            return None
+        now = timezone.now()
+        rows = [{"claim": c, "alive": c.lease_expires_at > now, "lease": age(c.lease_expires_at - now)} for c in claims]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Force release claims?",
+            "opts": self.model._meta,
+            "rows": rows,
+            "breaches": sum(1 for r in rows if r["alive"] and r["claim"].state == "running"),
+            "form": form,
+            "action": "force_release_action",
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, f"admin/{APP}/claim/force_release.html", context)
+
+    def _force_release(self, request: HttpRequest, claims: list[Claim], reason: str) -> None:
+        ledger = ledger_access.get_ledger()
+        author = request.user.get_username()
+        released = breaches = stale = 0
+        promotions: list[Any] = []
+        for claim in claims:
+            token, fence = Token(claim.task_id, claim.attempt), claim.fence
+
+            def work(conn: Any, token: Token = token, fence: int = fence) -> Any:
+                return force_release(conn, token, fence, reason=reason, author=author, dispatch=ledger.dispatch)
+
+            result = ledger.transaction(work)
+            if result.released:
+                released += 1
+                breaches += result.breach
+                promotions += result.promotions
+            else:
+                stale += 1
+        stale += 0 if claims else 1
+        started = ledger_access.dispatch(promotions)
+        if released:
+            messages.success(request, f"Released {released} claim{'s' if released != 1 else ''}.")
+        if breaches:
+            messages.warning(request, f"{breaches} of them had a live worker: recorded as a breach of the limit "
+                                      "(ledger event “forced_release”); that task is booked revoked.")
+        if stale:
+            messages.info(request, f"{stale} claim{'s' if stale != 1 else ''} had changed meanwhile (released or "
+                                   "claimed again with a new fence): left alone.")
+        if promotions:
+            messages.info(request, _promotions_text(promotions, started))
+
+
+# -- waiting ---------------------------------------------------------------------------------------------------------
+
+
+class WaitingStateFilter(admin.SimpleListFilter):
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("ready", "in line"), ("not_before", "not due yet (retry / ETA)"),
+                ("blocked", "blocked behind its group"), ("shadow", "duplicate (shadow of a running attempt)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value == "ready":
+            return queryset.filter(shadow=False, group_blocked=False, not_before__isnull=True)
+        if value == "not_before":
+            return queryset.filter(not_before__isnull=False)
+        if value == "blocked":
+            return queryset.filter(group_blocked=True)
+        if value == "shadow":
+            return queryset.filter(shadow=True)
+        return queryset
+
+
+@admin.register(Waiting)
+class WaitingAdmin(ReadOnlyAdmin):
+    list_display = ("task_link", "attempt", "key", "group_display", "priority", "waited_display", "due_display",
+                    "deadline_display", "state_display", "queue")
+    list_display_links = None
+    list_filter = (WaitingStateFilter,)
+    search_fields = ("=task_id", "=key", "=group_key")
+    ordering = ("arrival",)
+    actions = ("cancel_action",)
+    page_help = "Parked tasks, stored in Postgres and acked at the broker, in arrival order (priority first within "
+    "a key). Cancel revokes a task through the ledger: it leaves the line and its result is stored as revoked."
+    empty_state = "Nobody is waiting: every keyed task that arrived got a slot."
+
+    def has_cancel_waiting_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{APP}.cancel_waiting")
+
+    @admin.display(description="Task", ordering="task_id")
+    def task_link(self, obj: Waiting) -> str:
+        return explain_link(obj.task_id)
+
+    @admin.display(description="Group (number)")
+    def group_display(self, obj: Waiting) -> str:
+        return "—" if obj.group_key is None else f"{obj.group_key} (#{obj.group_seq})"
+
+    @admin.display(description="Waiting for", ordering="arrival")
+    def waited_display(self, obj: Waiting) -> str:
+        return since(obj.arrived_at)
+
+    @admin.display(description="Not before")
+    def due_display(self, obj: Waiting) -> str:
+        if obj.not_before is None:
+            return "—"
+        left = obj.not_before - timezone.now()
+        return f"in {age(left)}" if left.total_seconds() > 0 else "due"
+
+    @admin.display(description="Latest start")
+    def deadline_display(self, obj: Waiting) -> str:
+        if obj.deadline is None:
+            return "—"
+        left = obj.deadline - timezone.now()
+        return f"in {age(left)}" if left.total_seconds() > 0 else "passed (expiring)"
+
+    @admin.display(description="State")
+    def state_display(self, obj: Waiting) -> str:
+        if obj.shadow:
+            return "duplicate"
+        if obj.group_blocked:
+            return "blocked by group"
+        if obj.not_before is not None:
+            return "not due"
+        return "in line"
+
+    @admin.action(description="Cancel (revoke) the selected tasks…", permissions=["cancel_waiting"])
+    def cancel_action(self, request: HttpRequest, queryset: QuerySet[Waiting]) -> HttpResponse | None:
+        rows = list(queryset.order_by("arrival"))
+        form = ReasonForm(request.POST if request.POST.get("post") == "yes" else None)
+        if request.POST.get("post") == "yes" and form.is_valid():
+            ledger = ledger_access.get_ledger()
+            promotions: list[Any] = []
+            task_ids = sorted({r.task_id for r in rows if not r.shadow})
+            for task_id in task_ids:
+                promotions += ledger.revoke(task_id)
+            started = ledger_access.dispatch(promotions)
+            messages.success(request, f"Cancelled {len(task_ids)} waiting task{'s' if len(task_ids) != 1 else ''}: "
+                                      f"booked revoked ({form.cleaned_data['reason']}).")
+            if any(r.shadow for r in rows):
+                messages.info(request, "Duplicates (shadows) were left alone: they follow their running attempt.")
+            if promotions:
+                messages.info(request, _promotions_text(promotions, started))
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Cancel waiting tasks?",
+            "opts": self.model._meta,
+            "rows": rows,
+            "form": form,
+            "action": "cancel_action",
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, f"admin/{APP}/waiting/cancel.html", context)
+
+
+# -- outcomes and explain --------------------------------------------------------------------------------------------
+
+
+class OutcomeFilter(admin.SimpleListFilter):
+    title = "outcome"
+    parameter_name = "outcome"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("open", "still waiting or running"), *OUTCOMES]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "open":
+            return queryset.filter(outcome__isnull=True)
+        return queryset.filter(outcome=self.value()) if self.value() else queryset
+
+
+class FinishedWithinFilter(admin.SimpleListFilter):
+    title = "finished"
+    parameter_name = "finished"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("1h", "in the last hour"), ("24h", "in the last 24 hours"), ("7d", "in the last 7 days")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        spans = {"1h": timedelta(hours=1), "24h": timedelta(days=1), "7d": timedelta(days=7)}
+        if self.value() in spans:
+            return queryset.filter(finished_at__gte=timezone.now() - spans[self.value()])
+        return queryset
+
+
+@admin.register(TaskRecord)
+class TaskRecordAdmin(ReadOnlyAdmin):
+    list_display = ("task_link", "task_name", "key", "group_key", "outcome_display", "arrived_at", "took_display",
+                    "attempts_display", "duplicates", "detail")
+    list_display_links = None
+    list_filter = (OutcomeFilter, FinishedWithinFilter)
+    search_fields = ("=task_id", "=key", "=group_key", "=task_name")
+    ordering = ("-arrived_at",)
+    page_help = "The books: every keyed task that arrived and what became of it. A task that never ran (rejected, "
+    "expired, superseded, revoked while waiting, dead-lettered) has its result stored as a failure with that reason."
+    empty_state = "No keyed task has arrived yet."
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        context = {"explain_url": _url("explain"), **(extra_context or {})}
+        return super().changelist_view(request, extra_context=context)
+
+    @admin.display(description="Task", ordering="task_id")
+    def task_link(self, obj: TaskRecord) -> str:
+        return explain_link(obj.task_id)
+
+    @admin.display(description="Outcome", ordering="outcome")
+    def outcome_display(self, obj: TaskRecord) -> str:
+        if obj.outcome is None:
+            return format_html("<em>{}</em>", "in progress")
+        colour = "#2a7d2a" if obj.outcome == "completed" else "#ba2121"
+        return format_html('<span style="color:{}">{}</span>', colour, obj.get_outcome_display())
+
+    @admin.display(description="Took", ordering="finished_at")
+    def took_display(self, obj: TaskRecord) -> str:
+        if obj.finished_at is None:
+            return "—"
+        return age(obj.finished_at - obj.arrived_at)
+
+    @admin.display(description="Attempts")
+    def attempts_display(self, obj: TaskRecord) -> str:
+        return str(obj.finished_attempt + 1) if obj.finished_attempt >= 0 else "—"
+
+    def get_urls(self) -> list[Any]:
+        return [
+            path("explain/", self.admin_site.admin_view(self.explain_view), name=f"{APP}_explain"),
+            *super().get_urls(),
+        ]
+
+    def explain_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        form = ExplainForm(request.GET or None)
+        explanation = None
+        if form.is_valid():
+            explanation = ledger_access.get_ledger().explain(form.cleaned_data["task_id"].strip())
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Explain a task",
+            "opts": self.model._meta,
+            "form": form,
+            "explanation": explanation,
+            "facts": sorted((explanation.facts or {}).items()) if explanation else [],
+        }
+        return TemplateResponse(request, f"admin/{APP}/explain.html", context)
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyAdmin):
+    list_display = ("at", "kind_display", "key", "task_display", "detail")
+    list_filter = ("kind",)
+    search_fields = ("=task_id", "=key")
+    ordering = ("-at", "-id")
+    page_help = "What the ledger wants operators to know: counters repaired by reconcile (drift — a bug, please "
+    "report it), forced releases of live holders (recorded breaches of a limit), reclaimed leases, duplicates."
+    empty_state = "No events: no drift, no forced release, no reclaimed lease."
+
+    @admin.display(description="Kind", ordering="kind")
+    def kind_display(self, obj: Event) -> str:
+        if obj.kind in ("forced_release", "drift"):
+            return format_html('<strong style="color:#ba2121">{}</strong>', obj.kind.replace("_", " "))
+        return obj.kind.replace("_", " ")
+
+    @admin.display(description="Task")
+    def task_display(self, obj: Event) -> str:
+        return "—" if obj.task_id is None else explain_link(obj.task_id)
+
