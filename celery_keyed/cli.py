@@ -313,9 +313,9 @@ def explain(operator: Operator, task_id: str, as_json: bool) -> None:
     click.echo(f"{explanation.task_id}: {explanation.state}")
     click.echo(f"  {explanation.text}")
     for fact, value in explanation.facts.items():
-        if isinstance(value, datetime):
-            value = _when(value)
-        click.echo(f"  {fact}: {'-' if value is None else value}")
+        if value is None:
+            continue  # --json has every fact
+        click.echo(f"  {fact}: {_when(value) if isinstance(value, datetime) else value}")
 
 
 # -- set-limit / clear-limit -------------------------------------------------------------------------------
