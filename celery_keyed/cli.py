@@ -242,6 +242,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         names = status_names(conn, name=name)
         key_rows = status_keys(conn, name=name, limit=limit, idle=idle) if limit else []
         total = status_key_count(conn, name=name)
+    notes = _config_notes(operator.settings, names, name)
     if as_json:
         _print_json(
             {
@@ -249,6 +250,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
                 "names": [n.as_dict() for n in names],
                 "keys": [k.as_dict() for k in key_rows],
                 "keys_total": total,
+                "notes": notes,
             }
         )
         return
@@ -260,6 +262,26 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         busy = sum(n.busy_keys for n in names)
         shown = f"{len(key_rows)} of {total} keys shown" if idle else f"{len(key_rows)} of {busy} busy keys shown"
         click.echo(f"({shown}; {total} keys in the ledger" + (f" for {name})" if name else ")"))
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+
+
+def _config_notes(settings: KeyedSettings, names: list[NameStatus], only: str | None) -> list[str]:
+    """Where this app's ``keyed_concurrency_limits`` and the ledger's configured limits disagree: the ledger
+    holds what the workers synced when they started, so a changed setting shows here until they restart."""
+    stored = {n.name: n.configured_limit for n in names}
+    notes = []
+    for config_name, config in sorted(settings.limits.items()):
+        if only is not None and config_name != only:
+            continue
+        if stored.get(config_name) != config.limit:
+            held = stored.get(config_name)
+            notes.append(
+                f"{config_name}: this app configures limit {config.limit}, the ledger has "
+                + ("no configuration (default 1)" if held is None else f"{held}")
+                + ": workers store the configuration when they start"
+            )
+    return notes
 
 
 def _names_table(names: list[NameStatus]) -> str:

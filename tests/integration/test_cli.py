@@ -86,6 +86,19 @@ def test_status_json_names_and_keys(app: Celery, busy: Ledger) -> None:
     assert (t1["limit"], t1["source"], t1["in_flight"], t1["waiting"]) == (3, "config", 3, 2)
     assert t1["oldest_waiting_age"] >= 0 and doc["keys"][2]["oldest_waiting_age"] is None
     assert doc["keys_total"] == 3
+    assert doc["notes"] == []  # the ledger holds what this app configures
+
+
+def test_status_notes_a_configuration_the_workers_have_not_stored(app: Celery, ledger: Ledger) -> None:
+    app.conf.keyed_concurrency_limits = {"api": 3, "mail": 10}
+    ledger.configure({"api": NameConfig("api", limit=2)})  # what the running workers started with
+    doc = run_json(app, "status")
+    assert doc["notes"] == [
+        "api: this app configures limit 3, the ledger has 2: workers store the configuration when they start",
+        "mail: this app configures limit 10, the ledger has no configuration (default 1): workers store the "
+        "configuration when they start",
+    ]
+    assert "note: api: this app configures limit 3" in run(app, "status").stderr
 
 
 def test_status_filters_and_row_limit(app: Celery, busy: Ledger) -> None:

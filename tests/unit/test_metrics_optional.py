@@ -65,3 +65,16 @@ def test_a_bad_metrics_port_is_a_clear_error(port: object) -> None:
 def test_a_bad_metrics_timeout_is_a_clear_error() -> None:
     with pytest.raises(InvalidConfig, match="keyed_metrics_timeout must be a positive number"):
         _settings(metrics_timeout=0)
+
+
+def test_the_status_views_and_the_collector_import_neither_celery_nor_django() -> None:
+    """A Django view or a sidecar can expose the ledger gauges without loading Celery (DESIGN §4 layers)."""
+    code = (
+        "import sys, celery_keyed.ledger.status, celery_keyed.metrics; "
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    loaded = set(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    )
+    assert "sqlalchemy" in loaded and "prometheus_client" in loaded  # the check itself works
+    assert not loaded & {"celery", "kombu", "django"}
