@@ -38,12 +38,15 @@ from celery_keyed.ledger.reconcile import reclaim_once
 from celery_keyed.messages import context_from_record, record_message, republish, restore_message
 from celery_keyed.settings import KeyedSettings
 from celery_keyed.task import (
+    HEADER_COST,
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
     HEADER_KEY,
     HEADER_NONCE,
     HEADER_SUPERSEDE,
+    check_cost,
     evaluate_key,
+    evaluate_keys,
     key_spec,
 )
 
@@ -220,6 +223,7 @@ class GateService:
                 raise TaskRevokedError(request.id)
         assert fence is not None
         request.keyed_claim = (arrival.token, fence)
+        request._request_dict["keyed_fence"] = fence  # the task reads it (self.request.keyed_fence, D7)
         with self._lock:
             self._running[arrival.token] = _Running(request, arrival.token, fence)
         return submit()
@@ -234,15 +238,17 @@ class GateService:
         supersede = headers.get(HEADER_SUPERSEDE)
         if key is None and group is None and HEADER_KEY not in headers:
             args, kwargs = tuple(request.args), dict(request.kwargs)
-            key = evaluate_key(key_spec(task, "concurrency_key"), task, args, kwargs)
+            key = evaluate_keys(key_spec(task, "concurrency_key"), task, args, kwargs)
             group = evaluate_key(key_spec(task, "group_key"), task, args, kwargs, option="group_key")
             supersede = evaluate_key(key_spec(task, "supersede_key"), task, args, kwargs, option="supersede_key")
         else:
-            key = None if key is None else normalize_key(key)
+            key = _header_keys(key)
             group = None if group is None else normalize_key(group)
             supersede = None if supersede is None else str(supersede)
         if key is None and group is None:
             return None
+        keys = [key] if isinstance(key, str) else list(key or [])
+        cost = check_cost(headers.get(HEADER_COST, getattr(task, "concurrency_cost", 1)), task)
         seq = headers.get(HEADER_GROUP_SEQ)
         if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int)):
             raise InvalidKey(f"header {HEADER_GROUP_SEQ} must be an integer, got {seq!r}")
@@ -253,7 +259,9 @@ class GateService:
         return Arrival(
             task_id=request.id,
             attempt=retries,
-            key=key,
+            key=keys[0] if keys else None,
+            extra_keys=tuple(keys[1:]),
+            cost=cost,
             group_key=group,
             group_seq=seq,
             task_name=request.name,
@@ -311,8 +319,9 @@ class GateService:
 
     # -- release (consumer loop thread) ----------------------------------------------------------------
 
-    def release(self, request: Any, outcome: Outcome) -> None:
-        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice)."""
+    def release(self, request: Any, outcome: Outcome, *, uncertain: bool = False) -> None:
+        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice).
+        ``uncertain``: a hard time limit or a lost worker ended it; an uncertain hold may keep its slots."""
         claim = request.keyed_claim
         if claim is None:
             return
@@ -326,7 +335,14 @@ class GateService:
         released_at = metrics.clock()
         try:
             report = self.ledger.release(
-                token, fence, outcome, contended=contended, local_queues=local_queues, local_tasks=local_tasks
+                token,
+                fence,
+                outcome,
+                contended=contended,
+                local_queues=local_queues,
+                local_tasks=local_tasks,
+                uncertain=uncertain,
+                hold=getattr(request.task, "uncertain_hold", None) if uncertain else None,
             )
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
@@ -652,3 +668,15 @@ class GateService:
 
 def _already_acked(*args: Any, **kwargs: Any) -> None:
     """ack/reject of a message restored from the ledger: it was acked when it was parked."""
+
+
+def _header_keys(value: Any) -> str | list[str] | None:
+    """The concurrency key header: one key, or a list of keys (a task with several). Malformed → InvalidKey."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        keys = [normalize_key(v) for v in value]
+        if not keys or len(set(keys)) != len(keys):
+            raise InvalidKey(f"header {HEADER_KEY} must list distinct keys, got {value!r}")
+        return keys[0] if len(keys) == 1 else keys
+    return normalize_key(value)

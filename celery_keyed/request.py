@@ -55,12 +55,12 @@ class KeyedRequest(Request):
             try:
                 return original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
             finally:
-                gate.release(self, failure_outcome(self, exc_info))
+                gate.release(self, failure_outcome(self, exc_info), uncertain=is_uncertain(exc_info))
 
         def on_timeout(soft: bool, timeout: float) -> Any:
             result = original_timeout(self, soft, timeout)
             if not soft:  # a hard limit killed the attempt (on_failure fires too: release is idempotent)
-                gate.release(self, hard_timeout_outcome(self))
+                gate.release(self, hard_timeout_outcome(self), uncertain=True)
             return result
 
         def on_accepted(pid: int, time_accepted: float) -> Any:
@@ -109,6 +109,15 @@ def failure_outcome(request: Any, exc_info: Any) -> Outcome:
     if isinstance(exc, TimeLimitExceeded):
         return hard_timeout_outcome(request)
     return Outcome.FAILED
+
+
+def is_uncertain(exc_info: Any) -> bool:
+    """Whether the attempt was cut off while its remote call may still be running (a hard time limit, a pool
+    process lost): an uncertain hold may then keep its slots (DESIGN §7.4)."""
+    exc = getattr(exc_info, "exception", None)
+    if isinstance(exc, ExceptionWithTraceback):
+        exc = exc.exc
+    return isinstance(exc, TimeLimitExceeded | WorkerLostError)
 
 
 def hard_timeout_outcome(request: Any) -> Outcome:

@@ -27,9 +27,10 @@ HEADER_GROUP = "keyed_group"
 HEADER_GROUP_SEQ = "keyed_group_seq"
 HEADER_SUPERSEDE = "keyed_supersede"
 HEADER_NONCE = "keyed_nonce"
-GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE)
+HEADER_COST = "keyed_cost"
+GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST)
 
-KeySpec = str | tuple[str, Any] | Callable[..., Any] | None
+KeySpec = str | tuple[str, Any] | Callable[..., Any] | list[Any] | None
 
 #: A template that is one whole field, like "{key}": the argument's value is the key, type-checked as such.
 _WHOLE_FIELD = re.compile(r"^\{(\w+)\}$")
@@ -42,9 +43,15 @@ class KeyedTask(Task):
       by name, else 1);
     - ``group_key``: attempts of one group run strictly one at a time in publish order;
     - ``supersede_key``: under the overflow policy ``supersede``, a newer call with the same supersede key
-      replaces a parked one.
+      replaces a parked one;
+    - ``concurrency_cost``: slots the attempt takes of each of its keys (a weighted slot; default 1);
+    - ``uncertain_hold``: seconds its slots stay held after a hard time limit or a lost worker, because the
+      remote call it made may still be running (default: the names' ``uncertain_hold``, else none).
 
-    Per call, ``apply_async(..., concurrency_key=..., group_key=..., supersede_key=...)`` wins over the class.
+    ``concurrency_key`` may be a list of keys: all are claimed at once or none (``["tenant:{tenant_id}",
+    "stripe"]``; list the narrow keys first, see docs/ledger.md). Per call, ``apply_async(...,
+    concurrency_key=..., group_key=..., supersede_key=..., concurrency_cost=...)`` wins over the class, also
+    in ``self.retry(...)``.
     ``apply_async(..., keyed_connection=conn)`` registers the group number inside the caller's open
     SQLAlchemy transaction (D10).
     """
@@ -52,6 +59,8 @@ class KeyedTask(Task):
     concurrency_key: KeySpec = None
     group_key: KeySpec = None
     supersede_key: KeySpec = None
+    concurrency_cost: int = 1
+    uncertain_hold: float | None = None
     Strategy = "celery_keyed.gate:keyed_strategy"
     Request = "celery_keyed.request:KeyedRequest"
 
@@ -59,12 +68,17 @@ class KeyedTask(Task):
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         explicit: dict[str, Any] = {
-            name: options.pop(name) for name in ("concurrency_key", "group_key", "supersede_key") if name in options
+            name: options.pop(name)
+            for name in ("concurrency_key", "group_key", "supersede_key", "concurrency_cost")
+            if name in options
         }
         connection = options.pop("keyed_connection", None)
-        headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k != HEADER_NONCE}
+        stripped = (HEADER_NONCE, "keyed_fence")  # an admission token and a fence never survive a retry or a copy
+        headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in stripped}
         inherited = {
-            h: headers.pop(h) for h in (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ) if h in headers
+            h: headers.pop(h)
+            for h in (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST)
+            if h in headers
         }
         computed = self.keyed_headers(args, kwargs, explicit)
         # A retry or a copy keeps the keys it was sent with, unless the call names new ones.
@@ -72,6 +86,7 @@ class KeyedTask(Task):
             (HEADER_KEY, "concurrency_key"),
             (HEADER_GROUP, "group_key"),
             (HEADER_SUPERSEDE, "supersede_key"),
+            (HEADER_COST, "concurrency_cost"),
         ):
             if option not in explicit and header in inherited:
                 computed[header] = inherited[header]
@@ -100,10 +115,34 @@ class KeyedTask(Task):
             (HEADER_SUPERSEDE, "supersede_key"),
         ):
             spec = explicit[option] if option in explicit else key_spec(self, option)
-            value = evaluate_key(spec, self, args, kwargs, option=option)
+            value = evaluate_keys(spec, self, args, kwargs) if option == "concurrency_key" else (
+                evaluate_key(spec, self, args, kwargs, option=option)
+            )
             if value is not None:
                 headers[header] = value
+        cost = explicit.get("concurrency_cost", self.concurrency_cost)
+        check_cost(cost, self)
+        if cost != 1 and HEADER_KEY in headers:
+            headers[HEADER_COST] = cost
         return headers
+
+    def release_concurrency(self) -> bool:
+        """Give back this attempt's concurrency slots now, from inside the task; the rest of the run is unkeyed
+        (a group keeps its order: its head is still running). True when slots were given back; False when
+        there were none (not keyed, already released, or not running under a worker's gate)."""
+        from celery_keyed.ledger import Ledger, Token
+        from celery_keyed.messages import republish
+        from celery_keyed.publisher import publisher_for
+
+        fence = getattr(self.request, "keyed_fence", None)
+        publisher = publisher_for(self.app)
+        if fence is None or publisher is None or self.request.id is None:
+            return False
+        ledger = Ledger(publisher.engine, lease=publisher.settings.lease, dispatch=publisher.settings.dispatch_timeout)
+        released, promotions = ledger.release_early(Token(self.request.id, int(self.request.retries or 0)), fence)
+        for promotion in promotions:
+            republish(self.app, promotion.message, nonce=str(promotion.nonce))
+        return released
 
 
 def key_spec(task: Any, option: str) -> KeySpec:
@@ -141,8 +180,28 @@ def evaluate_key(
             ) from None
         return _normalize(rendered, task, option)
     if isinstance(spec, list):
-        raise InvalidKey(f"{task.name}: {option} must be one key; several keys on one task are not supported yet")
+        raise InvalidKey(f"{task.name}: {option} must be one key (only concurrency_key takes a list)")
     return _normalize(spec, task, option)
+
+
+def evaluate_keys(spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | list[str] | None:
+    """A concurrency key spec against a call's arguments: one key, a list of keys (a list spec: each item a
+    template, callable, tuple or string; items that come out None are left out), or None (unkeyed)."""
+    if not isinstance(spec, list):
+        return evaluate_key(spec, task, args, kwargs)
+    found = [k for k in (evaluate_key(item, task, args, kwargs) for item in spec) if k is not None]
+    if len(set(found)) != len(found):
+        raise InvalidKey(f"{task.name}: concurrency_key lists the same key twice: {found!r}")
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else found
+
+
+def check_cost(cost: Any, task: Any) -> int:
+    """A concurrency cost must be a positive integer (``InvalidKey`` otherwise: bad input never waits)."""
+    if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
+        raise InvalidKey(f"{getattr(task, 'name', task)}: concurrency_cost must be a positive integer, got {cost!r}")
+    return cost
 
 
 def bind_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -196,6 +196,14 @@ class Ledger:
             )
         return report
 
+    def release_early(
+        self, token: Token, fence: int, *, now: datetime | None = None
+    ) -> tuple[bool, list[Promotion]]:
+        """Give back a running attempt's concurrency slots before its outcome (``release_concurrency``)."""
+        return self.transaction(
+            lambda conn: admission.release_early(conn, token, fence, dispatch=self.dispatch, now=now)
+        )
+
     def renew(self, held: Iterable[HeldClaim], *, now: datetime | None = None) -> set[HeldClaim]:
         held = list(held)
         return self.transaction(lambda conn: claims_renew(conn, self.holder, held, lease=self.lease, now=now))

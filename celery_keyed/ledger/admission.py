@@ -588,6 +588,22 @@ def give_back(conn: sa.Connection, holding: claims.Holding, *, now: Any = None) 
     ]
 
 
+def release_early(
+    conn: sa.Connection, token: Token, fence: int, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+) -> tuple[bool, list[Promotion]]:
+    """Give back the concurrency slots of a running attempt before its outcome (``release_concurrency``): the
+    claim row stays (books, fence, group) and the final release records the outcome as usual. Fenced like a
+    release; (False, []) when there was nothing to give back."""
+    conn.execute(LOCK_TASK, {"task_id": token.task_id})
+    row = conn.execute(
+        claims.CLAIMS_UNKEY, {"task_id": token.task_id, "attempt": token.attempt, "fence": fence}
+    ).first()
+    if row is None:
+        return False, []
+    freed = give_back(conn, claims.Holding.of(row), now=now)
+    return True, promote_freed(conn, freed, dispatch=dispatch, now=now)
+
+
 def give_back_reserved(conn: sa.Connection, row: Any, *, now: Any = None) -> list[tuple[str, int]]:
     """Give back the slots a deleted (or lapsed) waiting row had reserved; the (key, shard) rows with room."""
     if not getattr(row, "reserved_keys", None):

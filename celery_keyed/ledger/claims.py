@@ -287,6 +287,20 @@ def claims_hold_uncertain(
     return conn.execute(CLAIMS_HOLD_UNCERTAIN, params).first() is not None
 
 
+# claims_unkey: an attempt gives its concurrency slots back early and runs on unkeyed (release_concurrency);
+# same guard as a release. Returns what it held, for the caller to give back.
+CLAIMS_UNKEY = sa.text(
+    """
+    UPDATE keyed_claims c SET key = NULL, shard = NULL, extra_keys = NULL, extra_shards = NULL, cost = 1
+      FROM (SELECT task_id, attempt, key, shard, extra_keys, extra_shards, cost FROM keyed_claims
+             WHERE task_id = :task_id AND attempt = :attempt FOR UPDATE) old
+     WHERE c.task_id = old.task_id AND c.attempt = old.attempt AND c.fence = :fence AND c.state = 'running'
+       AND c.key IS NOT NULL
+    RETURNING old.key, old.shard, old.extra_keys, old.extra_shards, old.cost
+    """
+)
+
+
 def claims_renew(
     conn: sa.Connection, holder: str, held: Iterable[HeldClaim], *, lease: float, now: Any = None
 ) -> set[HeldClaim]:

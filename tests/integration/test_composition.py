@@ -254,3 +254,17 @@ def test_no_uncertain_hold_configured_releases_at_once(ledger: Ledger, scalar) -
     arrive(ledger, "b", "bank:1")
     report = finish(ledger, "a", a.fence, Outcome.FAILED, uncertain=True)
     assert [p.task_id for p in report.promotions] == ["b"]
+
+
+def test_release_early_frees_the_slots_and_the_outcome_is_still_booked(ledger: Ledger, scalar) -> None:
+    a = arrive(ledger, "a", "acct:1", "gate")
+    arrive(ledger, "b", "acct:1")
+    released, promotions = ledger.release_early(Token("a", 0), a.fence)
+    assert released and [p.task_id for p in promotions] == ["b"]
+    assert used(scalar, "gate") == 0 and used(scalar, "acct:1") == 1  # b's
+    assert ledger.release_early(Token("a", 0), a.fence) == (False, [])  # once
+    assert ledger.release_early(Token("a", 0), a.fence + 99) == (False, [])  # fenced
+    assert ledger.explain("a").state == "running"
+    report = ledger.release(Token("a", 0), a.fence, Outcome.COMPLETED)
+    assert report.released and ledger.books()["completed"] == 1
+    assert used(scalar, "acct:1") == 1 and check_counters_once(ledger.engine) == []

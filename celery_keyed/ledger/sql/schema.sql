@@ -135,7 +135,8 @@ CREATE TABLE keyed_claims (
     held_outcome text,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT keyed_claims_state_known CHECK (state IN ('running', 'promoted', 'uncertain')),
-    CONSTRAINT keyed_claims_holds_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
+    -- a running attempt that gave its slots back early (release_concurrency) keeps its row until its outcome
+    CONSTRAINT keyed_claims_holds_something CHECK (key IS NOT NULL OR group_key IS NOT NULL OR state = 'running'),
     CONSTRAINT keyed_claims_shard_with_key CHECK ((key IS NULL) = (shard IS NULL)),
     CONSTRAINT keyed_claims_promoted_has_nonce CHECK (state <> 'promoted' OR (nonce IS NOT NULL AND parked IS NOT NULL)),
     CONSTRAINT keyed_claims_running_has_holder CHECK (state <> 'running' OR holder IS NOT NULL),

@@ -14,7 +14,11 @@ ALTER TABLE keyed_claims
         cardinality(extra_keys) IS NOT DISTINCT FROM cardinality(extra_shards)),
     DROP CONSTRAINT keyed_claims_state_known,
     ADD CONSTRAINT keyed_claims_state_known CHECK (state IN ('running', 'promoted', 'uncertain')),
-    ADD CONSTRAINT keyed_claims_uncertain_has_outcome CHECK ((state = 'uncertain') = (held_outcome IS NOT NULL));
+    ADD CONSTRAINT keyed_claims_uncertain_has_outcome CHECK ((state = 'uncertain') = (held_outcome IS NOT NULL)),
+    -- a running attempt that gave its slots back early (release_concurrency) keeps its row as the record of
+    -- the attempt (books, fence) until its outcome
+    DROP CONSTRAINT keyed_claims_holds_something,
+    ADD CONSTRAINT keyed_claims_holds_something CHECK (key IS NOT NULL OR group_key IS NOT NULL OR state = 'running');
 CREATE INDEX keyed_claims_extra_idx ON keyed_claims USING gin (extra_keys) WHERE extra_keys IS NOT NULL;
 CREATE INDEX keyed_claims_uncertain_idx ON keyed_claims (lease_expires_at) WHERE state = 'uncertain';
 
