@@ -75,8 +75,10 @@ def _url(name: str, *args: Any, query: dict[str, Any] | None = None) -> str:
 
 
 def explain_link(task_id: str) -> str:
-    return format_html('<a href="{}" title="Why is this task (not) running?">{}</a>',
-                       _url("explain", query={"task_id": task_id}), task_id)
+    """A task id, shortened to its first 8 characters (the full id in the tooltip), linking to its explanation."""
+    short = task_id if len(task_id) <= 12 else task_id[:8] + "…"
+    return format_html('<a href="{}" title="{} — why is it (not) running?" style="white-space:nowrap">'
+                       "<code>{}</code></a>", _url("explain", query={"task_id": task_id}), task_id, short)
 
 
 def configured_names() -> set[str]:
@@ -90,8 +92,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     change_list_template = f"admin/{APP}/change_list.html"
     show_full_result_count = False  # never count a whole ledger table for the "(N total)" link
     list_per_page = 100
+    show_facets = admin.ShowFacets.NEVER  # facet counts would count whole ledger tables on every page
     page_help = ""
     empty_state = "Nothing here."
+    list_title = ""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -104,6 +108,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         context = {"page_help": self.page_help, "empty_state": self.empty_state, **(extra_context or {})}
+        if self.list_title:
+            context.setdefault("title", self.list_title)
         return super().changelist_view(request, extra_context=context)
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
@@ -186,6 +192,7 @@ class OverrideAdmin(admin.ModelAdmin):
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         context = {
+            "title": "Limit overrides",
             "page_help": "An override replaces a name's configured limit at runtime, for every key of the name, from "
             "the next claim on. 0 pauses the name: running tasks finish, new ones wait. Every change is kept in the "
             "override audit trail.",
@@ -258,6 +265,7 @@ class OverrideAdmin(admin.ModelAdmin):
             obj.name, obj.slot_limit, reason=obj.reason, author=author, expires_at=obj.expires_at
         )
         started = ledger_access.dispatch(promotions)
+        request._keyed_said = True  # type: ignore[attr-defined]
         state = "paused" if obj.slot_limit == 0 else f"limited to {obj.slot_limit} per key"
         messages.success(request, f"{obj.name} is now {state} (from its next claim on). Reason recorded: {obj.reason}")
         if promotions:
@@ -270,6 +278,11 @@ class OverrideAdmin(admin.ModelAdmin):
                 + ("." if seen else ", and no key of it has been seen yet: check the spelling.")
                 + " The override applies to its keys all the same.",
             )
+
+    def message_user(self, request: HttpRequest, message: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(request, "_keyed_said", False):
+            return  # save_model said what happened, in the operator's words; skip Django's "was added" line
+        super().message_user(request, message, *args, **kwargs)
 
     def log_addition(self, request: HttpRequest, obj: Any, message: Any) -> Any:
         return None  # the ledger's audit trail (keyed_override_log) is the record, written in save_model
@@ -326,12 +339,23 @@ def _promotions_text(promotions: list[Any], started: int) -> str:
 
 @admin.register(OverrideLog)
 class OverrideLogAdmin(ReadOnlyAdmin):
-    list_display = ("at", "name", "action", "change_display", "reason", "author_display", "expires_at")
+    list_display = ("when_display", "name", "action", "change_display", "reason", "author_display", "expiry_display")
+    list_display_links = None
     list_filter = ("action",)
     search_fields = ("=name", "author", "reason")
     ordering = ("-at", "-id")
+    list_title = "Override audit trail"
     page_help = "Every override set, cleared or lapsed: who, when, old → new limit, and why."
     empty_state = "No override was ever set."
+
+    @admin.display(description="When", ordering="at")
+    def when_display(self, obj: OverrideLog) -> str:
+        return format_html('<span title="{} ago">{}</span>', since(obj.at), timezone.localtime(obj.at).strftime(
+            "%Y-%m-%d %H:%M:%S"))
+
+    @admin.display(description="Expiry")
+    def expiry_display(self, obj: OverrideLog) -> str:
+        return "—" if obj.expires_at is None else timezone.localtime(obj.expires_at).strftime("%Y-%m-%d %H:%M")
 
     @admin.display(description="Old → new")
     def change_display(self, obj: OverrideLog) -> str:
@@ -348,8 +372,11 @@ class NameAdmin(ReadOnlyAdmin):
                     "max_wait", "overflow", "updated_at")
     search_fields = ("name",)
     ordering = ("name",)
-    page_help = "Names configured in keyed_concurrency_limits, as the workers synced them at start. A key "
-    "“name:ident” of a name not listed here is a mutex (limit 1)."
+    list_title = "Configured names"
+    page_help = (
+        "Names configured in keyed_concurrency_limits, as the workers synced them at start. A key "
+        "“name:ident” of a name not listed here is a mutex (limit 1)."
+    )
     empty_state = "No configured names yet: workers sync keyed_concurrency_limits here when they start."
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Name]:
@@ -437,8 +464,11 @@ class KeyAdmin(ReadOnlyAdmin):
     search_fields = ("key",)
     ordering = ("key",)
     sortable_by = ("key", "waiting", "active_at")
-    page_help = "Every key the ledger knows: its limit and where it comes from, tasks in flight and waiting, and "
-    "how long the oldest has waited. Idle keys are dropped after keyed_idle_key_ttl."
+    list_title = "Keys — live view"
+    page_help = (
+        "Every key the ledger knows: its limit and where it comes from, tasks in flight and waiting, and "
+        "how long the oldest has waited. Idle keys are dropped after keyed_idle_key_ttl."
+    )
     empty_state = "No keys yet: a key appears here when its first keyed task arrives at a worker."
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Key]:
@@ -486,9 +516,11 @@ class KeyAdmin(ReadOnlyAdmin):
     def oldest_display(self, obj: Any) -> str:
         return since(obj.oldest_waiting) if obj.waiting else "—"
 
-    @admin.display(description="Paused", boolean=True)
-    def paused_display(self, obj: Any) -> bool:
-        return _limit_and_source(obj)[0] == 0
+    @admin.display(description="Paused")
+    def paused_display(self, obj: Any) -> str:
+        if _limit_and_source(obj)[0] == 0:
+            return format_html('<strong style="color:#ba2121">{}</strong>', "paused")
+        return "—"
 
     @admin.display(description="Last active", ordering="active_at")
     def active_display(self, obj: Any) -> str:
@@ -507,9 +539,12 @@ class ClaimAdmin(ReadOnlyAdmin):
     search_fields = ("=task_id", "=key", "=group_key", "holder")
     ordering = ("claimed_at",)
     actions = ("force_release_action",)
-    page_help = "Held slots: one row per running attempt (or one promoted and being dispatched). A worker renews its "
-    "leases; a lease that lapses is reclaimed by the reaper. Force release frees a slot now — if its worker is still "
-    "alive, that is a recorded breach of the limit."
+    list_title = "Claims (held slots)"
+    page_help = (
+        "Held slots: one row per running attempt (or one promoted and being dispatched). A worker renews its "
+        "leases; a lease that lapses is reclaimed by the reaper. Force release frees a slot now — if its worker "
+        "is still alive, that is a recorded breach of the limit."
+    )
     empty_state = "No claims: no keyed task is running right now."
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
@@ -616,8 +651,11 @@ class WaitingAdmin(ReadOnlyAdmin):
     search_fields = ("=task_id", "=key", "=group_key")
     ordering = ("arrival",)
     actions = ("cancel_action",)
-    page_help = "Parked tasks, stored in Postgres and acked at the broker, in arrival order (priority first within "
-    "a key). Cancel revokes a task through the ledger: it leaves the line and its result is stored as revoked."
+    list_title = "Waiting tasks"
+    page_help = (
+        "Parked tasks, stored in Postgres and acked at the broker, in arrival order (priority first within "
+        "a key). Cancel revokes a task through the ledger: it leaves the line and its result is stored as revoked."
+    )
     empty_state = "Nobody is waiting: every keyed task that arrived got a slot."
 
     def has_cancel_waiting_permission(self, request: HttpRequest) -> bool:
@@ -721,14 +759,18 @@ class FinishedWithinFilter(admin.SimpleListFilter):
 
 @admin.register(TaskRecord)
 class TaskRecordAdmin(ReadOnlyAdmin):
-    list_display = ("task_link", "task_name", "key", "group_key", "outcome_display", "arrived_at", "took_display",
-                    "attempts_display", "duplicates", "detail")
+    list_display = ("task_link", "task_name", "key", "group_key", "outcome_display", "arrived_display",
+                    "took_display", "attempts_display", "detail")
     list_display_links = None
     list_filter = (OutcomeFilter, FinishedWithinFilter)
     search_fields = ("=task_id", "=key", "=group_key", "=task_name")
     ordering = ("-arrived_at",)
-    page_help = "The books: every keyed task that arrived and what became of it. A task that never ran (rejected, "
-    "expired, superseded, revoked while waiting, dead-lettered) has its result stored as a failure with that reason."
+    list_title = "Outcome history"
+    page_help = (
+        "The books: every keyed task that arrived and what became of it. A task that never ran (rejected, "
+        "expired, superseded, revoked while waiting, dead-lettered) has its result stored as a failure with that "
+        "reason."
+    )
     empty_state = "No keyed task has arrived yet."
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
@@ -745,6 +787,10 @@ class TaskRecordAdmin(ReadOnlyAdmin):
             return format_html("<em>{}</em>", "in progress")
         colour = "#2a7d2a" if obj.outcome == "completed" else "#ba2121"
         return format_html('<span style="color:{}">{}</span>', colour, obj.get_outcome_display())
+
+    @admin.display(description="Arrived", ordering="arrived_at")
+    def arrived_display(self, obj: TaskRecord) -> str:
+        return format_html('<span title="{}">{} ago</span>', obj.arrived_at.isoformat(), since(obj.arrived_at))
 
     @admin.display(description="Took", ordering="finished_at")
     def took_display(self, obj: TaskRecord) -> str:
@@ -775,7 +821,9 @@ class TaskRecordAdmin(ReadOnlyAdmin):
             "opts": self.model._meta,
             "form": form,
             "explanation": explanation,
-            "facts": sorted((explanation.facts or {}).items()) if explanation else [],
+            "facts": [(k.replace("_", " ").capitalize(), v) for k, v in sorted((explanation.facts or {}).items())]
+            if explanation
+            else [],
         }
         return TemplateResponse(request, f"admin/{APP}/explain.html", context)
 
@@ -786,8 +834,11 @@ class EventAdmin(ReadOnlyAdmin):
     list_filter = ("kind",)
     search_fields = ("=task_id", "=key")
     ordering = ("-at", "-id")
-    page_help = "What the ledger wants operators to know: counters repaired by reconcile (drift — a bug, please "
-    "report it), forced releases of live holders (recorded breaches of a limit), reclaimed leases, duplicates."
+    list_title = "Ledger events"
+    page_help = (
+        "What the ledger wants operators to know: counters repaired by reconcile (drift — a bug, please "
+        "report it), forced releases of live holders (recorded breaches of a limit), reclaimed leases, duplicates."
+    )
     empty_state = "No events: no drift, no forced release, no reclaimed lease."
 
     @admin.display(description="Kind", ordering="kind")

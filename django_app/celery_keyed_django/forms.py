@@ -44,8 +44,8 @@ class OverrideForm(forms.ModelForm):
     expires_at = forms.SplitDateTimeField(
         label="Expires",
         required=False,
-        help_text="Optional. After this time the override lapses by itself and the configured limit applies "
-        "again. Leave empty to keep it until someone clears it.",
+        help_text="Optional (server time zone). After this time the override lapses by itself and the configured "
+        "limit applies again. Leave empty to keep it until someone clears it.",
         widget=forms.SplitDateTimeWidget(date_attrs={"type": "date"}, time_attrs={"type": "time"}),
     )
 

@@ -100,8 +100,8 @@ class OverrideLog(models.Model):
         managed = False
         db_table = "keyed_override_log"
         default_permissions = ("view",)
-        verbose_name = "override audit entry"
-        verbose_name_plural = "override audit trail"
+        verbose_name = "override change"
+        verbose_name_plural = "override changes"
         ordering = ("-at", "-id")
 
 
@@ -173,8 +173,8 @@ class TaskRecord(models.Model):
         managed = False
         db_table = "keyed_tasks"
         default_permissions = ("view",)
-        verbose_name = "outcome"
-        verbose_name_plural = "outcome history"
+        verbose_name = "task outcome"
+        verbose_name_plural = "task outcomes"
         ordering = ("-arrived_at",)
 
     def __str__(self) -> str:

@@ -189,8 +189,8 @@ class Migration(migrations.Migration):
                 ('at', models.DateTimeField()),
             ],
             options={
-                'verbose_name': 'override audit entry',
-                'verbose_name_plural': 'override audit trail',
+                'verbose_name': 'override change',
+                'verbose_name_plural': 'override changes',
                 'db_table': 'keyed_override_log',
                 'ordering': ('-at', '-id'),
                 'managed': False,
@@ -228,8 +228,8 @@ class Migration(migrations.Migration):
                 ('notified', models.BooleanField()),
             ],
             options={
-                'verbose_name': 'outcome',
-                'verbose_name_plural': 'outcome history',
+                'verbose_name': 'task outcome',
+                'verbose_name_plural': 'task outcomes',
                 'db_table': 'keyed_tasks',
                 'ordering': ('-arrived_at',),
                 'managed': False,

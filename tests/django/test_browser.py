@@ -1,0 +1,145 @@
+"""A real browser (headless Debian Chromium through chromedriver) against the admin on a live server, with a real
+prefork Celery worker on the same ledger: an operator pauses a name, the worker stops starting that name's tasks
+(other names go on), the operator clears the pause, the waiting tasks run. Screenshots go to /tmp/screens/."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+
+from tests.acceptance.conftest import Cluster, make_cluster
+
+SCREENS = Path("/tmp/screens")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+pytestmark = [
+    pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver"),
+    pytest.mark.timeout(180),
+]
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1440,900", "--hide-scrollbars"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.implicitly_wait(5)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def cluster(live_server: Any, redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    """Workers on the Django test database: the admin and the workers share one ledger."""
+    db = connection.settings_dict
+    url = f"postgresql+psycopg://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+    gen = make_cluster(url, redis_url, tmp_path, {"acct": 2})
+    c = next(gen)
+    try:
+        yield c
+    finally:
+        with c.engine.begin() as conn:
+            conn.exec_driver_sql("DROP TABLE observed")
+        gen.close()
+
+
+def shoot(driver: Any, name: str) -> None:
+    SCREENS.mkdir(parents=True, exist_ok=True)
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1440, max(700, min(int(height), 1400)))
+    driver.save_screenshot(str(SCREENS / f"{name}.png"))
+    driver.set_window_size(1440, 900)
+
+
+def started(cluster: Cluster, note: str) -> int:
+    return int(cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'start' AND note = :n", n=note))
+
+
+def test_pause_and_resume_a_name_from_the_admin(
+    browser: Any, live_server: Any, cluster: Cluster, settings: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    from tests.acceptance.proj import make_app
+
+    producer = make_app(cluster.env)
+    settings.CELERY_KEYED_CELERY_APP = producer.app  # the admin republishes the promotions its changes make
+    User.objects.create_superuser("operator", "ops@example.com", "correct horse")
+    cluster.start_worker("w1", concurrency=2)
+    try:
+        # The worker runs acct tasks before the pause.
+        producer.hold.delay("acct:1", 0.05, note="before")
+        cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'before'", 1, timeout=30)
+
+        # Log in and pause acct.
+        browser.get(f"{live_server.url}/admin/login/")
+        browser.find_element(By.NAME, "username").send_keys("operator")
+        browser.find_element(By.NAME, "password").send_keys("correct horse")
+        browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+        assert "Site administration" in browser.title
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/override/add/")
+        shoot(browser, "override_add")
+        browser.find_element(By.NAME, "name").send_keys("acct")
+        browser.find_element(By.NAME, "slot_limit").send_keys("0")
+        browser.find_element(By.NAME, "reason").send_keys("Upstream API incident INC-42: hold all account syncs")
+        browser.find_element(By.NAME, "_save").click()
+        assert "acct is now paused" in browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text.lower()
+        shoot(browser, "overrides")
+
+        # Paused: the worker parks acct tasks and starts none; another name is unaffected.
+        paused = [producer.hold.delay(f"acct:{i}", 0.05, note="paused") for i in range(3)]
+        producer.hold.delay("other:1", 0.05, note="other")
+        cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'other'", 1, timeout=30)
+        cluster.wait_for("SELECT count(*) FROM keyed_waiting", 3, timeout=30)
+        time.sleep(1.5)  # several sweep intervals (0.2 s): still nothing of acct starts
+        assert started(cluster, "paused") == 0
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/key/?state=paused")
+        rows = browser.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
+        assert len(rows) == 3 and all("acct:" in r.text for r in rows)
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/key/")
+        shoot(browser, "keys_paused")
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/waiting/")
+        shoot(browser, "waiting")
+
+        # Clear the pause: the waiting tasks run.
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/override/")
+        browser.find_element(By.LINK_TEXT, "Clear…").click()
+        shoot(browser, "override_clear")
+        browser.find_element(By.NAME, "reason").send_keys("INC-42 resolved")
+        browser.find_element(By.CSS_SELECTOR, "input[type=submit][value='Clear the override']").click()
+        assert "cleared" in browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text.lower()
+        cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'paused'", 3, timeout=30)
+        assert {r.get(timeout=10) for r in paused} == {"paused"}
+
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/override/add/?name=acct")
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/overridelog/")
+        assert "INC-42 resolved" in browser.page_source and "operator" in browser.page_source
+        shoot(browser, "audit_trail")
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/taskrecord/")
+        shoot(browser, "outcomes")
+        task_id = paused[0].id
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/taskrecord/explain/?task_id={task_id}")
+        assert "Finished: completed" in browser.page_source
+        shoot(browser, "explain")
+    finally:
+        from celery_keyed.publisher import close_publisher
+
+        cluster.stop_all()
+        close_publisher(producer.app)
+        producer.app.close()
