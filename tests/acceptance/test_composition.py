@@ -1,0 +1,154 @@
+"""Composition with real workers (issue 4): several keys per task, weighted slots, protected capacity, early
+release, a retry under a new key, per-link keys in a chain, uncertain holds. Two prefork workers, real Redis,
+real Postgres, the independent observer table."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pytest
+from celery import chain
+
+from tests.acceptance.conftest import Cluster, peak_overlap
+
+SERVICE = 0.2
+
+
+@pytest.mark.parametrize("cluster", [{"tenant": 2, "stripe": 5}], indirect=True)
+def test_per_tenant_and_global_limits_together(cluster: Cluster, producer) -> None:
+    """Per tenant K = 2 and a global K = 5: no tenant ever has 3 in flight, the total never 6, and both bounds
+    are reached under load."""
+    cluster.start_worker("w1", concurrency=4)
+    cluster.start_worker("w2", concurrency=4)
+    for i in range(8):
+        for tenant in "abcd":
+            producer.tenant_call.delay(tenant, SERVICE)
+        _ = i
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 32, timeout=90)
+    per_tenant = {t: peak_overlap(cluster.intervals(f"tenant:{t}")) for t in "abcd"}
+    assert max(per_tenant.values()) == 2, per_tenant
+    assert peak_overlap(cluster.intervals()) == 5
+    assert cluster.scalar("SELECT coalesce(sum(used), 0) FROM keyed_slots") == 0
+    assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 0
+
+
+@pytest.mark.parametrize("cluster", [{"api": 10}], indirect=True)
+def test_a_cost_5_task_never_starts_while_more_than_5_of_10_are_taken(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1", concurrency=4)
+    cluster.start_worker("w2", concurrency=4)
+    for i in range(6):
+        producer.hold.delay("api:x", 4 * SERVICE, note=f"light{i}")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 6, timeout=30)
+    producer.hold.apply_async(("api:x", SERVICE), {"note": "heavy"}, concurrency_cost=5)
+    for i in range(4):
+        producer.hold.delay("api:x", SERVICE, note=f"after{i}")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 11, timeout=60)
+    rows = cluster.rows(
+        "SELECT kind, note, extract(epoch FROM at) AS at FROM observed WHERE kind IN ('start', 'end') ORDER BY at"
+    )
+    weight = {r.note: (5 if r.note == "heavy" else 1) for r in rows}
+    in_use, peak, heavy_started_with = 0, 0, None
+    for r in rows:
+        if r.kind == "start" and r.note == "heavy":
+            heavy_started_with = in_use
+        in_use += weight[r.note] if r.kind == "start" else -weight[r.note]
+        peak = max(peak, in_use)
+    assert heavy_started_with is not None and heavy_started_with <= 5
+    assert peak <= 10
+    # strict order: the light tasks sent after the heavy one did not start before it
+    starts = [r.note for r in rows if r.kind == "start"]
+    assert all(starts.index("heavy") < starts.index(f"after{i}") for i in range(4))
+
+
+@pytest.mark.parametrize("cluster", [{"stripe": 10, "stripe-optional": 7}], indirect=True)
+def test_protected_capacity_essential_work_always_has_room(cluster: Cluster, producer) -> None:
+    """Optional work takes ["stripe-optional", "stripe"], essential work ["stripe"]: while optional work floods,
+    essential work starts at once."""
+    cluster.start_worker("w1", concurrency=8)
+    cluster.start_worker("w2", concurrency=8)
+    for i in range(20):
+        producer.hold.apply_async(
+            ("optional", 6 * SERVICE), {"note": f"opt{i}"}, concurrency_key=["stripe-optional", "stripe"]
+        )
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 7, timeout=30)
+    sent = time.time()
+    for i in range(3):
+        producer.hold.apply_async(("essential", SERVICE), {"note": f"ess{i}"}, concurrency_key="stripe")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND key = 'essential'", 3, timeout=30)
+    essential_starts = [
+        float(r.at)
+        for r in cluster.rows(
+            "SELECT extract(epoch FROM at) AS at FROM observed WHERE kind = 'start' AND key = 'essential'"
+        )
+    ]
+    assert max(essential_starts) - sent < 3 * SERVICE, "essential work waited behind optional work"
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 23, timeout=60)
+    assert peak_overlap(cluster.intervals("optional")) == 7
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_release_concurrency_lets_the_next_task_start_early(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1", concurrency=2)
+    cluster.start_worker("w2", concurrency=2)
+    first = producer.early.delay("acct:5", SERVICE, 6 * SERVICE)
+    time.sleep(0.05)
+    producer.hold.delay("acct:5", SERVICE, note="next")
+    assert first.get(timeout=30) is True
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'next'", 1, timeout=30)
+    rows = {(r.kind, r.note): float(r.at) for r in cluster.rows(
+        "SELECT kind, note, extract(epoch FROM at) AS at FROM observed"
+    )}
+    # the next task of the key ran while the first was still in its unkeyed part
+    assert rows[("start", "next")] < rows[("end", "unkeyed")]
+    assert peak_overlap(cluster.intervals("acct:5")) == 1  # the keyed parts never overlapped
+    cluster.wait_for("SELECT outcome FROM keyed_tasks WHERE task_id = :id", "completed", timeout=10, id=first.id)
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_a_retry_is_admitted_under_its_new_key(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1", concurrency=2)
+    blocker = producer.hold.delay("acct:new", 10 * SERVICE, note="blocker")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'blocker'", 1, timeout=30)
+    result = producer.rekey.delay("acct:old", "acct:new")
+    assert result.get(timeout=30) == "acct:new"
+    rows = {(r.kind, r.note): float(r.at) for r in cluster.rows(
+        "SELECT kind, note, extract(epoch FROM at) AS at FROM observed"
+    )}
+    assert rows[("start", "retry")] >= rows[("end", "blocker")]  # it waited for the new key, not the old one
+    assert cluster.scalar("SELECT key FROM keyed_tasks WHERE task_id = :id", id=result.id) == "acct:old"
+    blocker.get(timeout=30)
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_each_link_of_a_chain_carries_its_own_key(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1", concurrency=2)
+    cluster.start_worker("w2", concurrency=2)
+    result = chain(
+        producer.hold.si("link:1", SERVICE, note="one"),
+        producer.hold.si("link:2", SERVICE, note="two"),
+        producer.hold.si("link:1", SERVICE, note="three"),
+    ).apply_async()
+    assert result.get(timeout=30) == "three"
+    keys = defaultdict(list)
+    for r in cluster.rows("SELECT key, task_name FROM keyed_tasks ORDER BY arrived_at"):
+        keys[r.task_name].append(r.key)
+    assert keys["acceptance.hold"] == ["link:1", "link:2", "link:1"]
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_uncertain_hold_keeps_the_slot_after_a_hard_time_limit(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1", concurrency=2)
+    stuck = producer.stuck_call.delay("bank:1")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE note = 'stuck'", 1, timeout=30)
+    producer.hold.delay("bank:1", 0.05, note="next")
+    with pytest.raises(Exception, match=r"TimeLimitExceeded|Time limit"):
+        stuck.get(timeout=30)
+    killed_at = time.time()
+    cluster.wait_for("SELECT count(*) FROM keyed_claims WHERE state = 'uncertain'", 1, timeout=10)
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'next'", 1, timeout=30)
+    next_start = float(
+        cluster.scalar("SELECT extract(epoch FROM at) FROM observed WHERE kind = 'start' AND note = 'next'")
+    )
+    assert next_start - killed_at > 1.2, "the next call started while the hung one's slot should have been held"
+    assert cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=stuck.id) == "failed"
