@@ -210,8 +210,8 @@ class OverrideAdmin(admin.ModelAdmin):
 
     @admin.display(description="Configured limit")
     def configured_display(self, obj: Override) -> str:
-        if obj.configured_limit is not None:  # type: ignore[attr-defined]
-            return str(obj.configured_limit)  # type: ignore[attr-defined]
+        if obj.configured_limit is not None:
+            return str(obj.configured_limit)
         if obj.name in ledger_access.configured_names():
             return "in settings (not synced by a worker yet)"
         return format_html('<span style="color:#a66400" title="{}">⚠ not configured</span>',
@@ -265,7 +265,7 @@ class OverrideAdmin(admin.ModelAdmin):
             obj.name, obj.slot_limit, reason=obj.reason, author=author, expires_at=obj.expires_at
         )
         started = ledger_access.dispatch(promotions)
-        request._keyed_said = True  # type: ignore[attr-defined]
+        request._keyed_said = True
         state = "paused" if obj.slot_limit == 0 else f"limited to {obj.slot_limit} per key"
         messages.success(request, f"{obj.name} is now {state} (from its next claim on). Reason recorded: {obj.reason}")
         if promotions:
@@ -306,7 +306,7 @@ class OverrideAdmin(admin.ModelAdmin):
                 override.name, reason=form.cleaned_data["reason"], author=request.user.get_username()
             )
             started = ledger_access.dispatch(promotions)
-            limit = override.configured_limit if override.configured_limit is not None else 1  # type: ignore[attr-defined]
+            limit = override.configured_limit if override.configured_limit is not None else 1
             messages.success(request, f"Override of {override.name} cleared: its keys run at the configured limit "
                                       f"({limit}) again.")
             if promotions:
@@ -317,7 +317,7 @@ class OverrideAdmin(admin.ModelAdmin):
             "title": f"Clear the override of {override.name}?",
             "opts": self.model._meta,
             "override": override,
-            "configured": override.configured_limit,  # type: ignore[attr-defined]
+            "configured": override.configured_limit,
             "form": form,
         }
         return TemplateResponse(request, f"admin/{APP}/override/clear.html", context)

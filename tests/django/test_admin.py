@@ -75,7 +75,7 @@ def test_every_page_renders_with_data(admin_client: Client, ledger: Ledger, ledg
 
     pages = {
         "key_changelist": ["acct:1", "other:1", "override", "default (mutex)"],
-        "claim_changelist": ["t-run", "worker-1:4242:beef", "force_release_action", "Force release the selected claims"],
+        "claim_changelist": ["t-run", "worker-1:4242:beef", "force_release_action", "Force release the selected"],
         "waiting_changelist": ["t-wait", "in line", "Cancel (revoke) the selected tasks"],
         "taskrecord_changelist": ["t-done", "completed", "in progress", "Explain a task"],
         "override_changelist": ["acct", "more room", "alice", "Clear…"],

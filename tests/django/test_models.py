@@ -9,6 +9,7 @@ from importlib import import_module
 
 import pytest
 from django.apps import apps
+from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection
 from django.db.migrations.loader import MigrationLoader
@@ -126,3 +127,18 @@ def test_core_and_django_agree_on_applied_versions() -> None:
     assert applied == [version for version, _ in migration_files()]
     loader = MigrationLoader(connection)
     assert {n for a, n in loader.applied_migrations if a == "celery_keyed_django"} == set(applied)
+
+
+def test_router_keeps_the_app_on_the_ledger_database(settings: object) -> None:
+    from celery_keyed_django.models import Key
+    from celery_keyed_django.routers import LedgerRouter
+
+    router = LedgerRouter()
+    assert router.db_for_read(Key) == "default"
+    settings.CELERY_KEYED_DJANGO_DATABASE = "ledger"  # type: ignore[attr-defined]
+    assert router.db_for_read(Key) == router.db_for_write(Key) == "ledger"
+    assert router.allow_migrate("ledger", "celery_keyed_django") is True
+    assert router.allow_migrate("default", "celery_keyed_django") is False
+    assert router.allow_migrate("default", "auth") is None
+    assert router.db_for_read(User) is None
+
