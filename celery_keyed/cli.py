@@ -65,13 +65,27 @@ class Operator:
         return Ledger(self.engine, lease=self.settings.lease, dispatch=self.settings.dispatch_timeout)
 
     def dispatch(self, promotions: list[Promotion]) -> None:
-        """Publish promoted attempts with their admission nonce (as the beat task does); a promotion that
-        cannot be published stays in the ledger and is put back in line after the dispatch timeout (D5)."""
+        """Publish promoted attempts with their admission nonce (as the beat task does). The ledger change is
+        committed already: a promotion that cannot be published stays in the ledger and goes back in line after
+        ``keyed_dispatch_timeout`` (D5), so a broker error is a warning, not a failure of the command."""
         from celery_keyed.messages import republish
 
+        failed = 0
+        error: Exception | None = None
         for promotion in promotions:
-            if promotion.nonce is not None:
+            if promotion.nonce is None:
+                continue
+            try:
                 republish(self.app, promotion.message, nonce=str(promotion.nonce))
+            except Exception as exc:  # the broker's errors are many (kombu, redis, amqp): report any
+                failed += 1
+                error = exc
+        if failed:
+            click.echo(
+                f"warning: {failed} promoted task(s) could not be published ({error}); they go back in line "
+                f"after keyed_dispatch_timeout ({self.settings.dispatch_timeout:g}s)",
+                err=True,
+            )
 
 
 def _app_of(ctx: click.Context) -> Any:
