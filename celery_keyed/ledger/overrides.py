@@ -20,15 +20,17 @@ from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.ledger.keyspec import validate_name
 
-# overrides_set: create or replace the override of a name; the previous limit comes back for the audit.
+# overrides_lock: the current override of a name, locked, for the audit's "old" value. (A CTE in the upsert
+# cannot read it: the row the statement itself updates is invisible to its own FOR UPDATE, so it read NULL.)
+OVERRIDES_LOCK = sa.text("SELECT slot_limit FROM keyed_overrides WHERE name = :name FOR UPDATE")
+
+# overrides_set: create or replace the override of a name.
 OVERRIDES_SET = sa.text(
     f"""
-    WITH old AS (SELECT slot_limit FROM keyed_overrides WHERE name = :name FOR UPDATE)
     INSERT INTO keyed_overrides (name, slot_limit, reason, author, expires_at, set_at)
     VALUES (:name, :limit, :reason, :author, :expires_at, {NOW})
     ON CONFLICT (name) DO UPDATE SET slot_limit = excluded.slot_limit, reason = excluded.reason,
         author = excluded.author, expires_at = excluded.expires_at, set_at = excluded.set_at
-    RETURNING (SELECT slot_limit FROM old) AS old_limit
     """
 )
 
@@ -82,7 +84,8 @@ def set_override(
         "expires_at": expires_at,
         "now": now,
     }
-    old = conn.execute(OVERRIDES_SET, params).scalar_one_or_none()
+    old = conn.execute(OVERRIDES_LOCK, {"name": name}).scalar_one_or_none()
+    conn.execute(OVERRIDES_SET, params)
     conn.execute(OVERRIDE_LOG_INSERT, {**params, "action": "set", "old_limit": old, "new_limit": limit})
     return promote_name(conn, name, dispatch=dispatch, now=now)
 

@@ -158,11 +158,6 @@ def test_override_pause_change_clear_through_the_ledger_with_audit(
     assert "Stripe is down" in body and "→ 3" in body and "3 → configured" in body
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ledger bug (overrides.OVERRIDES_SET): its `old` CTE is SELECT ... FOR UPDATE, read only in RETURNING, "
-    "i.e. after the upsert changed the row in the same command, so it finds no row: a change logs old_limit NULL",
-)
 def test_audit_trail_records_the_old_limit_of_a_change(admin_client: Client, ledger_engine: sa.Engine) -> None:
     post_override(admin_client, "acct", 0, "Stripe is down")
     admin_client.post(url("override_change", "acct"),

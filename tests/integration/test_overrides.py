@@ -81,3 +81,11 @@ def test_reconcile_reports_and_repairs_drift(ledger: Ledger, engine: sa.Engine, 
     assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'k:1'") == 1
     assert scalar("SELECT count(*) FROM keyed_events WHERE kind = 'drift'") == 1
     assert ledger.reconcile().drift == []
+
+
+def test_changing_an_override_logs_the_old_limit(ledger: Ledger, scalar) -> None:
+    ledger.set_override("stripe", 3, reason="first")
+    ledger.set_override("stripe", 5, reason="second")
+    rows = scalar("SELECT string_agg(coalesce(old_limit::text, '-') || '>' || new_limit, ',' ORDER BY id)"
+                  " FROM keyed_override_log")
+    assert rows == "->3,3>5"
