@@ -3,9 +3,14 @@ its behaviour when the ledger is unreachable, and the drift counter of the recon
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import prometheus_client
 import pytest
@@ -158,3 +163,45 @@ def test_handoff_hooks_time_a_promotion_to_its_start() -> None:
     assert prometheus_client.REGISTRY.get_sample_value(*promoted) == before_promoted + 2
     bucket = prometheus_client.REGISTRY.get_sample_value("celery_keyed_handoff_seconds_bucket", {"le": "0.01"})
     assert bucket is not None and bucket >= 1
+
+
+MULTIPROCESS = """
+import os, sys, urllib.request
+from types import SimpleNamespace
+from celery_keyed import metrics
+port, url = int(sys.argv[1]), sys.argv[2]
+settings = SimpleNamespace(metrics_port=port, metrics_addr="127.0.0.1", metrics_timeout=2.0, database_url=url)
+pid = os.fork()
+if pid == 0:  # a pool process: the reconcile task repairs drift there
+    metrics.drift_repaired(["a", "b"])
+    os._exit(0)
+os.waitpid(pid, 0)
+metrics.admission("parked")  # the main process: the gate
+assert metrics.serve(settings) is not None
+print(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+"""
+
+
+def test_multiprocess_mode_aggregates_the_pool_processes(database_url: str, ledger: Ledger, tmp_path: Path) -> None:
+    """With PROMETHEUS_MULTIPROC_DIR, the worker's endpoint has the counters of its pool processes too."""
+    fill(ledger)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", MULTIPROCESS, str(port), database_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(done.stdout)
+        for s in family.samples
+    }
+    assert samples[("celery_keyed_reconcile_drift_repaired_total", ())] == 2  # counted in the child
+    assert samples[("celery_keyed_admissions_total", (("outcome", "parked"),))] == 1
+    assert samples[("celery_keyed_in_flight", (("name", "api"),))] == 4  # and the ledger gauges
