@@ -190,7 +190,7 @@ class LedgerCollector(Collector):
         return [
             GaugeMetricFamily(
                 "celery_keyed_in_flight",
-                "Slots held (running or promoted attempts) over the keys of a name.",
+                "Slots held (running, promoted, uncertain, reserved) over the keys of a name.",
                 labels=["name"],
             ),
             GaugeMetricFamily("celery_keyed_waiting", "Parked attempts over the keys of a name.", labels=["name"]),

@@ -2,8 +2,9 @@
 
 Each view is one aggregated statement (no query per name or key), bounded by a statement timeout of the
 caller's choosing, so it stays cheap on 100,000 keys. The counters are the ones admission keeps under the
-key rows' locks (D1): in flight = ``keyed_slots.used`` summed over a key's shards (running and promoted claims),
-waiting = ``keyed_keys.waiting``. A key may have slot rows and no head row yet (the fast admission path
+key rows' locks (D1): in flight = ``keyed_slots.used`` summed over a key's shards (every slot held: running,
+promoted and uncertain claims, and the reservations of multi-key waiters), waiting = ``keyed_keys.waiting``
+(attempts in the key's line). A key may have slot rows and no head row yet (the fast admission path
 creates only what it needs), hence the full joins. The effective limit is computed as in
 ``keyed_effective_limit``: a live override, else the configured limit, else 1; ``source`` says which.
 Nothing here writes.
