@@ -13,6 +13,7 @@ shard row while it looks for waiters — so whichever commits second sees the ot
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -86,10 +87,11 @@ _CLAIM_NEW = """
         RETURNING (xmax = 0) AS new, outcome, finished_attempt,
                   COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
     ), lim AS (
-        SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n
+        SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n,
+               (SELECT c.rate FROM keyed_names c WHERE c.name = :name) AS rate
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim, arr
-         WHERE arr.new AND NOT arr.expired
+         WHERE arr.new AND NOT arr.expired AND lim.rate IS NULL
            AND s.key = :key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard) AND NOT {PROMOTABLE}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s {lock_wait}
@@ -100,9 +102,9 @@ _CLAIM_NEW = """
         RETURNING s.shard
     ), claimed AS (
         INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
-                                  lease_expires_at, claimed_at, cost)
+                                  lease_expires_at, claimed_at, cost, fair_key)
         SELECT :task_id, :attempt, :key, took.shard, NULL, 'running', nextval('keyed_fence_seq'), :holder,
-               {NOW} + make_interval(secs => :lease), {NOW}, :cost
+               {NOW} + make_interval(secs => :lease), {NOW}, :cost, :fair_key
           FROM took
         RETURNING fence, shard
     )
@@ -160,6 +162,7 @@ def _arrival_params(arrival: Arrival, name: str | None, *, holder: str, lease: f
         "deadline": arrival.deadline,
         "name": name,
         "cost": arrival.cost,
+        "fair_key": arrival.fair_key,
         "holder": holder,
         "lease": lease,
         "now": now,
@@ -247,7 +250,7 @@ def admit(
                 group_key=None,
                 holder=holder,
                 lease=lease,
-                holding=claims.Holding(key, claim.shard, cost=arrival.cost),
+                holding=claims.Holding(key, claim.shard, cost=arrival.cost, fair_key=arrival.fair_key),
                 now=now,
             )
             return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
@@ -276,7 +279,12 @@ def admit(
 
     if (arrival.key is None or has_room) and head_ready and not not_due:
         # The guarded UPDATEs are the authority: the limit may have changed since the rows were read.
-        holding = _take_locked(conn, arrival, rooms, now=now) if arrival.key else claims.Holding(None, None)
+        holding, wait_for = (
+            _take_locked(conn, arrival, rooms, now=now) if arrival.key else (claims.Holding(None, None), None)
+        )
+        if wait_for is not None:  # a rate limit: park until its tokens exist (no polling, no broker churn)
+            arrival = dataclasses.replace(arrival, not_before=wait_for[1])
+            rooms[wait_for[0]] = None
         if holding is not None:
             fence = claims.claims_insert_running(
                 conn,
@@ -313,33 +321,39 @@ def admit(
 
 def _take_locked(
     conn: sa.Connection, arrival: Arrival, rooms: dict[str, int | None], *, now: Any
-) -> claims.Holding | None:
-    """Take ``arrival.cost`` slots of every key on the shard found for it (rows the caller holds locked): all
-    of them or none (a savepoint undoes a partial take when a guard fails, e.g. a limit lowered meanwhile)."""
+) -> tuple[claims.Holding | None, tuple[str, Any] | None]:
+    """Take ``arrival.cost`` slots of every key on the shard found for it, and as many tokens of every
+    rate-limited key (rows the caller holds locked): all of them or none (a savepoint undoes a partial take).
+    Returns the holding, or None and — when a token bucket is empty — (its key, when the tokens will exist)."""
     assert arrival.key is not None
-    savepoint = conn.begin_nested() if arrival.extra_keys else None
+    savepoint = conn.begin_nested()
+    for k in sorted(arrival.keys):
+        tokens = keys.keys_take_tokens(conn, k, key_name(k), arrival.cost, now=now)
+        if not tokens.unrated and not tokens.took:
+            savepoint.rollback()
+            return None, (k, tokens.next_at)
     for k in sorted(arrival.keys):
         shard = rooms[k]
         if shard is None or not slots.slots_take(conn, k, key_name(k), shard, cost=arrival.cost, now=now):
-            if savepoint is not None:
-                savepoint.rollback()
-            return None
-    if savepoint is not None:
-        savepoint.commit()
+            savepoint.rollback()
+            return None, None
+    savepoint.commit()
     return claims.Holding(
         key=arrival.key,
         shard=rooms[arrival.key],
         extra_keys=arrival.extra_keys,
         extra_shards=tuple(int(rooms[k]) for k in arrival.extra_keys),  # type: ignore[arg-type]
         cost=arrival.cost,
-    )
+        fair_key=arrival.fair_key,
+    ), None
 
 
 # names_largest_share: the most slots one claim can take on a key of each name (a shard's share of the
 # configured limit; an override may lower it for a while, but the configuration is what can ever be had).
 NAMES_LARGEST_SHARE = sa.text(
     """
-    SELECT n.name, COALESCE(keyed_shard_share(c.slot_limit, c.shards, 0), 1) AS share
+    SELECT n.name, LEAST(COALESCE(keyed_shard_share(c.slot_limit, c.shards, 0), 1),
+                         CASE WHEN c.rate IS NOT NULL THEN CAST(floor(COALESCE(c.burst, 1)) AS integer) END) AS share
       FROM unnest(CAST(:names AS text[])) AS n(name) LEFT JOIN keyed_names c ON c.name = n.name
     """
 )
@@ -351,7 +365,7 @@ def _too_heavy(conn: sa.Connection, arrival: Arrival) -> str | None:
     names = sorted({key_name(k) for k in arrival.keys})
     for row in conn.execute(NAMES_LARGEST_SHARE, {"names": names}):
         if arrival.cost > row.share:
-            return f"cost {arrival.cost} exceeds the {row.share} slots a key of {row.name} can have"
+            return f"cost {arrival.cost} exceeds the {row.share} slots (or tokens) a key of {row.name} can have"
     return None
 
 
@@ -668,9 +682,9 @@ def _promote_waiters(
     promoted: list[Promotion] = []
     shards = list(dict.fromkeys(free_shards))
     budget = len(free_shards)
-    conn.execute(waiting.WAITING_CLEAR_DUE_FOR_KEY, {"key": key, "now": now})
+    line = conn.execute(waiting.WAITING_CLEAR_DUE_FOR_KEY, {"key": key, "name": key_name(key), "now": now}).one()
     while budget > 0:
-        candidates = waiting.waiting_next_for_key(conn, key, limit=budget + 3, now=now)
+        candidates = waiting.waiting_next_for_key(conn, key, limit=budget + 3, fair=line.fair, now=now)
         if not candidates:
             break
         progressed = False
@@ -685,7 +699,7 @@ def _promote_waiters(
                 head, busy = groups.groups_head(conn, cand.group_key)
                 if busy or head != cand.group_seq:
                     continue
-            holding = _take_for(conn, cand, key, shards, now=now)
+            holding = _take_for(conn, cand, key, shards, rated=line.rated, now=now)
             if holding is _MOVED:
                 progressed = True  # it left this line for the line of a key it lacks: the next one may start
                 continue
@@ -710,27 +724,33 @@ def _promote_waiters(
 _MOVED: Any = object()
 
 
-def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, now: Any) -> Any:
-    """Take every slot a locked waiting row needs, being promoted through the line of ``key`` (one of
-    ``shards``, which the caller holds locked), all or none: a Holding; None when it cannot start and stays at
-    the head of this line; ``_MOVED`` when it moved to the line of another key it lacks.
+def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, rated: bool, now: Any) -> Any:
+    """Take every slot (and token) a locked waiting row needs, being promoted through the line of ``key`` (one
+    of ``shards``, which the caller holds locked), all or none: a Holding; None when it cannot start and stays
+    at the head of this line (an empty token bucket also gives it a not-before time); ``_MOVED`` when it moved
+    to the line of another key it lacks.
 
     Its other keys are taken without waiting and only where no one stands before it in their lines. When one
     of them has no room, the attempt moves to that key's line and keeps (reserves) the slots of the keys listed
     before it; those after are given back. Reserving only in the task's order means two attempts listing their
     keys in one order can never hold what the other needs; other orders are broken by the reservation timeout."""
     cost = int(cand.cost or 1)
+    savepoint = conn.begin_nested() if (rated or cand.keys) else None
+
+    def give_up(result: Any = None) -> Any:
+        if savepoint is not None:
+            savepoint.rollback()
+        return result
+
     name = key_name(key)
     shard = next((sh for sh in shards if slots.slots_take(conn, key, name, sh, cost=cost, now=now)), None)
     if shard is None:
-        return None
-    if not cand.keys:
-        return claims.Holding(key, shard, cost=cost)
+        return give_up()
     got = dict(zip(cand.reserved_keys or (), cand.reserved_shards or (), strict=True))
     got[key] = shard
     taken_now = [(key, shard)]
     missing: str | None = None
-    for other in sorted(k for k in cand.keys if k not in got):
+    for other in sorted(k for k in (cand.keys or ()) if k not in got):
         if _someone_ahead(conn, other, cand, now=now):
             missing = other
             break
@@ -741,19 +761,26 @@ def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, no
         got[other] = taken
         taken_now.append((other, taken))
     if missing is None:
-        return _holding(cand, got)
+        lacking = _take_tokens(conn, cand, key, rated=rated, now=now)
+        if lacking is None:
+            if savepoint is not None:
+                savepoint.commit()
+            return _holding(cand, got) if cand.keys else claims.Holding(key, shard, cost=cost, fair_key=cand.fair_key)
+        give_up()
+        if lacking is not _BUSY:  # wait for the tokens: out of the line until then (D2: the sweep promotes)
+            conn.execute(
+                waiting.WAITING_NOT_BEFORE,
+                {"task_id": cand.task_id, "attempt": cand.attempt, "not_before": lacking},
+            )
+        return None
     # Cannot start: keep the slots of keys listed before the missing one, give back the rest taken now.
+    if conn.execute(KEYS_LOCK_NOWAIT, {"key": missing}).first() is None:
+        return give_up()  # the missing key's head row is busy (or not there yet): the sweep moves or starts it
     order = list(cand.keys)
     keep = {k: sh for k, sh in got.items() if order.index(k) < order.index(missing)}
     for k, sh in taken_now:
         if k not in keep:
             slots.slots_give_back(conn, k, sh, cost=cost, now=now)
-    if conn.execute(KEYS_LOCK_NOWAIT, {"key": missing}).first() is None:
-        # The missing key's head row is busy (or not there yet): stay here; the sweep moves or starts it.
-        for k, sh in taken_now:
-            if k in keep:
-                slots.slots_give_back(conn, k, sh, cost=cost, now=now)
-        return None
     conn.execute(
         waiting.WAITING_MOVE,
         {
@@ -767,7 +794,36 @@ def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, no
     )
     keys.keys_remove_waiting(conn, key, now=now)
     keys.keys_add_waiting(conn, missing, force=True)
+    if savepoint is not None:
+        savepoint.commit()
     return _MOVED
+
+
+#: ``_take_tokens``'s answer when a token bucket's row is busy (taken without waiting: out of lock order).
+_BUSY: Any = object()
+
+# names_rated: which of these names have a token bucket.
+NAMES_RATED = sa.text("SELECT name FROM keyed_names WHERE name = ANY(:names) AND rate IS NOT NULL")
+
+
+def _take_tokens(conn: sa.Connection, cand: Any, key: str, *, rated: bool, now: Any) -> Any:
+    """Take the tokens a promotion needs from every rate-limited key of the candidate: None when taken (or none
+    needed), else the time they will exist, or ``_BUSY`` when another key's bucket row is locked. The line
+    key's row is held by the caller; other keys' rows are taken without waiting."""
+    cost = int(cand.cost or 1)
+    others = [k for k in (cand.keys or ()) if k != key]
+    rated_names = (
+        set(conn.execute(NAMES_RATED, {"names": sorted({key_name(k) for k in others})}).scalars()) if others else set()
+    )
+    buckets = ([key] if rated else []) + sorted(k for k in others if key_name(k) in rated_names)
+    wait_until = None
+    for k in buckets:
+        if k != key and conn.execute(KEYS_LOCK_NOWAIT, {"key": k}).first() is None:
+            return _BUSY
+        tokens = keys.keys_take_tokens(conn, k, key_name(k), cost, now=now)
+        if not tokens.unrated and not tokens.took:
+            wait_until = tokens.next_at if wait_until is None else max(wait_until, tokens.next_at)
+    return wait_until
 
 
 def _holding(cand: Any, got: dict[str, int]) -> claims.Holding:
@@ -780,6 +836,7 @@ def _holding(cand: Any, got: dict[str, int]) -> claims.Holding:
         extra_keys=extra,
         extra_shards=tuple(got[k] for k in extra),
         cost=int(cand.cost or 1),
+        fair_key=getattr(cand, "fair_key", None),
     )
 
 
@@ -829,6 +886,17 @@ def promote_multi(
         if not slots.slots_take(conn, k, key_name(k), rooms[k], cost=cost, now=now):
             savepoint.rollback()
             return []
+    wait_until = None
+    for k in all_keys:  # every head row is held: the buckets are taken in lock order
+        tokens = keys.keys_take_tokens(conn, k, key_name(k), cost, now=now)
+        if not tokens.unrated and not tokens.took:
+            wait_until = tokens.next_at if wait_until is None else max(wait_until, tokens.next_at)
+    if wait_until is not None:
+        savepoint.rollback()
+        conn.execute(
+            waiting.WAITING_NOT_BEFORE, {"task_id": cand.task_id, "attempt": cand.attempt, "not_before": wait_until}
+        )
+        return []
     savepoint.commit()
     holding = _holding(cand, rooms)
     promotion = _promote_row(
@@ -886,6 +954,8 @@ def _take_nowait_all(conn: sa.Connection, cand: Any, *, now: Any) -> claims.Hold
         ok = taken is not None
         if taken is not None:
             got[k] = taken
+    if ok:
+        ok = _take_tokens(conn, cand, cand.key, rated=True, now=now) is None
     if not ok:
         savepoint.rollback()
         return None

@@ -32,7 +32,8 @@ class Arrival:
     retry countdown. ``message`` is the whole broker message (JSON-able) kept while the attempt is parked.
     Higher ``priority`` is served first. ``extra_keys``: further concurrency keys the attempt needs besides
     ``key`` (all claimed in one transaction or none; it waits in ``key``'s waiting room). ``cost``: slots it
-    takes of each of its keys (a weighted slot).
+    takes of each of its keys (a weighted slot). ``fair_key``: whose share of a fair name's slots it uses (e.g.
+    the tenant).
     """
 
     task_id: str
@@ -49,6 +50,7 @@ class Arrival:
     message: Any = field(default_factory=dict)
     extra_keys: tuple[str, ...] = ()
     cost: int = 1
+    fair_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.key is None and self.group_key is None:

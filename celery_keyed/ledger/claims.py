@@ -22,10 +22,10 @@ from celery_keyed.ledger.clock import NOW
 CLAIMS_INSERT_RUNNING = sa.text(
     f"""
     INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
-                              lease_expires_at, claimed_at, parked, cost, extra_keys, extra_shards)
+                              lease_expires_at, claimed_at, parked, cost, extra_keys, extra_shards, fair_key)
     VALUES (:task_id, :attempt, :key, :shard, :group_key, 'running', nextval('keyed_fence_seq'), :holder,
             {NOW} + make_interval(secs => :lease), {NOW}, CAST(:parked AS jsonb), :cost,
-            CAST(:extra_keys AS text[]), CAST(:extra_shards AS integer[]))
+            CAST(:extra_keys AS text[]), CAST(:extra_shards AS integer[]), :fair_key)
     RETURNING fence
     """
 )
@@ -34,10 +34,10 @@ CLAIMS_INSERT_RUNNING = sa.text(
 CLAIMS_INSERT_PROMOTED = sa.text(
     f"""
     INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, nonce, dispatch_deadline,
-                              lease_expires_at, claimed_at, parked, cost, extra_keys, extra_shards)
+                              lease_expires_at, claimed_at, parked, cost, extra_keys, extra_shards, fair_key)
     VALUES (:task_id, :attempt, :key, :shard, :group_key, 'promoted', nextval('keyed_fence_seq'), :nonce,
             {NOW} + make_interval(secs => :dispatch), {NOW} + make_interval(secs => :dispatch), {NOW},
-            CAST(:parked AS jsonb), :cost, CAST(:extra_keys AS text[]), CAST(:extra_shards AS integer[]))
+            CAST(:parked AS jsonb), :cost, CAST(:extra_keys AS text[]), CAST(:extra_shards AS integer[]), :fair_key)
     RETURNING fence
     """
 )
@@ -168,6 +168,7 @@ class Holding:
     extra_keys: tuple[str, ...] = ()
     extra_shards: tuple[int, ...] = ()
     cost: int = 1
+    fair_key: str | None = None
 
     @classmethod
     def of(cls, row: Any) -> Holding:
@@ -178,6 +179,7 @@ class Holding:
             extra_keys=tuple(getattr(row, "extra_keys", None) or ()),
             extra_shards=tuple(getattr(row, "extra_shards", None) or ()),
             cost=int(getattr(row, "cost", None) or 1),
+            fair_key=getattr(row, "fair_key", None),
         )
 
     def slots(self) -> list[tuple[str, int]]:
@@ -193,6 +195,7 @@ class Holding:
             "cost": self.cost,
             "extra_keys": list(self.extra_keys) or None,
             "extra_shards": list(self.extra_shards) or None,
+            "fair_key": self.fair_key,
         }
 
 

@@ -20,7 +20,8 @@ from celery_keyed.ledger.keyspec import validate_name
 
 Overflow = Literal["reject", "supersede"]
 
-_KNOWN_OPTIONS = {"limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold"}
+_KNOWN_OPTIONS = {"limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair"}
+_PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ class NameConfig:
     ``max_waiting`` parked attempts per key (None = unbounded); ``max_wait`` seconds from arrival to the
     latest start (None = no bound); ``overflow`` what a full waiting room does with a new arrival;
     ``uncertain_hold`` seconds a slot stays held after a hard time limit or a lost worker (None = released at
-    once), because the remote call may still be running."""
+    once), because the remote call may still be running; ``rate`` starts per second allowed per key (a token
+    bucket; settings also take "100/m", "6/s", "500/h"), ``burst`` the tokens a key can save up (default 1);
+    ``fair``: waiters share a key's slots round-robin by their fair key instead of one FIFO line."""
 
     name: str
     limit: int = 1
@@ -38,6 +41,9 @@ class NameConfig:
     max_wait: float | None = None
     overflow: Overflow = "reject"
     uncertain_hold: float | None = None
+    rate: float | None = None
+    burst: float | None = None
+    fair: bool = False
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -52,7 +58,16 @@ class NameConfig:
             or self.max_wait <= 0
         ):
             raise InvalidConfig(f"{self.name}: max_wait must be a positive number of seconds, got {self.max_wait!r}")
-        for option in ("max_wait", "uncertain_hold"):
+        if isinstance(self.rate, str):
+            object.__setattr__(self, "rate", parse_rate(self.name, self.rate))
+        if self.burst is not None and self.rate is None:
+            raise InvalidConfig(f"{self.name}: burst needs a rate")
+        if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int | float)
+                                       or not math.isfinite(self.burst) or self.burst < 1):
+            raise InvalidConfig(f"{self.name}: burst must be a number of tokens, at least 1, got {self.burst!r}")
+        if not isinstance(self.fair, bool):
+            raise InvalidConfig(f"{self.name}: fair must be True or False, got {self.fair!r}")
+        for option in ("max_wait", "uncertain_hold", "rate"):
             value = getattr(self, option)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
@@ -75,6 +90,20 @@ class NameConfig:
         return cls(name=name, **dict(value))
 
 
+def parse_rate(name: str, value: Any) -> float:
+    """A rate as starts per second: a number (per second) or "N/s", "N/m", "N/h"."""
+    if isinstance(value, str):
+        count, _, per = value.strip().partition("/")
+        try:
+            number = float(count)
+        except ValueError:
+            number = math.nan
+        if per.strip() not in _PER or not math.isfinite(number) or number <= 0:
+            raise InvalidConfig(f"{name}: rate must be a positive number per second or like '100/m', got {value!r}")
+        return number / _PER[per.strip()]
+    return value  # checked as a positive number by NameConfig
+
+
 def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
     """Parse a whole ``keyed_concurrency_limits`` setting into configs by name."""
     if setting is None:
@@ -95,20 +124,21 @@ def _check_int(name: str, option: str, value: Any, *, minimum: int, maximum: int
 # names_upsert: write one name's configuration (worker start, tests, admin).
 NAMES_UPSERT = sa.text(
     f"""
-    INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, updated_at)
-    VALUES (:name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, {NOW})
+    INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, rate, burst,
+                             fair, updated_at)
+    VALUES (:name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, :rate, :burst, :fair, {NOW})
     ON CONFLICT (name) DO UPDATE SET
         slot_limit = excluded.slot_limit, shards = excluded.shards, max_waiting = excluded.max_waiting,
         max_wait = excluded.max_wait, overflow = excluded.overflow, uncertain_hold = excluded.uncertain_hold,
-        updated_at = excluded.updated_at
+        rate = excluded.rate, burst = excluded.burst, fair = excluded.fair, updated_at = excluded.updated_at
     RETURNING (SELECT k.slot_limit FROM keyed_names k WHERE k.name = :name) AS old_limit
     """
 )
 
 # names_get: one name's stored configuration.
 NAMES_GET = sa.text(
-    "SELECT name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold FROM keyed_names"
-    " WHERE name = :name"
+    "SELECT name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, rate, burst, fair"
+    " FROM keyed_names WHERE name = :name"
 )
 
 # names_effective_limit: the limit the next claim of a key of this name will use.
@@ -128,6 +158,9 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, now: Any = None) ->
             "max_wait": config.max_wait,
             "overflow": config.overflow,
             "uncertain_hold": config.uncertain_hold,
+            "rate": config.rate,
+            "burst": config.burst,
+            "fair": config.fair,
             "now": now,
         },
     )
@@ -146,6 +179,9 @@ def names_get(conn: sa.Connection, name: str) -> NameConfig | None:
         max_wait=row["max_wait"],
         overflow=row["overflow"],
         uncertain_hold=row["uncertain_hold"],
+        rate=row["rate"],
+        burst=row["burst"],
+        fair=row["fair"],
     )
 
 

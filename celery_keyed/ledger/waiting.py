@@ -19,7 +19,8 @@ from celery_keyed.ledger.clock import NOW
 
 _COLUMNS = (
     "task_id, attempt, key, group_key, group_seq, priority, arrival, arrived_at, not_before, deadline, "
-    "supersede_key, shadow, group_blocked, queue, message, keys, cost, reserved_keys, reserved_shards, reserved_at"
+    "supersede_key, shadow, group_blocked, queue, message, keys, cost, reserved_keys, reserved_shards, reserved_at, "
+    "fair_key"
 )
 
 # waiting_insert: park an attempt. The latest start is the earlier of Celery's expires and arrival + max_wait.
@@ -32,7 +33,7 @@ WAITING_INSERT = sa.text(
             LEAST(CAST(:deadline AS timestamptz),
                   {NOW} + (SELECT make_interval(secs => c.max_wait) FROM keyed_names c WHERE c.name = :name)),
             :supersede_key, :shadow, :group_blocked, :queue, CAST(:message AS jsonb), CAST(:keys AS text[]), :cost,
-            NULL, NULL, NULL)
+            NULL, NULL, NULL, :fair_key)
     ON CONFLICT (task_id, attempt) DO NOTHING
     RETURNING arrival
     """
@@ -61,9 +62,42 @@ PROMOTABLE_EXISTS = f"""EXISTS (
 WAITING_PROMOTABLE_EXISTS = sa.text(f"SELECT {PROMOTABLE_EXISTS}")
 
 # waiting_clear_due_for_key: rows of a key whose not-before time passed join the line before a promotion
-# picks from it (their arrival number keeps their place; the sweep does the same for every key, D2).
+# picks from it (their arrival number keeps their place; the sweep does the same for every key, D2). Also
+# answers how the key's name orders its line (fair) and whether it has a token bucket (rated).
 WAITING_CLEAR_DUE_FOR_KEY = sa.text(
-    f"UPDATE keyed_waiting SET not_before = NULL WHERE key = :key AND not_before <= {NOW}"
+    f"""
+    WITH due AS (UPDATE keyed_waiting SET not_before = NULL WHERE key = :key AND not_before <= {NOW})
+    SELECT COALESCE(c.fair, false) AS fair, c.rate IS NOT NULL AS rated
+      FROM (SELECT 1) one LEFT JOIN keyed_names c ON c.name = :name
+    """
+)
+
+# waiting_next_fair: the next promotable attempts of a fair key: the head of each fair key's own line, those
+# whose fair key holds the fewest of the key's slots first, then by priority and arrival (round-robin).
+WAITING_NEXT_FAIR = sa.text(
+    f"""
+    WITH heads AS (
+        SELECT DISTINCT ON (fair_key) task_id, attempt, fair_key, priority, arrival FROM keyed_waiting
+         WHERE key = :key AND NOT shadow AND not_before IS NULL AND NOT group_blocked
+           AND (deadline IS NULL OR deadline > {NOW})
+         ORDER BY fair_key, priority DESC, arrival
+    ), ranked AS (
+        SELECT h.task_id, h.attempt, h.priority, h.arrival,
+               (SELECT COALESCE(sum(c.cost), 0) FROM keyed_claims c
+                 WHERE (c.key = :key OR c.extra_keys @> ARRAY[CAST(:key AS text)])
+                   AND c.fair_key IS NOT DISTINCT FROM h.fair_key) AS holding
+          FROM heads h ORDER BY holding, h.priority DESC, h.arrival LIMIT :limit
+    )
+    SELECT {", ".join("w." + c.strip() for c in _COLUMNS.split(","))}
+      FROM keyed_waiting w JOIN ranked r ON r.task_id = w.task_id AND r.attempt = w.attempt
+     ORDER BY r.holding, r.priority DESC, r.arrival
+       FOR UPDATE OF w SKIP LOCKED
+    """
+)
+
+# waiting_not_before: a parked attempt waits for its token (rate limit): not promotable before then.
+WAITING_NOT_BEFORE = sa.text(
+    "UPDATE keyed_waiting SET not_before = :not_before WHERE task_id = :task_id AND attempt = :attempt"
 )
 
 # waiting_group_member: the parked (non-shadow) row of a group member, locked, if it is not being promoted.
@@ -259,13 +293,17 @@ def waiting_insert(
         "message": json.dumps(arrival.message),
         "keys": list(arrival.keys) if arrival.extra_keys else None,
         "cost": arrival.cost,
+        "fair_key": arrival.fair_key,
         "now": now,
     }
     return conn.execute(WAITING_INSERT, params).scalar_one_or_none()
 
 
-def waiting_next_for_key(conn: sa.Connection, key: str, *, limit: int = 4, now: Any = None) -> list[sa.Row[Any]]:
-    return list(conn.execute(WAITING_NEXT_FOR_KEY, {"key": key, "limit": limit, "now": now}))
+def waiting_next_for_key(
+    conn: sa.Connection, key: str, *, limit: int = 4, fair: bool = False, now: Any = None
+) -> list[sa.Row[Any]]:
+    statement = WAITING_NEXT_FAIR if fair else WAITING_NEXT_FOR_KEY
+    return list(conn.execute(statement, {"key": key, "limit": limit, "now": now}))
 
 
 def waiting_group_member(conn: sa.Connection, group_key: str, seq: int) -> sa.Row[Any] | None:

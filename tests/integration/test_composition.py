@@ -268,3 +268,91 @@ def test_release_early_frees_the_slots_and_the_outcome_is_still_booked(ledger: L
     report = ledger.release(Token("a", 0), a.fence, Outcome.COMPLETED)
     assert report.released and ledger.books()["completed"] == 1
     assert used(scalar, "acct:1") == 1 and check_counters_once(ledger.engine) == []
+
+
+def test_rate_limit_parks_until_the_token_exists(ledger: Ledger, clock, scalar) -> None:
+    ledger.configure({"api": NameConfig("api", limit=10, rate=2.0, burst=2)}, now=clock())
+    verdicts = [arrive(ledger, t, "api:x", now=clock()).verdict for t in "abcd"]
+    assert verdicts == [Verdict.ADMITTED, Verdict.ADMITTED, Verdict.PARKED, Verdict.PARKED]
+    assert used(scalar, "api:x") == 2  # the parked ones took no slot (and no token)
+    waits = scalar("SELECT min(extract(epoch FROM not_before - :now)) FROM keyed_waiting", now=clock())
+    assert 0.45 < float(waits) < 0.55  # parked with the time its token will exist: no polling
+    assert ledger.sweep(now=clock.advance(0.4)).promotions == []
+    report = ledger.sweep(now=clock.advance(0.2))  # t = 0.6: one token
+    assert [p.task_id for p in report.promotions] == ["c"]
+    report = ledger.sweep(now=clock.advance(0.2))  # t = 0.8: 0.6 tokens, d waits
+    assert report.promotions == []
+    report = ledger.sweep(now=clock.advance(0.3))  # t = 1.1: 1.2 tokens
+    assert [p.task_id for p in report.promotions] == ["d"]
+    assert check_counters_once(ledger.engine) == []
+
+
+def test_rate_and_gate_debit_neither_when_either_refuses(ledger: Ledger, clock, scalar) -> None:
+    ledger.configure({"api": NameConfig("api", limit=1, rate=10.0, burst=5)}, now=clock())
+    a = arrive(ledger, "a", "api:x", now=clock())
+    assert a.verdict is Verdict.ADMITTED
+    assert scalar("SELECT tokens FROM keyed_keys WHERE key = 'api:x'") == 4
+    assert arrive(ledger, "b", "api:x", now=clock()).verdict is Verdict.PARKED  # the gate refuses
+    assert scalar("SELECT tokens FROM keyed_keys WHERE key = 'api:x'") == 4  # no token debited
+    # empty the bucket through a second key of a multi-key task: the gate of the other key is not debited
+    ledger.configure({"bucket": NameConfig("bucket", limit=5, rate=1.0, burst=1)}, now=clock())
+    assert arrive(ledger, "c", "bucket:1", now=clock()).verdict is Verdict.ADMITTED
+    d = arrive(ledger, "d", "acct:1", "bucket:1", now=clock())
+    assert d.verdict is Verdict.PARKED
+    assert used(scalar, "acct:1") == 0 and used(scalar, "bucket:1") == 1
+    report = ledger.sweep(now=clock.advance(1.1))
+    assert [p.task_id for p in report.promotions] == ["d"]
+    assert used(scalar, "acct:1") == 1 and used(scalar, "bucket:1") == 2
+    _ = a
+
+
+def test_a_rate_no_bucket_can_hold_rejects_a_heavy_task(ledger: Ledger) -> None:
+    ledger.configure({"api": NameConfig("api", limit=10, rate=1.0, burst=2)})
+    verdict = arrive(ledger, "a", "api:x", cost=3)
+    assert verdict.verdict is Verdict.REJECTED and "tokens" in verdict.detail
+
+
+def fair_arrive(ledger: Ledger, task_id: str, tenant: str, *keys: str):
+    return ledger.admit(
+        Arrival(task_id=task_id, key=keys[0], extra_keys=tuple(keys[1:]), fair_key=tenant, message={"id": task_id})
+    )
+
+
+def test_fair_sharing_serves_a_late_tenant_next(ledger: Ledger) -> None:
+    ledger.configure({"stripe": NameConfig("stripe", limit=2, fair=True)})
+    fences = {}
+    for i in range(10):
+        admission = fair_arrive(ledger, f"a{i}", "A", "stripe")
+        if admission.admitted:
+            fences[f"a{i}"] = admission.fence
+    assert len(fences) == 2
+    for i in range(3):
+        assert fair_arrive(ledger, f"b{i}", "B", "stripe").verdict is Verdict.PARKED
+    order = []
+    running = dict(fences)
+    while running:
+        task_id, fence = next(iter(running.items()))
+        del running[task_id]
+        for p in ledger.release(Token(task_id, 0), fence, Outcome.COMPLETED).promotions:
+            order.append(p.task_id)
+            running[p.task_id] = ledger.bind(p.token, p.nonce)
+        if len(order) >= 8:
+            break
+    # B's first task is next, and B's three alternate with A's backlog instead of waiting behind it
+    assert order[0] == "b0"
+    assert [t for t in order[:6] if t.startswith("b")] == ["b0", "b1", "b2"]
+
+
+def test_fair_share_is_by_fair_key_whatever_the_concurrency_keys(ledger: Ledger) -> None:
+    """Spreading A's backlog over many concurrency keys gives A no extra share of the fair gate."""
+    ledger.configure({"stripe": NameConfig("stripe", limit=2, fair=True)})
+    fences = {}
+    for i in range(8):
+        admission = fair_arrive(ledger, f"a{i}", "A", f"acct:a{i}", "stripe")
+        if admission.admitted:
+            fences[f"a{i}"] = admission.fence
+    assert len(fences) == 2
+    assert fair_arrive(ledger, "b0", "B", "acct:b0", "stripe").verdict is Verdict.PARKED
+    task_id, fence = next(iter(fences.items()))
+    (p,) = ledger.release(Token(task_id, 0), fence, Outcome.COMPLETED).promotions
+    assert p.task_id == "b0"

@@ -19,12 +19,19 @@ CREATE TABLE keyed_names (
     updated_at timestamptz NOT NULL DEFAULT now(),
     -- seconds a slot stays held after a hard time limit or a lost worker (the remote call may still run)
     uncertain_hold double precision,
+    -- a token bucket per key: rate tokens per second, up to burst (1 when not set)
+    rate double precision,
+    burst double precision,
+    -- waiters share a key's slots round-robin by their fair key (e.g. the tenant) instead of one FIFO line
+    fair boolean NOT NULL DEFAULT false,
     CONSTRAINT keyed_names_limit_nonnegative CHECK (slot_limit >= 0),
     CONSTRAINT keyed_names_shards_range CHECK (shards BETWEEN 1 AND 1024),
     CONSTRAINT keyed_names_max_waiting_nonnegative CHECK (max_waiting >= 0),
     CONSTRAINT keyed_names_max_wait_positive CHECK (max_wait > 0),
     CONSTRAINT keyed_names_overflow_known CHECK (overflow IN ('reject', 'supersede')),
-    CONSTRAINT keyed_names_uncertain_hold_positive CHECK (uncertain_hold > 0)
+    CONSTRAINT keyed_names_uncertain_hold_positive CHECK (uncertain_hold > 0),
+    CONSTRAINT keyed_names_rate_positive CHECK (rate > 0),
+    CONSTRAINT keyed_names_burst_with_rate CHECK (burst IS NULL OR (rate IS NOT NULL AND burst >= 1))
 );
 
 -- Overrides: an operator's runtime limit for a name (0 pauses), who, why, until when.
@@ -71,6 +78,9 @@ CREATE TABLE keyed_keys (
     name text NOT NULL,
     waiting integer NOT NULL DEFAULT 0,
     active_at timestamptz NOT NULL,
+    -- the token bucket of a rate-limited key: tokens left at tokens_at (refilled lazily, under this row's lock)
+    tokens double precision,
+    tokens_at timestamptz,
     CONSTRAINT keyed_keys_waiting_nonnegative CHECK (waiting >= 0)
 );
 CREATE INDEX keyed_keys_name_idx ON keyed_keys (name);
@@ -133,6 +143,7 @@ CREATE TABLE keyed_claims (
     extra_keys text[],
     extra_shards integer[],
     held_outcome text,
+    fair_key text,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT keyed_claims_state_known CHECK (state IN ('running', 'promoted', 'uncertain')),
     -- a running attempt that gave its slots back early (release_concurrency) keeps its row until its outcome
@@ -152,6 +163,7 @@ CREATE INDEX keyed_claims_lease_idx ON keyed_claims (lease_expires_at) WHERE sta
 CREATE INDEX keyed_claims_dispatch_idx ON keyed_claims (dispatch_deadline) WHERE state = 'promoted';
 CREATE INDEX keyed_claims_extra_idx ON keyed_claims USING gin (extra_keys) WHERE extra_keys IS NOT NULL;
 CREATE INDEX keyed_claims_uncertain_idx ON keyed_claims (lease_expires_at) WHERE state = 'uncertain';
+CREATE INDEX keyed_claims_fair_idx ON keyed_claims (key, fair_key) WHERE fair_key IS NOT NULL;
 -- Backs the group rule (one attempt of a group runs at a time); groups have no override, so this index can
 -- never conflict with a runtime limit (D1). The guard itself is the admission statement's head check.
 CREATE UNIQUE INDEX keyed_claims_one_per_group ON keyed_claims (group_key) WHERE group_key IS NOT NULL;
@@ -182,6 +194,7 @@ CREATE TABLE keyed_waiting (
     reserved_keys text[],
     reserved_shards integer[],
     reserved_at timestamptz,
+    fair_key text,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT keyed_waiting_waits_for_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
     CONSTRAINT keyed_waiting_group_seq_with_group CHECK ((group_key IS NULL) = (group_seq IS NULL)),
@@ -199,6 +212,8 @@ CREATE INDEX keyed_waiting_key_idx ON keyed_waiting (key);
 CREATE INDEX keyed_waiting_group_idx ON keyed_waiting (group_key, group_seq) WHERE group_key IS NOT NULL;
 CREATE INDEX keyed_waiting_not_before_idx ON keyed_waiting (not_before) WHERE not_before IS NOT NULL;
 CREATE INDEX keyed_waiting_deadline_idx ON keyed_waiting (deadline) WHERE deadline IS NOT NULL;
+CREATE INDEX keyed_waiting_fair_idx ON keyed_waiting (key, fair_key, priority DESC, arrival)
+    WHERE NOT shadow AND not_before IS NULL AND NOT group_blocked;
 CREATE INDEX keyed_waiting_reserved_idx ON keyed_waiting (reserved_at) WHERE reserved_at IS NOT NULL;
 CREATE INDEX keyed_waiting_supersede_idx ON keyed_waiting (key, supersede_key) WHERE supersede_key IS NOT NULL;
 

@@ -39,7 +39,26 @@ ALTER TABLE keyed_waiting
     ADD CONSTRAINT keyed_waiting_reserved_when CHECK ((reserved_keys IS NULL) = (reserved_at IS NULL));
 CREATE INDEX keyed_waiting_reserved_idx ON keyed_waiting (reserved_at) WHERE reserved_at IS NOT NULL;
 
--- Names: seconds a slot stays held after a hard time limit or a lost worker (the remote call may still run).
+-- Names: seconds a slot stays held after a hard time limit or a lost worker (the remote call may still run);
+-- a token bucket per key (rate tokens per second, up to burst); fair: waiters share the key's slots round-robin
+-- by their fair key (e.g. the tenant) instead of one FIFO line.
 ALTER TABLE keyed_names
     ADD COLUMN uncertain_hold double precision,
-    ADD CONSTRAINT keyed_names_uncertain_hold_positive CHECK (uncertain_hold > 0);
+    ADD COLUMN rate double precision,
+    ADD COLUMN burst double precision,
+    ADD COLUMN fair boolean NOT NULL DEFAULT false,
+    ADD CONSTRAINT keyed_names_uncertain_hold_positive CHECK (uncertain_hold > 0),
+    ADD CONSTRAINT keyed_names_rate_positive CHECK (rate > 0),
+    ADD CONSTRAINT keyed_names_burst_with_rate CHECK (burst IS NULL OR (rate IS NOT NULL AND burst >= 1));
+
+-- Keys: the token bucket of a rate-limited key: tokens left at tokens_at (refilled lazily, under the row lock).
+ALTER TABLE keyed_keys
+    ADD COLUMN tokens double precision,
+    ADD COLUMN tokens_at timestamptz;
+
+-- Fair sharing: the fair key of a parked attempt and of a claim (who holds how many slots of a fair key).
+ALTER TABLE keyed_waiting ADD COLUMN fair_key text;
+ALTER TABLE keyed_claims ADD COLUMN fair_key text;
+CREATE INDEX keyed_waiting_fair_idx ON keyed_waiting (key, fair_key, priority DESC, arrival)
+    WHERE NOT shadow AND not_before IS NULL AND NOT group_blocked;
+CREATE INDEX keyed_claims_fair_idx ON keyed_claims (key, fair_key) WHERE fair_key IS NOT NULL;
