@@ -39,6 +39,7 @@ from celery_keyed.messages import context_from_record, record_message, republish
 from celery_keyed.settings import KeyedSettings
 from celery_keyed.task import (
     HEADER_COST,
+    HEADER_FAIR,
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
     HEADER_KEY,
@@ -241,10 +242,13 @@ class GateService:
             key = evaluate_keys(key_spec(task, "concurrency_key"), task, args, kwargs)
             group = evaluate_key(key_spec(task, "group_key"), task, args, kwargs, option="group_key")
             supersede = evaluate_key(key_spec(task, "supersede_key"), task, args, kwargs, option="supersede_key")
+            fair = evaluate_key(key_spec(task, "fair_key"), task, args, kwargs, option="fair_key")
         else:
             key = _header_keys(key)
             group = None if group is None else normalize_key(group)
             supersede = None if supersede is None else str(supersede)
+            fair = headers.get(HEADER_FAIR)
+            fair = None if fair is None else normalize_key(fair)
         if key is None and group is None:
             return None
         keys = [key] if isinstance(key, str) else list(key or [])
@@ -262,6 +266,7 @@ class GateService:
             key=keys[0] if keys else None,
             extra_keys=tuple(keys[1:]),
             cost=cost,
+            fair_key=fair,
             group_key=group,
             group_seq=seq,
             task_name=request.name,

@@ -28,7 +28,8 @@ HEADER_GROUP_SEQ = "keyed_group_seq"
 HEADER_SUPERSEDE = "keyed_supersede"
 HEADER_NONCE = "keyed_nonce"
 HEADER_COST = "keyed_cost"
-GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST)
+HEADER_FAIR = "keyed_fair"
+GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR)
 
 KeySpec = str | tuple[str, Any] | Callable[..., Any] | list[Any] | None
 
@@ -45,6 +46,7 @@ class KeyedTask(Task):
     - ``supersede_key``: under the overflow policy ``supersede``, a newer call with the same supersede key
       replaces a parked one;
     - ``concurrency_cost``: slots the attempt takes of each of its keys (a weighted slot; default 1);
+    - ``fair_key``: whose share of a ``fair`` name's slots the call uses (e.g. ``"tenant:{tenant_id}"``);
     - ``uncertain_hold``: seconds its slots stay held after a hard time limit or a lost worker, because the
       remote call it made may still be running (default: the names' ``uncertain_hold``, else none).
 
@@ -60,6 +62,7 @@ class KeyedTask(Task):
     group_key: KeySpec = None
     supersede_key: KeySpec = None
     concurrency_cost: int = 1
+    fair_key: KeySpec = None
     uncertain_hold: float | None = None
     Strategy = "celery_keyed.gate:keyed_strategy"
     Request = "celery_keyed.request:KeyedRequest"
@@ -69,7 +72,7 @@ class KeyedTask(Task):
         kwargs = dict(kwargs or {})
         explicit: dict[str, Any] = {
             name: options.pop(name)
-            for name in ("concurrency_key", "group_key", "supersede_key", "concurrency_cost")
+            for name in ("concurrency_key", "group_key", "supersede_key", "concurrency_cost", "fair_key")
             if name in options
         }
         connection = options.pop("keyed_connection", None)
@@ -77,7 +80,7 @@ class KeyedTask(Task):
         headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in stripped}
         inherited = {
             h: headers.pop(h)
-            for h in (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST)
+            for h in (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR)
             if h in headers
         }
         computed = self.keyed_headers(args, kwargs, explicit)
@@ -87,6 +90,7 @@ class KeyedTask(Task):
             (HEADER_GROUP, "group_key"),
             (HEADER_SUPERSEDE, "supersede_key"),
             (HEADER_COST, "concurrency_cost"),
+            (HEADER_FAIR, "fair_key"),
         ):
             if option not in explicit and header in inherited:
                 computed[header] = inherited[header]
@@ -113,6 +117,7 @@ class KeyedTask(Task):
             (HEADER_KEY, "concurrency_key"),
             (HEADER_GROUP, "group_key"),
             (HEADER_SUPERSEDE, "supersede_key"),
+            (HEADER_FAIR, "fair_key"),
         ):
             spec = explicit[option] if option in explicit else key_spec(self, option)
             value = evaluate_keys(spec, self, args, kwargs) if option == "concurrency_key" else (
