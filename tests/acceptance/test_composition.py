@@ -152,3 +152,45 @@ def test_uncertain_hold_keeps_the_slot_after_a_hard_time_limit(cluster: Cluster,
     )
     assert next_start - killed_at > 1.2, "the next call started while the hung one's slot should have been held"
     assert cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=stuck.id) == "failed"
+
+
+@pytest.mark.parametrize("cluster", [{"api": {"limit": 10, "rate": "6/s", "burst": 1}}], indirect=True)
+def test_a_rate_with_a_gate_never_exceeds_either(cluster: Cluster, producer) -> None:
+    """A "6/s" rate with K = 10: starts in any window of t seconds never above 6·t + burst, in flight never
+    above 10 (and the rate, not the gate, is what binds)."""
+    cluster.start_worker("w1", concurrency=6)
+    cluster.start_worker("w2", concurrency=6)
+    for i in range(24):
+        producer.hold.delay("api:x", 0.05, note=str(i))
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 24, timeout=60)
+    starts = sorted(
+        float(r.at) for r in cluster.rows("SELECT extract(epoch FROM at) AS at FROM observed WHERE kind = 'start'")
+    )
+    for i, first in enumerate(starts):
+        for window in (0.5, 1.0, 2.0):
+            inside = sum(1 for t in starts[i:] if t - first <= window)
+            assert inside <= 6 * window + 1 + 1e-9, f"{inside} starts within {window}s"
+    assert peak_overlap(cluster.intervals("api:x")) <= 10
+    assert starts[-1] - starts[0] >= (24 - 1 - 1) / 6 - 0.3  # the rate really bound the run
+
+
+@pytest.mark.parametrize("cluster", [{"stripe": {"limit": 2, "fair": True}}], indirect=True)
+def test_fair_sharing_a_late_tenant_starts_within_a_service_time(cluster: Cluster, producer) -> None:
+    cluster.start_worker("w1", concurrency=2)
+    cluster.start_worker("w2", concurrency=2)
+    for i in range(30):
+        producer.hold.apply_async(("stripe", SERVICE), {"note": f"A{i}"}, fair_key="tenant:A")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 2, timeout=30)
+    sent = time.time()
+    for i in range(3):
+        producer.hold.apply_async(("stripe", SERVICE), {"note": f"B{i}"}, fair_key="tenant:B")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note LIKE 'B%'", 3, timeout=60)
+    b_starts = sorted(
+        float(r.at)
+        for r in cluster.rows(
+            "SELECT extract(epoch FROM at) AS at FROM observed WHERE kind = 'start' AND note LIKE 'B%'"
+        )
+    )
+    assert b_starts[0] - sent < 2 * SERVICE, "B's first task waited behind A's backlog"
+    assert b_starts[-1] - sent < 5 * SERVICE  # B's three alternate with A's, not after A's 28 waiting tasks
+    assert peak_overlap(cluster.intervals("stripe")) == 2
