@@ -108,6 +108,8 @@ class GateService:
         self._to_loop: deque[Promotion] = deque()  # promotions found off the loop, to start on it (D4)
         self._contended: dict[str, float] = {}  # key -> when it last parked or promoted (monotonic)
         self._breaker_open = False
+        self._cancelled_queues: list[str] = []  # keyed-only queues not consumed while the breaker is open (D9)
+        self._waker: tuple[Any, int, int] | None = None  # (hub, read fd, write fd): threads wake the loop
         self._reachable_since = time.monotonic()
         self._last_reclaim = 0.0
         self._last_renewal = time.monotonic()
@@ -134,9 +136,13 @@ class GateService:
             thread.start()
             self._threads.append(thread)
         timer = getattr(self.consumer, "timer", None)
+        hub = getattr(self.consumer, "hub", None)
+        if hub is not None:
+            self._attach_waker(hub)
         if timer is not None:
             self._timers.append(timer.call_repeatedly(self.settings.probe_interval, self._resubmit_held))
-            self._timers.append(timer.call_repeatedly(0.01, self._drain_to_loop))
+            if hub is None:  # a polling transport (no event loop to wake): drain on a short timer
+                self._timers.append(timer.call_repeatedly(0.01, self._drain_to_loop))
 
     def stop(self) -> None:
         """Stop the threads. Running attempts keep their claims (their outcome hooks release them); safe to
@@ -146,6 +152,9 @@ class GateService:
             with contextlib.suppress(Exception):
                 entry.cancel()
         self._timers.clear()
+        if self._waker is not None:
+            with contextlib.suppress(Exception):
+                self._waker[0].remove_reader(self._waker[1])
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()
@@ -156,6 +165,11 @@ class GateService:
         self._flush_pending_releases()
         if _current is self:
             _current = None
+        waker, self._waker = self._waker, None
+        if waker is not None:  # the threads are stopped: nobody writes to it any more
+            for fd in waker[1:]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self.engine.dispose()
 
     def _warn_prefix_capture(self) -> None:
@@ -430,6 +444,7 @@ class GateService:
         for promotion in promotions:
             if not local and self.settings.local_handoff and self._consumes(promotion) and self._timers:
                 self._to_loop.append(promotion)
+                self._wake_loop()
                 continue
             if local and self.settings.local_handoff and self._consumes(promotion):
                 try:
@@ -448,10 +463,41 @@ class GateService:
         queues = getattr(task_consumer, "queues", ())
         return [q.name for q in queues] + [q.routing_key for q in queues], list(self.consumer.strategies)
 
+    def _attach_waker(self, hub: Any) -> None:
+        """Let the threads wake the consumer loop the moment they hand it work (a pipe the hub reads): no
+        polling timer between a promotion found off the loop and its start. Re-attached on every consumer
+        start (the hub forgets its readers when the connection resets); the pipe lives as long as the service."""
+        if self._waker is None:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(read_fd, False)
+            os.set_blocking(write_fd, False)
+            self._waker = (hub, read_fd, write_fd)
+        else:
+            self._waker = (hub, self._waker[1], self._waker[2])
+        hub.add_reader(self._waker[1], self._on_wake)
+
+    def _wake_loop(self) -> None:
+        """Any thread: make the consumer loop run ``_drain_to_loop`` soon."""
+        waker = self._waker
+        if waker is None:
+            return
+        with contextlib.suppress(OSError):  # BlockingIOError: the pipe is full, so a wakeup is pending anyway
+            os.write(waker[2], b"\0")
+
+    def _on_wake(self, *args: Any) -> None:
+        waker = self._waker
+        if waker is not None:
+            with contextlib.suppress(OSError):
+                while os.read(waker[1], 4096):  # read before draining: a later write wakes us again
+                    pass
+        self._drain_to_loop()
+
     def _drain_to_loop(self) -> None:
-        """Consumer loop timer: start the promotions the sweeper or the heartbeat found."""
+        """Consumer loop (woken by a thread, or on a timer): start the promotions the threads found; follow the
+        breaker with the keyed-only queues."""
         while self._to_loop:
             self.dispatch([self._to_loop.popleft()], local=True)
+        self._sync_keyed_queues()
 
     def _consumes(self, promotion: Promotion) -> bool:
         record = promotion.message or {}
@@ -644,12 +690,36 @@ class GateService:
             logger.error("celery-keyed: the ledger is unreachable (%s); keyed tasks wait until it is back", exc)
         self._breaker_open = True
         self._reachable_since = float("inf")
+        self._wake_loop()  # the loop stops consuming the keyed-only queues
 
     def _close_breaker(self) -> None:
         if self._breaker_open:
             logger.warning("celery-keyed: the ledger is reachable again; keyed intake resumes")
             self._reachable_since = time.monotonic()
-        self._breaker_open = False
+            self._breaker_open = False
+            self._wake_loop()  # the loop consumes the keyed-only queues again
+
+    def _sync_keyed_queues(self) -> None:
+        """Consumer loop: while the breaker is open, do not consume the queues that carry only keyed tasks
+        (``keyed_queues``), so that their messages stay in the broker instead of piling up, unacked, in this
+        worker (D9); consume them again once it closes. Without ``keyed_queues`` the worker holds at most its
+        prefetch of keyed messages. Loop thread only: kombu's channel is not thread-safe."""
+        task_consumer = getattr(self.consumer, "task_consumer", None)
+        if not self.settings.queues or task_consumer is None:
+            return
+        if self._breaker_open:
+            for name in self.settings.queues:
+                if name not in self._cancelled_queues and task_consumer.consuming_from(name):
+                    self.consumer.cancel_task_queue(name)
+                    self._cancelled_queues.append(name)
+                    logger.warning(
+                        "celery-keyed: stopped consuming keyed-only queue %r while the ledger is unreachable", name
+                    )
+            return
+        while self._cancelled_queues:
+            name = self._cancelled_queues.pop()
+            self.consumer.add_task_queue(name)
+            logger.warning("celery-keyed: consuming keyed-only queue %r again", name)
 
     def _hold(self, request: Any) -> None:
         """Keep a keyed request in memory (unacked) while the ledger is down; it stays in the broker's hands."""
@@ -664,11 +734,13 @@ class GateService:
                 with self.engine.connect() as conn:
                     conn.exec_driver_sql("SELECT 1")
             except sa.exc.OperationalError:
+                self._sync_keyed_queues()
                 return
             self._close_breaker()
         while self._held and not self._breaker_open:
             request = self._held.popleft()
             self.consumer.on_task_request(request)
+        self._drain_to_loop()  # also a backstop for a missed wakeup
 
 
 def _already_acked(*args: Any, **kwargs: Any) -> None:

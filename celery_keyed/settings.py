@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "connect_timeout": 3.0,  # seconds to connect to Postgres
     "statement_timeout": 5.0,  # seconds a ledger statement may take (bounds a blocked consumer loop)
     "pool_size": 5,  # ledger connections per worker process
+    "queues": (),  # queues that carry only keyed tasks: not consumed while the ledger is unreachable (D9)
 }
 
 
@@ -61,6 +62,7 @@ class KeyedSettings:
     connect_timeout: float = 3.0
     statement_timeout: float = 5.0
     pool_size: int = 5
+    queues: tuple[str, ...] = ()
 
 
 def read_settings(conf: Any) -> KeyedSettings:
@@ -107,6 +109,7 @@ def read_settings(conf: Any) -> KeyedSettings:
         connect_timeout=_positive(get("connect_timeout"), "keyed_connect_timeout"),
         statement_timeout=_positive(get("statement_timeout"), "keyed_statement_timeout"),
         pool_size=int(_positive(get("pool_size"), "keyed_pool_size")),
+        queues=_queue_names(get("queues")),
     )
 
 
@@ -125,3 +128,12 @@ def _positive(value: Any, setting: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise InvalidConfig(f"{setting} must be a positive number, got {value!r}")
     return float(value)
+
+
+def _queue_names(value: Any) -> tuple[str, ...]:
+    """``keyed_queues``: a list of queue names, or one comma-separated string (like ``celery worker -Q``)."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list | tuple | set | frozenset) or not all(isinstance(v, str) and v for v in value):
+        raise InvalidConfig(f"keyed_queues must be a list of queue names, got {value!r}")
+    return tuple(value)

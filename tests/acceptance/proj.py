@@ -1,8 +1,8 @@
 """The Celery app the acceptance tests run in real worker processes.
 
-Configured from the environment (KEYED_DATABASE_URL, CELERY_BROKER_URL, KEYED_LIMITS as JSON). Every task
-writes its start and end into ``observed`` (its own table, written on its own connection, committed at once):
-the independent observer the tests check overlaps against.
+Configured from the environment (KEYED_DATABASE_URL, CELERY_BROKER_URL, KEYED_LIMITS and KEYED_QUEUES as
+JSON). Every task writes its start and end into ``observed`` (its own table, written on its own connection,
+committed at once): the independent observer the tests check overlaps against.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def make_app(env: Mapping[str, str]) -> Any:
         keyed_self_fence=env.get("KEYED_SELF_FENCE", "1") == "1",
         keyed_statement_timeout=2.0,
         keyed_connect_timeout=1.0,
+        keyed_queues=json.loads(env.get("KEYED_QUEUES", "[]")),
         worker_prefetch_multiplier=1,
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -95,3 +95,48 @@ def test_self_fencing_terminates_keyed_tasks_it_can_no_longer_cover(
     ]
     assert len(starts) == 2 and starts[1] > resumed_at - 0.5  # ran again, only after the ledger came back
     assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end'") == 1
+
+
+def _wait_for_log(cluster: Cluster, name: str, text: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in cluster.logs[name].read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in the log of {name}:\n{cluster.logs[name].read_text()[-4000:]}")
+
+
+def test_keyed_only_queues_are_not_consumed_while_postgres_is_down(
+    outage_cluster: Cluster, own_postgres: PostgresServer, producer
+) -> None:
+    """D9 with ``keyed_queues``: while the breaker is open the worker does not consume its keyed-only queue, so
+    keyed messages published during the outage stay in the broker (not unacked in the worker's memory, where
+    they would use up its prefetch); unkeyed tasks on the other queue flow; all complete once Postgres is back."""
+    import redis as redis_client
+
+    cluster = outage_cluster
+    cluster.env.update(KEYED_LEASE=str(LEASE), KEYED_QUEUES='["keyed_only"]')
+    cluster.start_worker("w1", concurrency=2, extra=["-Q", "celery,keyed_only"])
+    assert producer.hold.apply_async(("acct:q", 0.05), {"note": "warm"}, queue="keyed_only").get(timeout=30) == "warm"
+    cluster.engine.dispose()
+
+    own_postgres.suspend()
+    _wait_for_log(cluster, "w1", "stopped consuming keyed-only queue 'keyed_only'")
+    keyed = [
+        producer.hold.apply_async((f"acct:q{i}", 0.05), {"note": f"k{i}"}, queue="keyed_only") for i in range(5)
+    ]
+    # The worker keeps consuming its other queue: these complete after the keyed messages were published.
+    assert [producer.ping.delay(str(i)).get(timeout=30) for i in range(4)] == ["0", "1", "2", "3"]
+    broker = redis_client.Redis.from_url(cluster.broker_url)
+    try:
+        assert broker.llen("keyed_only") == 5, "keyed messages left the broker while the ledger was down"
+        own_postgres.resume()
+        up_at = time.time()
+        assert [r.get(timeout=60) for r in keyed] == [f"k{i}" for i in range(5)]
+        assert broker.llen("keyed_only") == 0
+    finally:
+        broker.close()
+    _wait_for_log(cluster, "w1", "consuming keyed-only queue 'keyed_only' again")
+    starts = cluster.rows("SELECT extract(epoch FROM at) AS ts FROM observed WHERE kind = 'start' AND note LIKE 'k%'")
+    assert len(starts) == 5 and min(float(r.ts) for r in starts) > up_at - 0.5
+    cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'", 6)
