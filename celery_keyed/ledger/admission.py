@@ -118,6 +118,61 @@ CLAIM_NEW = sa.text(_CLAIM_NEW.replace("{lock_wait}", "SKIP LOCKED"))
 # lock it keeps after a failed re-check is the first in the lock order anyway).
 CLAIM_NEW_WAITING = sa.text(_CLAIM_NEW.replace("{lock_wait}", ""))
 
+# claim_new_multi: the fast path of a first arrival with several keys, in one statement, all or nothing: for
+# every key pick a shard with room for ``cost`` that no other transaction holds (SKIP LOCKED: never waits, so
+# no lock order is needed) and that no one waits for; only when every key got one are they all taken and the
+# claim inserted. A row locked by the pick was re-checked under its lock (and nobody else can change it while
+# it is held; the limits are read in this statement's snapshot), so the take cannot fail for one of them. A
+# miss changes nothing and its locks end with the statement (autocommit).
+CLAIM_NEW_MULTI = sa.text(
+    f"""
+    WITH arr AS (
+        INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
+        VALUES (:task_id, :task_name, :key, NULL, {NOW})
+        ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
+        RETURNING (xmax = 0) AS new, outcome, finished_attempt,
+                  COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
+    ), want AS (
+        SELECT w.key, w.ord, split_part(w.key, ':', 1) AS name
+          FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS w(key, ord)
+    ), lim AS (
+        SELECT want.key, want.ord, keyed_effective_limit(want.name, {NOW}) AS k, keyed_name_shards(want.name) AS n,
+               (SELECT c.rate FROM keyed_names c WHERE c.name = want.name) AS rate
+          FROM want
+    ), pick AS (
+        SELECT lim.key, lim.ord, p.shard
+          FROM arr, lim, LATERAL (
+               SELECT s.shard FROM keyed_slots s
+                WHERE s.key = lim.key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
+                  AND NOT EXISTS (
+                      SELECT 1 FROM keyed_waiting w
+                       WHERE w.key = lim.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= {NOW})
+                         AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW}))
+                ORDER BY random() LIMIT 1
+                FOR UPDATE OF s SKIP LOCKED) p
+         WHERE arr.new AND NOT arr.expired AND lim.rate IS NULL
+    ), complete AS (
+        SELECT count(*) = cardinality(CAST(:keys AS text[])) AS ok FROM pick
+    ), took AS (
+        UPDATE keyed_slots s SET used = s.used + :cost
+          FROM pick, complete
+         WHERE complete.ok AND s.key = pick.key AND s.shard = pick.shard
+        RETURNING s.key
+    ), claimed AS (
+        INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
+                                  lease_expires_at, claimed_at, cost, extra_keys, extra_shards, fair_key)
+        SELECT :task_id, :attempt, :key, (SELECT shard FROM pick WHERE ord = 1), NULL, 'running',
+               nextval('keyed_fence_seq'), :holder, {NOW} + make_interval(secs => :lease), {NOW}, :cost,
+               CAST(:extra_keys AS text[]), ARRAY(SELECT shard FROM pick WHERE ord > 1 ORDER BY ord), :fair_key
+          FROM complete WHERE complete.ok
+        RETURNING fence, shard
+    )
+    SELECT arr.new, arr.outcome, arr.finished_attempt, arr.expired, 1 AS shards,
+           (SELECT fence FROM claimed) AS fence, (SELECT shard FROM claimed) AS shard
+      FROM arr
+    """
+)
+
 #: Shard counts by name seen by this process, with the monotonic time they go stale (see _fast_claim).
 _shards_seen: dict[str, tuple[int, float]] = {}
 _SHARDS_TTL = 30.0
@@ -176,10 +231,16 @@ def admit_autocommit(
     or None — then run ``admit`` in a transaction, with ``fresh=True`` when the second value says this call
     recorded the task's arrival (it is new: no duplicate to look for). Being its own transaction, a stray
     shard lock ends with it (see _fast_claim)."""
-    if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None or arrival.extra_keys:
+    if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None:
         return None, False
     name = key_name(arrival.key)
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
+    if arrival.extra_keys:
+        params.update(keys=list(arrival.keys), extra_keys=list(arrival.extra_keys))
+        row = conn.execute(CLAIM_NEW_MULTI, params).one()
+        if row.shard is None:
+            return None, bool(row.new)
+        return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True
     statement = CLAIM_NEW_WAITING if _known_single_shard(name) else CLAIM_NEW
     row = conn.execute(statement, params).one()
     _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)

@@ -356,3 +356,25 @@ def test_fair_share_is_by_fair_key_whatever_the_concurrency_keys(ledger: Ledger)
     task_id, fence = next(iter(fences.items()))
     (p,) = ledger.release(Token(task_id, 0), fence, Outcome.COMPLETED).promotions
     assert p.task_id == "b0"
+
+
+def test_an_uncontended_multi_key_claim_is_one_statement_like_a_single_key_claim(ledger: Ledger, engine) -> None:
+    """Issue 4: the multi-key claim costs at most one extra round trip (it costs none: one statement)."""
+    for task_id, keys in (("warm1", ("acct:1",)), ("warm2", ("acct:2", "gate:1", "region:eu"))):
+        warm = arrive(ledger, task_id, *keys)  # a key's counter rows exist after its first use
+        ledger.release(Token(task_id, 0), warm.fence, Outcome.COMPLETED)
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:
+        statements.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        assert arrive(ledger, "single", "acct:1").verdict is Verdict.ADMITTED
+        single = len(statements)
+        statements.clear()
+        assert arrive(ledger, "multi", "acct:2", "gate:1", "region:eu").verdict is Verdict.ADMITTED
+        multi = len(statements)
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
+    assert single == 1 and multi == 1, (single, multi)
