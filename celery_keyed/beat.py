@@ -30,10 +30,16 @@ def reconcile(app: Any) -> dict[str, Any]:
     ledger = Ledger(publisher.engine, lease=settings.lease, dispatch=settings.dispatch_timeout)
     try:
         if time.monotonic() - _last_unreachable < settings.lease:
-            report = ledger.sweep(group_arrival_timeout=settings.group_arrival_timeout)
+            report = ledger.sweep(
+                group_arrival_timeout=settings.group_arrival_timeout, reserve_timeout=settings.reserve_timeout
+            )
             reclaim = "skipped (ledger reachable for less than a lease)"
         else:
-            report = ledger.reconcile(idle=settings.idle_key_ttl, group_arrival_timeout=settings.group_arrival_timeout)
+            report = ledger.reconcile(
+                idle=settings.idle_key_ttl,
+                group_arrival_timeout=settings.group_arrival_timeout,
+                reserve_timeout=settings.reserve_timeout,
+            )
             reclaim = f"{len(report.reclaimed)} reclaimed"
     except Exception:
         _last_unreachable = time.monotonic()

@@ -500,9 +500,15 @@ def reconcile(operator: Operator, reclaim: bool, as_json: bool) -> None:
     settings = operator.settings
     ledger = operator.ledger
     if reclaim:
-        report = ledger.reconcile(idle=settings.idle_key_ttl, group_arrival_timeout=settings.group_arrival_timeout)
+        report = ledger.reconcile(
+            idle=settings.idle_key_ttl,
+            group_arrival_timeout=settings.group_arrival_timeout,
+            reserve_timeout=settings.reserve_timeout,
+        )
     else:
-        report = ledger.sweep(group_arrival_timeout=settings.group_arrival_timeout)
+        report = ledger.sweep(
+            group_arrival_timeout=settings.group_arrival_timeout, reserve_timeout=settings.reserve_timeout
+        )
         report.drift += check_counters_once(operator.engine)
         report.dropped_keys = drop_idle_keys_once(operator.engine, idle=settings.idle_key_ttl)
     operator.dispatch(report.promotions)

@@ -643,7 +643,9 @@ class GateService:
         """Time-triggered work (D2); every quarter lease also the reaper (D7), but only once this process has
         reached the ledger for a full lease: a worker that was cut off cannot tell a dead peer from a peer
         that was cut off too."""
-        report = self.ledger.sweep(group_arrival_timeout=self.settings.group_arrival_timeout)
+        report = self.ledger.sweep(
+            group_arrival_timeout=self.settings.group_arrival_timeout, reserve_timeout=self.settings.reserve_timeout
+        )
         self.dispatch(report.promotions, local=False)
         now = time.monotonic()
         if now - self._reachable_since >= self.settings.lease and now - self._last_reclaim >= self.settings.lease / 4:

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "reconcile_schedule": 30.0,  # seconds between beat runs of celery_keyed.reconcile
     "idle_key_ttl": 3600.0,  # seconds after which an idle key's rows are dropped
     "group_arrival_timeout": 300.0,  # seconds a registered group number may take to arrive (D10)
+    "reserve_timeout": 60.0,  # seconds a multi-key waiter may hold reserved slots (docs/ledger.md)
     "register_groups": True,  # allocate group numbers at publish (in Postgres)
     "local_handoff": True,  # run a promoted attempt here when this worker consumes its queue (D4)
     "probe_interval": 1.0,  # seconds between probes of an unreachable Postgres (D9)
@@ -53,6 +54,7 @@ class KeyedSettings:
     reconcile_schedule: float = 30.0
     idle_key_ttl: float = 3600.0
     group_arrival_timeout: float = 300.0
+    reserve_timeout: float = 60.0
     register_groups: bool = True
     local_handoff: bool = True
     probe_interval: float = 1.0
@@ -100,6 +102,7 @@ def read_settings(conf: Any) -> KeyedSettings:
         reconcile_schedule=_positive(get("reconcile_schedule"), "keyed_reconcile_schedule"),
         idle_key_ttl=_positive(get("idle_key_ttl"), "keyed_idle_key_ttl"),
         group_arrival_timeout=_positive(get("group_arrival_timeout"), "keyed_group_arrival_timeout"),
+        reserve_timeout=_positive(get("reserve_timeout"), "keyed_reserve_timeout"),
         register_groups=bool(get("register_groups")),
         local_handoff=bool(get("local_handoff")),
         probe_interval=_positive(get("probe_interval"), "keyed_probe_interval"),

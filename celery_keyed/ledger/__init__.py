@@ -37,7 +37,7 @@ from celery_keyed.ledger.keyspec import key_name, normalize_key
 from celery_keyed.ledger.migrations import migrate
 from celery_keyed.ledger.names import NameConfig, configure_names, parse_limits
 from celery_keyed.ledger.overrides import clear_override, set_override
-from celery_keyed.ledger.reconcile import Report, reconcile_once, sweep_once
+from celery_keyed.ledger.reconcile import DEFAULT_RESERVE_TIMEOUT, Report, reconcile_once, sweep_once
 
 __all__ = [
     "DEFAULT_DISPATCH_TIMEOUT",
@@ -237,11 +237,28 @@ class Ledger:
     def promote_key(self, key: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: promote_key(conn, key, dispatch=self.dispatch, now=now))
 
-    def sweep(self, *, now: datetime | None = None, group_arrival_timeout: float = 300.0) -> Report:
-        return sweep_once(self.engine, now=now, group_arrival_timeout=group_arrival_timeout, dispatch=self.dispatch)
+    def sweep(
+        self,
+        *,
+        now: datetime | None = None,
+        group_arrival_timeout: float = 300.0,
+        reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
+    ) -> Report:
+        return sweep_once(
+            self.engine,
+            now=now,
+            group_arrival_timeout=group_arrival_timeout,
+            dispatch=self.dispatch,
+            reserve_timeout=reserve_timeout,
+        )
 
     def reconcile(
-        self, *, now: datetime | None = None, idle: float = 3600.0, group_arrival_timeout: float = 300.0
+        self,
+        *,
+        now: datetime | None = None,
+        idle: float = 3600.0,
+        group_arrival_timeout: float = 300.0,
+        reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
     ) -> Report:
         return reconcile_once(
             self.engine,
@@ -250,6 +267,7 @@ class Ledger:
             idle=idle,
             group_arrival_timeout=group_arrival_timeout,
             dispatch=self.dispatch,
+            reserve_timeout=reserve_timeout,
         )
 
     def explain(self, task_id: str, *, now: datetime | None = None) -> Explanation:

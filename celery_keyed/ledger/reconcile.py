@@ -365,11 +365,20 @@ def reconcile_once(
     idle: float = 3600.0,
     group_arrival_timeout: float = 300.0,
     dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+    reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
 ) -> Report:
     """The periodic repair (beat task): reclaim dead leases and void unbound promotions, run the sweep,
     check counters against the claims that exist, drop idle keys. Returns a report."""
     report = reclaim_once(engine, lease=lease, now=now, dispatch=dispatch)
-    report.merge(sweep_once(engine, now=now, group_arrival_timeout=group_arrival_timeout, dispatch=dispatch))
+    report.merge(
+        sweep_once(
+            engine,
+            now=now,
+            group_arrival_timeout=group_arrival_timeout,
+            dispatch=dispatch,
+            reserve_timeout=reserve_timeout,
+        )
+    )
     report.drift += check_counters_once(engine)
     report.dropped_keys = drop_idle_keys_once(engine, idle=idle, now=now)
     return report
