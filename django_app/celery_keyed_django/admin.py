@@ -369,7 +369,7 @@ class OverrideLogAdmin(ReadOnlyAdmin):
 @admin.register(Name)
 class NameAdmin(ReadOnlyAdmin):
     list_display = ("name", "slot_limit", "override_display", "effective_display", "shards", "max_waiting",
-                    "max_wait", "overflow", "updated_at")
+                    "max_wait", "overflow", "rate", "fair", "updated_at")
     search_fields = ("name",)
     ordering = ("name",)
     list_title = "Configured names"
@@ -532,7 +532,7 @@ class KeyAdmin(ReadOnlyAdmin):
 
 @admin.register(Claim)
 class ClaimAdmin(ReadOnlyAdmin):
-    list_display = ("task_link", "attempt", "key", "shard", "group_key", "state", "fence", "holder", "held_display",
+    list_display = ("task_link", "attempt", "holds_display", "state", "fence", "holder", "held_display",
                     "lease_display")
     list_display_links = None
     list_filter = ("state",)
@@ -553,6 +553,18 @@ class ClaimAdmin(ReadOnlyAdmin):
     @admin.display(description="Task", ordering="task_id")
     def task_link(self, obj: Claim) -> str:
         return explain_link(obj.task_id)
+
+    @admin.display(description="Holds", ordering="key")
+    def holds_display(self, obj: Claim) -> str:
+        """The slot this claim holds: key and shard, further keys, its group."""
+        parts = []
+        if obj.key is not None:
+            parts.append(obj.key if not obj.shard else f"{obj.key} (shard {obj.shard})")
+        parts += obj.extra_keys or []
+        if obj.group_key is not None:
+            parts.append(f"group {obj.group_key}")
+        cost = f" ({obj.cost} slots of each)" if obj.cost and obj.cost > 1 else ""
+        return ", ".join(parts) + cost if parts else "—"
 
     @admin.display(description="Held for", ordering="claimed_at")
     def held_display(self, obj: Claim) -> str:

@@ -49,6 +49,9 @@ class Name(models.Model):
     overflow = models.TextField()
     updated_at = models.DateTimeField()
     uncertain_hold = models.FloatField(null=True, blank=True)
+    rate = models.FloatField(null=True, blank=True, help_text="tasks per second per key (token bucket)")
+    burst = models.FloatField(null=True, blank=True)
+    fair = models.BooleanField(help_text="waiters share a key's slots round-robin by their fair key")
 
     class Meta:
         managed = False
@@ -127,6 +130,8 @@ class Key(models.Model):
     name = models.TextField()
     waiting = models.IntegerField()
     active_at = models.DateTimeField("last active")
+    tokens = models.FloatField(null=True)
+    tokens_at = models.DateTimeField(null=True)
 
     class Meta:
         managed = False
@@ -202,6 +207,7 @@ class Claim(models.Model):
     extra_keys = ArrayField(models.TextField(), null=True)
     extra_shards = ArrayField(models.IntegerField(), null=True)
     held_outcome = models.TextField(null=True)
+    fair_key = models.TextField(null=True)
 
     class Meta:
         managed = False
@@ -239,6 +245,7 @@ class Waiting(models.Model):
     reserved_keys = ArrayField(models.TextField(), null=True)
     reserved_shards = ArrayField(models.IntegerField(), null=True)
     reserved_at = models.DateTimeField(null=True)
+    fair_key = models.TextField(null=True)
 
     class Meta:
         managed = False

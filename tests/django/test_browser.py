@@ -75,6 +75,7 @@ def test_pause_and_resume_a_name_from_the_admin(
     browser: Any, live_server: Any, cluster: Cluster, settings: Any
 ) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     from tests.acceptance.proj import make_app
 
@@ -117,6 +118,20 @@ def test_pause_and_resume_a_name_from_the_admin(
         browser.get(f"{live_server.url}/admin/celery_keyed_django/waiting/")
         shoot(browser, "waiting")
 
+        # A running claim, and the force-release confirmation (declined): the worker's claim stays.
+        long = producer.hold.delay("other:2", 3, note="long")
+        cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'long'", 1, timeout=30)
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/claim/")
+        shoot(browser, "claims")
+        browser.find_element(By.CSS_SELECTOR, "input.action-select").click()
+        Select(browser.find_element(By.NAME, "action")).select_by_value("force_release_action")
+        browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+        browser.find_element(By.CSS_SELECTOR, "input[value='Yes, force release']")  # waits for the page
+        assert "held by a live worker" in browser.find_element(By.CSS_SELECTOR, "p.errornote").text
+        shoot(browser, "force_release_confirm")
+        browser.find_element(By.LINK_TEXT, "No, take me back").click()
+        assert cluster.scalar("SELECT count(*) FROM keyed_claims WHERE task_id = :t", t=long.id) == 1
+
         # Clear the pause: the waiting tasks run.
         browser.get(f"{live_server.url}/admin/celery_keyed_django/override/")
         browser.find_element(By.LINK_TEXT, "Clear…").click()
@@ -126,6 +141,7 @@ def test_pause_and_resume_a_name_from_the_admin(
         assert "cleared" in browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text.lower()
         cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'paused'", 3, timeout=30)
         assert {r.get(timeout=10) for r in paused} == {"paused"}
+        assert long.get(timeout=10) == "long"
 
         browser.get(f"{live_server.url}/admin/celery_keyed_django/override/add/?name=acct")
         browser.get(f"{live_server.url}/admin/celery_keyed_django/overridelog/")
