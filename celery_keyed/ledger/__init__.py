@@ -188,10 +188,10 @@ class Ledger:
             return self.transaction(in_transaction)
         report, rest = fast
         if rest is not None:
-            key, shard, has_shadow = rest
+            waited, key, has_shadow = rest
             report.promotions += self.transaction(
                 lambda conn: admission.after_release_autocommit(
-                    conn, token, key, shard, has_shadow, outcome, dispatch=self.dispatch, local=local, now=now
+                    conn, token, waited, key, has_shadow, outcome, dispatch=self.dispatch, local=local, now=now
                 )
             )
         return report

@@ -439,17 +439,18 @@ def bind(
 
 
 # release_fast: the release of a claim without a group, in one statement: delete the claim (only the owner
-# of this exact fence gets the row: release exactly once), record the outcome in the books, give the slot
-# back to the shard it came from. ``b`` is joined before the slot row is updated so the task row is locked
-# first (lock order). Whether anyone waits is NOT read here: this statement's snapshot predates the wait for
-# the slot row's lock; the caller reads it in a later statement (D2).
+# of this exact fence gets the row: release exactly once), record the outcome in the books, give every slot it
+# held back to the shard it came from (its first key and any extra keys, ``cost`` each). ``b`` is joined
+# before the slot rows are locked so the task row is locked first, and the slot rows are locked in (key,
+# shard) order (lock order). Whether anyone waits is NOT read here: this statement's snapshot predates the wait
+# for the slot rows' locks; the caller reads it in a later statement (D2).
 RELEASE_FAST = sa.text(
     f"""
     WITH c AS (
         DELETE FROM keyed_claims
          WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
-           AND group_key IS NULL AND extra_keys IS NULL
-        RETURNING task_id, attempt, key, shard, fence, cost
+           AND group_key IS NULL
+        RETURNING task_id, attempt, key, shard, fence, cost, extra_keys, extra_shards
     ), b AS (
         UPDATE keyed_tasks t
            SET outcome = COALESCE(t.outcome, CAST(:final AS text)),
@@ -460,15 +461,27 @@ RELEASE_FAST = sa.text(
           FROM c
          WHERE t.task_id = c.task_id AND :over AND (CAST(:final AS text) IS NULL OR t.outcome IS NULL)
         RETURNING t.task_id, CAST(:final AS text) IS NOT NULL AS recorded
+    ), held AS (
+        SELECT c.key, c.shard, c.cost FROM c WHERE c.key IS NOT NULL
+        UNION ALL
+        SELECT x.key, x.shard, c.cost FROM c, unnest(c.extra_keys, c.extra_shards) AS x(key, shard)
+    ), lk AS MATERIALIZED (
+        SELECT sl.key, sl.shard, h.cost FROM keyed_slots sl
+          JOIN held h ON h.key = sl.key AND h.shard = sl.shard
+          LEFT JOIN b ON true
+         ORDER BY sl.key, sl.shard
+           FOR UPDATE OF sl
     ), s AS (
-        UPDATE keyed_slots sl SET used = sl.used - c.cost
-          FROM c LEFT JOIN b ON b.task_id = c.task_id
-         WHERE sl.key = c.key AND sl.shard = c.shard
-        RETURNING sl.used < keyed_shard_share(keyed_effective_limit(sl.name, {NOW}), keyed_name_shards(sl.name),
+        UPDATE keyed_slots sl SET used = sl.used - lk.cost
+          FROM lk
+         WHERE sl.key = lk.key AND sl.shard = lk.shard
+        RETURNING sl.key, sl.shard,
+                  sl.used < keyed_shard_share(keyed_effective_limit(sl.name, {NOW}), keyed_name_shards(sl.name),
                                               sl.shard) AS has_room
     )
     SELECT c.task_id, c.attempt, c.key, c.shard, c.fence,
-           COALESCE((SELECT has_room FROM s), false) AS has_room,
+           ARRAY(SELECT s.key FROM s WHERE s.has_room ORDER BY s.key, s.shard) AS room_keys,
+           ARRAY(SELECT s.shard FROM s WHERE s.has_room ORDER BY s.key, s.shard) AS room_shards,
            COALESCE((SELECT recorded FROM b), false) AS recorded,
            EXISTS (SELECT 1 FROM keyed_waiting w
                     WHERE w.task_id = c.task_id AND w.attempt = c.attempt AND w.shadow) AS has_shadow
@@ -526,10 +539,22 @@ def release(
     report = ReleaseReport(released=True, finished=[(token.task_id, final)] if row.recorded and final else [])
     if row.has_shadow:
         _shadows_follow(conn, token, row.key, outcome, now=now)
-    if row.has_room and conn.execute(KEYS_WAITING, {"key": row.key}).scalar():
-        keys.keys_lock(conn, row.key, key_name(row.key), now=now)
-        report.promotions += _promote_waiters(conn, row.key, [row.shard], dispatch=dispatch, local=local, now=now)
+    waited = _rooms_with_waiters(conn, row)
+    for key in sorted({k for k, _ in waited}):
+        keys.keys_lock(conn, key, key_name(key), now=now)
+    for key, shard in waited:
+        report.promotions += _promote_waiters(conn, key, [shard], dispatch=dispatch, local=local, now=now)
     return report
+
+
+def _rooms_with_waiters(conn: sa.Connection, row: Any) -> list[tuple[str, int]]:
+    """The (key, shard) rows a fast release gave room on whose key has parked attempts (read after the slot
+    rows' locks were taken: a new snapshot, D2), in lock order."""
+    return [
+        (key, shard)
+        for key, shard in zip(row.room_keys, row.room_shards, strict=True)
+        if conn.execute(KEYS_WAITING, {"key": key}).scalar()
+    ]
 
 
 def _hold_uncertain(
@@ -568,15 +593,15 @@ def release_autocommit(
     if row is None:
         return None
     report = ReleaseReport(released=True, finished=[(token.task_id, final)] if row.recorded and final else [])
-    waiters = bool(row.has_room and conn.execute(KEYS_WAITING, {"key": row.key}).scalar())
-    return report, ((row.key, row.shard, bool(row.has_shadow)) if waiters or row.has_shadow else None)
+    waited = _rooms_with_waiters(conn, row)
+    return report, ((waited, row.key, bool(row.has_shadow)) if waited or row.has_shadow else None)
 
 
 def after_release_autocommit(
     conn: sa.Connection,
     token: Token,
-    key: str,
-    shard: int,
+    waited: list[tuple[str, int]],
+    key: str | None,
     has_shadow: bool,
     outcome: Outcome,
     *,
@@ -584,17 +609,23 @@ def after_release_autocommit(
     local: LocalHandoff | None = None,
     now: Any = None,
 ) -> list[Promotion]:
-    """The rest of an autocommitted release, in a transaction: shadows follow their attempt, and the slot it
-    gave back goes to the key's next waiter (one release, one promotion: a releaser that found several free
-    slots would otherwise start several attempts at once). Locks the shard row, then the key row (lock order)."""
-    name = key_name(key)
-    use = conn.execute(slots.SLOTS_LOCK_ONE, {"key": key, "shard": shard, "name": name, "now": now}).first()
-    keys.keys_lock(conn, key, name, now=now)
+    """The rest of an autocommitted release, in a transaction: shadows follow their attempt (``key``: its first
+    key), and each slot it gave back on a key with waiters (``waited``) goes to that key's next waiter (one
+    release, one promotion per slot: a releaser that found several free slots would otherwise start several
+    attempts at once). Locks the shard rows, then the key rows (lock order)."""
+    uses = {
+        (k, sh): conn.execute(slots.SLOTS_LOCK_ONE, {"key": k, "shard": sh, "name": key_name(k), "now": now}).first()
+        for k, sh in sorted(waited)
+    }
+    for k in sorted({k for k, _ in waited} | ({key} if has_shadow and key is not None else set())):
+        keys.keys_lock(conn, k, key_name(k), now=now)
     if has_shadow:
         _shadows_follow(conn, token, key, outcome, now=now)
-    if use is None or use.used >= use.share:
-        return []
-    return _promote_waiters(conn, key, [shard], dispatch=dispatch, local=local, now=now)
+    promotions: list[Promotion] = []
+    for (k, sh), use in uses.items():
+        if use is not None and use.used < use.share:
+            promotions += _promote_waiters(conn, k, [sh], dispatch=dispatch, local=local, now=now)
+    return promotions
 
 
 def _shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any) -> None:

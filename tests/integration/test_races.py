@@ -229,8 +229,8 @@ def test_a_newcomer_never_takes_a_freed_slot_ahead_of_the_line(engine: sa.Engine
     assert ledger.admit(Arrival("c", key="k:1")).verdict is Verdict.PARKED  # fast path refuses
     with engine.begin() as conn:  # the slow path too
         assert admission.admit(conn, Arrival("d", key="k:1"), holder=HOLDER, lease=LEASE).verdict is Verdict.PARKED
-    key, shard, has_shadow = rest
+    waited, key, has_shadow = rest
     promoted = ledger.transaction(
-        lambda conn: admission.after_release_autocommit(conn, Token("a", 0), key, shard, has_shadow, Outcome.COMPLETED)
+        lambda conn: admission.after_release_autocommit(conn, Token("a", 0), waited, key, has_shadow, Outcome.COMPLETED)
     )
     assert [p.task_id for p in promoted] == ["b"]
