@@ -2,9 +2,12 @@
 heartbeat (D7), the due-time sweeper (D2) and the circuit breaker (D9). One ``GateService`` per worker
 process, owned by the ``KeyedGate`` consumer bootstep (bootstep.py).
 
-Threads: admission and release run on the consumer's loop thread (one short transaction each, bounded by
-``keyed_statement_timeout``); the heartbeat and the sweeper run on threads of their own with their own
-connections, so a busy or blocked loop (``--pool=solo``) never lets a lease lapse.
+Threads: admission runs on the consumer's loop thread (one short transaction, bounded by
+``keyed_statement_timeout``); releases are handed to a releaser thread, so a release's commit (and the
+promotion it makes) never holds up the loop; the heartbeat and the sweeper run on threads of their own, so a
+busy or blocked loop (``--pool=solo``) never lets a lease lapse. Each thread takes its connections from the
+ledger's pool. Promotions found off the loop that this worker runs itself go back to the loop (``_to_loop``)
+and wake it through a pipe its hub reads.
 """
 
 from __future__ import annotations
@@ -85,6 +88,23 @@ class _Running:
     claimed_at: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Release:
+    """A release handed by the consumer loop to the releaser thread (everything read on the loop)."""
+
+    token: Token
+    fence: int
+    outcome: Outcome
+    key: str | None
+    name: str
+    contended: bool
+    local_queues: list[str] | None
+    local_tasks: list[str] | None
+    uncertain: bool
+    hold: Any
+    released_at: float
+
+
 class GateService:
     """The gate of one worker process."""
 
@@ -114,6 +134,10 @@ class GateService:
         self._last_reclaim = 0.0
         self._last_renewal = time.monotonic()
         self._stop = threading.Event()
+        self._releases: deque[_Release] = deque()  # for the releaser thread
+        self._release_ready = threading.Event()
+        self._release_lock = threading.Lock()
+        self._releaser_accepting = False  # a releaser thread runs and takes new releases
         self._threads: list[threading.Thread] = []
         self._timers: list[Any] = []
 
@@ -131,10 +155,16 @@ class GateService:
             self._open_breaker(exc)
         self._last_renewal = time.monotonic()
         self._stop.clear()
-        for target, name in ((self._heartbeat_loop, "keyed-heartbeat"), (self._sweep_loop, "keyed-sweeper")):
+        for target, name in (
+            (self._heartbeat_loop, "keyed-heartbeat"),
+            (self._sweep_loop, "keyed-sweeper"),
+            (self._release_loop, "keyed-releaser"),
+        ):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        with self._release_lock:
+            self._releaser_accepting = True
         timer = getattr(self.consumer, "timer", None)
         hub = getattr(self.consumer, "hub", None)
         if hub is not None:
@@ -146,8 +176,12 @@ class GateService:
 
     def stop(self) -> None:
         """Stop the threads. Running attempts keep their claims (their outcome hooks release them); safe to
-        call twice (it runs from signal handlers)."""
+        call twice (it runs from signal handlers). The releaser finishes the releases handed to it; later ones
+        run in the caller's thread."""
+        with self._release_lock:
+            self._releaser_accepting = False
         self._stop.set()
+        self._release_ready.set()
         for entry in self._timers:
             with contextlib.suppress(Exception):
                 entry.cancel()
@@ -336,11 +370,17 @@ class GateService:
         with contextlib.suppress(sa.exc.SQLAlchemyError):
             self.ledger.transaction(lambda conn: books_mark_notified(conn, [request.id]))
 
-    # -- release (consumer loop thread) ----------------------------------------------------------------
+    # -- release (consumer loop thread, then the releaser thread) ---------------------------------------
 
     def release(self, request: Any, outcome: Outcome, *, uncertain: bool = False) -> None:
         """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice).
-        ``uncertain``: a hard time limit or a lost worker ended it; an uncertain hold may keep its slots."""
+        ``uncertain``: a hard time limit or a lost worker ended it; an uncertain hold may keep its slots.
+
+        The loop only forgets the claim and hands the release to the releaser thread, which runs the ledger's
+        transaction on a connection of its own (DESIGN §5: a release need not block the consumer loop; a late
+        release only keeps the bound stricter for a moment). Its promotions to run here come back to the loop
+        (``_to_loop``, with a wakeup) already bound to this worker (D4). Without a running releaser (not
+        started, or stopped at shutdown) the release runs in the caller's thread."""
         claim = request.keyed_claim
         if claim is None:
             return
@@ -351,29 +391,67 @@ class GateService:
         key = getattr(request, "keyed_arrival_key", None)
         contended = key is not None and time.monotonic() - self._contended.get(key, -1e9) < _CONTENDED_FOR
         local_queues, local_tasks = self._local_handoff()
-        released_at = metrics.clock()
+        job = _Release(
+            token=token,
+            fence=fence,
+            outcome=outcome,
+            key=key,
+            name=request.name,
+            contended=contended,
+            local_queues=local_queues,
+            local_tasks=local_tasks,
+            uncertain=uncertain,
+            hold=getattr(request.task, "uncertain_hold", None) if uncertain else None,
+            released_at=metrics.clock(),
+        )
+        with self._release_lock:
+            if self._releaser_accepting:
+                self._releases.append(job)
+                self._release_ready.set()
+                return
+        self._release_now(job, local=True)
+
+    def _release_loop(self) -> None:
+        """The releaser thread: runs the releases the loop hands it, in order; on stop, the ones already
+        handed over (``stop`` closes the hand-over first, so none is left behind)."""
+        while True:
+            self._release_ready.wait()
+            self._release_ready.clear()
+            stopping = self._stop.is_set()
+            while self._releases:
+                job = self._releases.popleft()
+                try:
+                    self._release_now(job, local=False)
+                except Exception:
+                    logger.exception(
+                        "celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt
+                    )
+            if stopping:
+                return
+
+    def _release_now(self, job: _Release, *, local: bool) -> None:
         try:
             report = self.ledger.release(
-                token,
-                fence,
-                outcome,
-                contended=contended,
-                local_queues=local_queues,
-                local_tasks=local_tasks,
-                uncertain=uncertain,
-                hold=getattr(request.task, "uncertain_hold", None) if uncertain else None,
+                job.token,
+                job.fence,
+                job.outcome,
+                contended=job.contended,
+                local_queues=job.local_queues,
+                local_tasks=job.local_tasks,
+                uncertain=job.uncertain,
+                hold=job.hold,
             )
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
-            self._pending_releases.append((token, fence, outcome))  # a slot held longer is safe (D9)
+            self._pending_releases.append((job.token, job.fence, job.outcome))  # a slot held longer is safe (D9)
             return
-        if report.promotions and key is not None:
-            self._contended[key] = time.monotonic()
+        if report.promotions and job.key is not None:
+            self._contended[job.key] = time.monotonic()
         for task_id, final in report.finished:
             if final == "dead_lettered":
-                logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", request.name, task_id)
-        metrics.promoted(report.promotions, released_at)
-        self.dispatch(report.promotions, local=True)
+                logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", job.name, task_id)
+        metrics.promoted(report.promotions, job.released_at)
+        self.dispatch(report.promotions, local=local)
 
     def _flush_pending_releases(self) -> None:
         """Retry the releases that failed while the ledger was unreachable (heartbeat thread)."""
