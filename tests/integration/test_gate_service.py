@@ -56,3 +56,78 @@ def test_a_reclaimed_slot_is_noticed_and_no_longer_tracked(gate: GateService, en
     gate.heartbeat_once()
     assert request.keyed_claim is None
     assert Token("lost", 0) not in gate._running
+
+
+def test_a_release_on_the_releaser_thread_hands_its_local_promotion_to_the_woken_loop(database_url: str) -> None:
+    """The releaser thread commits the release; the promotion bound to this worker (D4) is started on the
+    consumer loop (a real kombu hub, run by a thread of this test), woken at once through the pipe: the only
+    timer that would also drain it is 60 s away."""
+    import base64
+    import threading
+
+    from kombu.asynchronous import Hub
+
+    from celery_keyed.ledger import Outcome, Verdict
+
+    app = Celery("gate-test", broker="memory://", set_as_current=False)
+    app.conf.update(keyed_database_url=database_url, keyed_lease=2.0, keyed_probe_interval=60.0)
+    hub = Hub()
+    started = threading.Event()
+    seen: dict[str, object] = {}
+
+    def strategy(message, body, ack, reject, callbacks) -> None:  # stands in for Celery's task strategy
+        seen.update(thread=threading.get_ident(), task_id=message.headers["id"])
+        started.set()
+
+    queue = SimpleNamespace(name="celery", routing_key="celery")
+    consumer = SimpleNamespace(
+        hostname="gate-test",
+        timer=hub.timer,
+        hub=hub,
+        strategies={"t": strategy},
+        pool=None,
+        task_consumer=SimpleNamespace(queues=[queue]),
+    )
+    gate = GateService(app, consumer, read_settings(app.conf))
+
+    def record(task_id: str) -> dict[str, object]:
+        return {
+            "task": "t",
+            "body": base64.b64encode(b"[[], {}, {}]").decode("ascii"),
+            "content_type": "application/json",
+            "content_encoding": "utf-8",
+            "headers": {"id": task_id, "task": "t"},
+            "properties": {},
+            "exchange": "",
+            "routing_key": "celery",
+        }
+
+    first = gate.ledger.admit(Arrival("first", key="k:1", task_name="t", queue="celery", message=record("first")))
+    parked = gate.ledger.admit(Arrival("next", key="k:1", task_name="t", queue="celery", message=record("next")))
+    assert first.verdict is Verdict.ADMITTED and parked.verdict is Verdict.PARKED
+
+    stop = threading.Event()
+
+    def run_loop() -> None:
+        loop = hub.create_loop()
+        while not stop.is_set():
+            next(loop)
+
+    gate.start()
+    loop_thread = threading.Thread(target=run_loop, daemon=True)
+    loop_thread.start()
+    try:
+        request = SimpleNamespace(name="t", keyed_claim=(Token("first", 0), first.fence), keyed_arrival_key="k:1")
+        gate.release(request, Outcome.COMPLETED)
+        assert started.wait(10), "the promotion did not reach the loop"
+        assert seen == {"thread": loop_thread.ident, "task_id": "next"}
+        assert Token("next", 0) in gate._prebound  # bound to this worker in the promotion's transaction
+        with gate.engine.connect() as conn:
+            claims = conn.execute(sa.text("SELECT task_id, holder FROM keyed_claims")).all()
+        assert [(c.task_id, c.holder) for c in claims] == [("next", gate.ledger.holder)]
+    finally:
+        stop.set()
+        gate._wake_loop()
+        loop_thread.join(timeout=5)
+        gate.shutdown()
+        hub.close()
