@@ -39,10 +39,12 @@ bench: venv
 bench-gate: venv
 	$(VPY) -m bench.gate $(if $(QUICK),--quick)
 
-# Two real workers on a throwaway Postgres + Redis: the eight-arrival fixture and a multi-account workload,
-# then the timeline, the books and a verdict (exit 0 = every expectation held). DEMO_ARGS="--unit 0.25 --quiet".
+# The example project (Django + Celery) on a throwaway Postgres + Redis: Django migrate, two real workers and beat,
+# the eight-arrival fixture and a mixed multi-tenant workload, then the timelines, the books, a verdict (exit 0 =
+# every expectation held) and demo-out/inflight.png. SERVE=1 then keeps Django admin up (login demo / demo) until
+# Ctrl-C. DEMO_ARGS="--unit 0.25 --quiet --port 8001".
 demo: venv
-	$(VPY) -m example_project.demo $(DEMO_ARGS)
+	$(VPY) -m example_project.demo $(if $(SERVE),--serve) $(DEMO_ARGS)
 
 # Throwaway PostgreSQL and Redis for manual work: prints export lines, Ctrl-C stops both.
 testbed: venv
