@@ -40,7 +40,9 @@ def test_a_cost_5_task_never_starts_while_more_than_5_of_10_are_taken(cluster: C
     for i in range(6):
         producer.hold.delay("api:x", 4 * SERVICE, note=f"light{i}")
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 6, timeout=30)
-    producer.hold.apply_async(("api:x", SERVICE), {"note": "heavy"}, concurrency_cost=5)
+    heavy = producer.hold.apply_async(("api:x", SERVICE), {"note": "heavy"}, concurrency_cost=5)
+    # FIFO is by receipt at the ledger (D10): send the light ones once the heavy one is in line
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting WHERE task_id = :id", 1, timeout=30, id=heavy.id)
     for i in range(4):
         producer.hold.delay("api:x", SERVICE, note=f"after{i}")
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 11, timeout=60)
