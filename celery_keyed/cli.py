@@ -311,12 +311,32 @@ def _names_table(names: list[NameStatus]) -> str:
             note += f": {n.override_reason}"
         elif n.paused:
             note = "PAUSED"
-        rows.append((n.name, n.limit, n.source, n.keys, n.in_flight, n.waiting, _age(n.oldest_waiting_age), note))
+        rows.append(
+            (n.name, n.limit, n.source, _rules(n), n.keys, n.in_flight, n.waiting, _age(n.oldest_waiting_age), note)
+        )
     return render_table(
-        ("NAME", "LIMIT", "SOURCE", "KEYS", "IN FLIGHT", "WAITING", "OLDEST WAIT", "OVERRIDE"),
+        ("NAME", "LIMIT", "SOURCE", "RULES", "KEYS", "IN FLIGHT", "WAITING", "OLDEST WAIT", "OVERRIDE"),
         rows,
-        right=(1, 3, 4, 5, 6),
+        right=(1, 4, 5, 6, 7),
     )
+
+
+def _rules(n: NameStatus) -> str:
+    """A name's rules besides its limit: rate (with burst), fair sharing, uncertain hold; "-" when none."""
+    rules = []
+    if n.rate is not None:
+        # the unit that shows it as a whole number, as it was most likely configured ("100/m", "6/s")
+        rate = next(
+            (f"{round(n.rate * per):g}/{unit}" for unit, per in (("s", 1), ("m", 60), ("h", 3600))
+             if abs(n.rate * per - round(n.rate * per)) < 1e-6 and round(n.rate * per) >= 1),
+            f"{n.rate:g}/s",
+        )
+        rules.append(f"rate {rate}" + (f" burst {n.burst:g}" if n.burst else ""))
+    if n.fair:
+        rules.append("fair")
+    if n.uncertain_hold:
+        rules.append(f"uncertain {n.uncertain_hold:g}s")
+    return ", ".join(rules) or "-"
 
 
 def _keys_table(keys: list[KeyStatus]) -> str:

@@ -66,7 +66,8 @@ STATUS_NAMES = sa.text(
            COALESCE(p.keys, 0) AS keys, COALESCE(p.busy_keys, 0) AS busy_keys,
            COALESCE(p.in_flight, 0) AS in_flight, COALESCE(p.waiting, 0) AS waiting,
            w.oldest AS oldest_waiting_at,
-           {_AGE} AS oldest_waiting_age
+           {_AGE} AS oldest_waiting_age,
+           c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold
       FROM names n
       LEFT JOIN keyed_names c ON c.name = n.name
       LEFT JOIN live o ON o.name = n.name
@@ -140,6 +141,10 @@ class NameStatus:
     waiting: int
     oldest_waiting_at: datetime | None
     oldest_waiting_age: float | None
+    rate: float | None = None  # starts per second per key (token bucket), if configured
+    burst: float | None = None
+    fair: bool = False  # slots shared round-robin by fair key
+    uncertain_hold: float | None = None
 
     @property
     def paused(self) -> bool:
@@ -198,6 +203,10 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             waiting=int(r["waiting"]),
             oldest_waiting_at=r["oldest_waiting_at"],
             oldest_waiting_age=_age(r["oldest_waiting_age"]),
+            rate=r["rate"],
+            burst=r["burst"],
+            fair=bool(r["fair"]),
+            uncertain_hold=r["uncertain_hold"],
         )
         for r in rows
     ]

@@ -116,7 +116,8 @@ def test_status_filters_and_row_limit(app: Celery, busy: Ledger) -> None:
 def test_status_human_table(app: Celery, busy: Ledger) -> None:
     out = run(app, "status").stdout
     lines = out.splitlines()
-    assert lines[0] == "NAME     LIMIT  SOURCE    KEYS  IN FLIGHT  WAITING  OLDEST WAIT  OVERRIDE"
+    assert lines[0].split() == ["NAME", "LIMIT", "SOURCE", "RULES", "KEYS", "IN", "FLIGHT", "WAITING", "OLDEST", "WAIT",
+                                "OVERRIDE"]
     stripe = next(line for line in lines if line.startswith("stripe"))
     assert "PAUSED by alice" in stripe and "incident 42" in stripe
     assert any(line.split()[:5] == ["api:t1", "3", "config", "3", "2"] for line in lines)
@@ -283,3 +284,20 @@ def test_the_celery_command_runs_the_plugin(database_url: str, ledger: Ledger, e
     bad = subprocess.run([*celery, "set-limit", "api", "-5", "--reason", "x"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "-5 is not in the range x>=0" in bad.stderr
+
+
+def test_status_shows_rate_fair_and_uncertain_rules(app: Celery, ledger: Ledger) -> None:
+    ledger.configure(
+        {
+            "api": NameConfig("api", limit=10, rate="100/m", burst=10, fair=True),
+            "bank": NameConfig("bank", limit=1, uncertain_hold=30.0),
+        }
+    )
+    lines = run(app, "status").stdout.splitlines()
+    api = next(line for line in lines if line.startswith("api "))
+    bank = next(line for line in lines if line.startswith("bank "))
+    assert "rate 100/m burst 10, fair" in api
+    assert "uncertain 30s" in bank
+    doc = run_json(app, "status")
+    by_name = {n["name"]: n for n in doc["names"]}
+    assert by_name["api"]["fair"] is True and abs(by_name["api"]["rate"] - 100 / 60) < 1e-9
