@@ -669,11 +669,12 @@ def _after_claim_removed(
     # A promoted attempt whose run was lost: its broker message was acked when it was parked, so it goes back in
     # line, in its old place, from the stored message (a copy the broker still holds is a duplicate, D8).
     parked = getattr(row, "parked", None) if outcome is Outcome.WORKER_LOST else None
-    to_lock = {key for key, _ in freed} | ({row.key} if row.key is not None and parked is not None else set())
+    line = None if parked is None else waiting.parked_line(parked)
+    to_lock = {key for key, _ in freed} | ({line} if line is not None else set())
     for key in sorted(to_lock):
         keys.keys_lock(conn, key, key_name(key), now=now)
-    if parked is not None and waiting.waiting_restore(conn, parked) and row.key is not None:
-        keys.keys_add_waiting(conn, row.key, force=True)
+    if parked is not None and waiting.waiting_restore(conn, parked) and line is not None:
+        keys.keys_add_waiting(conn, line, force=True)
     if row.group_key is not None and final is not None:
         groups.groups_lock(conn, row.group_key)
         groups.members_finish(conn, token.task_id)
@@ -870,8 +871,10 @@ def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, ra
         return give_up()  # the missing key's head row is busy (or not there yet): the sweep moves or starts it
     order = list(cand.keys)
     keep = {k: sh for k, sh in got.items() if order.index(k) < order.index(missing)}
-    for k, sh in taken_now:
+    for k, sh in got.items():  # taken now, or reserved before for a line it no longer stands in
         if k not in keep:
+            # A slot it had reserved frees room on a key whose line we cannot lock here (out of lock order):
+            # the sweep promotes that line (D2).
             slots.slots_give_back(conn, k, sh, cost=cost, now=now)
     conn.execute(
         waiting.WAITING_MOVE,

@@ -275,11 +275,11 @@ def reclaim_once(
                 continue
             report.voided.append(Token(row.task_id, row.attempt))
             freed = admission.give_back(conn, Holding.of(row), now=now)
-            for key in sorted({k for k, _ in freed} | ({row.key} if row.key is not None else set())):
+            line = waiting.parked_line(row.parked)  # the line it stood in (several keys: not always its first)
+            for key in sorted({k for k, _ in freed} | ({line} if line is not None else set())):
                 keys.keys_lock(conn, key, key_name(key), now=now)
-            waiting.waiting_restore(conn, row.parked)
-            if row.key is not None:
-                keys.keys_add_waiting(conn, row.key, force=True)
+            if waiting.waiting_restore(conn, row.parked) and line is not None:
+                keys.keys_add_waiting(conn, line, force=True)
             for key, shard in freed:
                 report.promotions += admission._promote_waiters(conn, key, [shard], dispatch=dispatch, now=now)
             if row.group_key is not None:

@@ -317,8 +317,16 @@ def waiting_take(conn: sa.Connection, token: Token) -> str | None:
 
 
 def waiting_restore(conn: sa.Connection, parked: Any) -> bool:
+    """Put a stored waiting row back; False when it is there already. The caller counts it in the waiting room
+    of ``parked_line(parked)`` (the line it stood in: for an attempt with several keys, not always its first)."""
     text = parked if isinstance(parked, str) else json.dumps(parked)
     return conn.execute(WAITING_RESTORE, {"parked": text}).first() is not None
+
+
+def parked_line(parked: Any) -> str | None:
+    """The key whose line a stored waiting row stood in."""
+    row = json.loads(parked) if isinstance(parked, str) else parked
+    return None if row is None else row.get("key")
 
 
 def waiting_unblock(conn: sa.Connection, group_key: str, seq: int) -> None:
