@@ -350,3 +350,22 @@ def test_celery_revoke_broadcast_of_a_parked_task_reaches_the_ledger(cluster: Cl
     assert producer.hold.delay("acct:crv", 0.1, note="then").get(timeout=30) == "then"  # no slot leaked
     assert cluster.scalar("SELECT count(*) FROM observed WHERE note = 'parked'") == 0
     assert peak_overlap(cluster.intervals("acct:crv")) == 1
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_a_task_finishing_during_warm_shutdown_releases_its_slot(cluster: Cluster, producer) -> None:
+    """Warm shutdown stops the consumer (and the gate's releaser thread) before the running task ends: its
+    release then runs in the caller's thread, so the slot is given back at once, not after the lease."""
+    import os
+    import signal
+
+    cluster.start_worker("w1", concurrency=2)
+    result = producer.hold.delay("acct:ws", 1.5, note="ws")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    proc = cluster.workers["w1"]
+    os.kill(proc.pid, signal.SIGTERM)  # the main process only: warm shutdown lets the task finish
+    proc.wait(timeout=60)
+    assert result.get(timeout=10) == "ws"
+    assert cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=result.id) == "completed"
+    assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 0
+    assert cluster.scalar("SELECT coalesce(sum(used), 0) FROM keyed_slots") == 0
