@@ -23,8 +23,8 @@ def define(app: Any, ns: Any) -> None:
         """Holds its key for the first part only: release_concurrency() lets the next task of the key start."""
         observe(ns.dsn, "start", self.request.id, key, "keyed")
         time.sleep(keyed_seconds)
+        observe(ns.dsn, "end", self.request.id, key, "keyed")  # before the slot goes: the next may start at once
         released = self.release_concurrency()
-        observe(ns.dsn, "end", self.request.id, key, "keyed")
         observe(ns.dsn, "start", self.request.id, "unkeyed-part", "unkeyed")
         time.sleep(unkeyed_seconds)
         observe(ns.dsn, "end", self.request.id, "unkeyed-part", "unkeyed")

@@ -67,6 +67,14 @@ def shoot(driver: Any, name: str) -> None:
     driver.set_window_size(1440, 900)
 
 
+def wait_for_text(driver: Any, text: str, timeout: float = 10.0) -> str:
+    """The page's source once it contains ``text`` (page_source read during a load can be partial or empty)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, timeout).until(lambda d: text in d.page_source)
+    return str(driver.page_source)
+
+
 def started(cluster: Cluster, note: str) -> int:
     return int(cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'start' AND note = :n", n=note))
 
@@ -93,7 +101,7 @@ def test_pause_and_resume_a_name_from_the_admin(
         browser.find_element(By.NAME, "username").send_keys("operator")
         browser.find_element(By.NAME, "password").send_keys("correct horse")
         browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
-        assert "Site administration" in browser.title
+        wait_for_text(browser, "Site administration")  # the click returns before the next page has loaded
         browser.get(f"{live_server.url}/admin/celery_keyed_django/override/add/")
         shoot(browser, "override_add")
         browser.find_element(By.NAME, "name").send_keys("acct")
@@ -145,13 +153,16 @@ def test_pause_and_resume_a_name_from_the_admin(
 
         browser.get(f"{live_server.url}/admin/celery_keyed_django/override/add/?name=acct")
         browser.get(f"{live_server.url}/admin/celery_keyed_django/overridelog/")
-        assert "INC-42 resolved" in browser.page_source and "operator" in browser.page_source
+        page = wait_for_text(browser, "INC-42 resolved")
+        assert "operator" in page
         shoot(browser, "audit_trail")
         browser.get(f"{live_server.url}/admin/celery_keyed_django/taskrecord/")
         shoot(browser, "outcomes")
         task_id = paused[0].id
+        # the worker books the outcome when its release runs, just after the result is stored
+        cluster.wait_for("SELECT outcome FROM keyed_tasks WHERE task_id = :t", "completed", timeout=10, t=task_id)
         browser.get(f"{live_server.url}/admin/celery_keyed_django/taskrecord/explain/?task_id={task_id}")
-        assert "Finished: completed" in browser.page_source
+        assert "Finished: completed" in browser.find_element(By.TAG_NAME, "body").text
         shoot(browser, "explain")
     finally:
         from celery_keyed.publisher import close_publisher
