@@ -248,6 +248,19 @@ class GateService:
             raise TaskRevokedError(request.id) from None
         if arrival is None:  # this call carries no key after all: Celery's own path
             return submit()
+        if request.id in worker_state.revoked:
+            # Celery's own check, made before admission: a revoked request takes no slot. (Celery would discard
+            # it right after we claimed one, leaving the claim unused until the never-started sweep.) A promotion
+            # meant for it is taken and given back as revoked, so that it does not go back in line.
+            fence = self._prebound.get(arrival.token)
+            if fence is None and not self._breaker_open:
+                with contextlib.suppress(sa.exc.OperationalError):
+                    fence = self._bind_promoted(request, arrival)
+                if fence is not None:
+                    self._prebound[arrival.token] = fence
+            self._revoked_before_start(arrival.token, arrival.key)
+            request.revoked()  # Celery's bookkeeping: ack, REVOKED result, task_revoked signal
+            raise TaskRevokedError(request.id)
         if self._breaker_open:
             self._hold(request)
             raise TaskRevokedError(request.id)
@@ -390,18 +403,36 @@ class GateService:
             self._running.pop(token, None)
         key = getattr(request, "keyed_arrival_key", None)
         contended = key is not None and time.monotonic() - self._contended.get(key, -1e9) < _CONTENDED_FOR
+        hold = getattr(request.task, "uncertain_hold", None) if uncertain else None
+        self._hand_over(
+            token, fence, outcome, key=key, name=request.name, contended=contended, uncertain=uncertain, hold=hold
+        )
+
+    def _hand_over(
+        self,
+        token: Token,
+        fence: int,
+        outcome: Outcome,
+        *,
+        key: str | None,
+        name: str,
+        contended: bool,
+        uncertain: bool = False,
+        hold: Any = None,
+    ) -> None:
+        """Give the release to the releaser thread, or run it here when none runs."""
         local_queues, local_tasks = self._local_handoff()
         job = _Release(
             token=token,
             fence=fence,
             outcome=outcome,
             key=key,
-            name=request.name,
+            name=name,
             contended=contended,
             local_queues=local_queues,
             local_tasks=local_tasks,
             uncertain=uncertain,
-            hold=getattr(request.task, "uncertain_hold", None) if uncertain else None,
+            hold=hold,
             released_at=metrics.clock(),
         )
         with self._release_lock:
@@ -597,6 +628,15 @@ class GateService:
         except Exception:
             self._prebound.pop(promotion.token, None)
             raise
+        if promotion.token in self._prebound and promotion.task_id in worker_state.revoked:
+            self._revoked_before_start(promotion.token, promotion.key)  # Celery's strategy discarded it
+
+    def _revoked_before_start(self, token: Token, key: str | None) -> None:
+        """A promotion bound to this worker (D4) whose request Celery discarded as revoked: give its slot back
+        with outcome ``revoked``."""
+        fence = self._prebound.pop(token, None)
+        if fence is not None:
+            self._hand_over(token, fence, Outcome.REVOKED, key=key, name="", contended=True)
 
     def _republish_now(self, promotion: Promotion) -> None:
         if promotion.nonce is None:

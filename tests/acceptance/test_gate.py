@@ -369,3 +369,23 @@ def test_a_task_finishing_during_warm_shutdown_releases_its_slot(cluster: Cluste
     assert cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=result.id) == "completed"
     assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 0
     assert cluster.scalar("SELECT coalesce(sum(used), 0) FROM keyed_slots") == 0
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_a_revoked_request_waiting_in_the_worker_takes_no_slot(cluster: Cluster, producer) -> None:
+    """A retry waiting for its countdown in the worker's memory is revoked with Celery's revoke: when its time
+    comes, Celery discards it, and the gate must not have claimed a slot for it first (the slot would stay
+    taken, unrenewed and unused, until the never-started sweep, blocking the key)."""
+    cluster.start_worker("w1", concurrency=2)
+    result = producer.flaky.delay("acct:rr", 0.05, 2.0)  # attempt 0 retries with a 2 s countdown
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'retry'", 1)
+    producer.app.control.revoke(result.id)
+    discarded = f"Discarding revoked task: acceptance.flaky[{result.id}]"
+    deadline = time.monotonic() + 30
+    while discarded not in cluster.logs["w1"].read_text(errors="replace"):
+        assert time.monotonic() < deadline, cluster.logs["w1"].read_text()[-3000:]
+        time.sleep(0.05)
+    assert cluster.scalar("SELECT count(*) FROM keyed_claims WHERE task_id = :id", id=result.id) == 0
+    assert cluster.scalar("SELECT coalesce(sum(used), 0) FROM keyed_slots WHERE key = 'acct:rr'") == 0
+    assert producer.hold.delay("acct:rr", 0.05, note="next").get(timeout=30) == "next"
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'start' AND key = 'acct:rr'") == 2

@@ -131,3 +131,56 @@ def test_a_release_on_the_releaser_thread_hands_its_local_promotion_to_the_woken
         loop_thread.join(timeout=5)
         gate.shutdown()
         hub.close()
+
+
+def test_a_local_promotion_celery_discards_as_revoked_gives_its_slot_back(database_url: str) -> None:
+    """A promotion bound to this worker (D4) whose task was revoked meanwhile: Celery's strategy discards it at
+    receipt (here: a strategy that drops it, as Celery's does for an id in its revoked list), so the gate gives
+    the slot back as revoked instead of leaving a bound claim nobody runs (it would lapse and go back in line)."""
+    import base64
+
+    from celery.worker import state as worker_state
+
+    from celery_keyed.ledger import Outcome, Verdict
+
+    app = Celery("gate-test", broker="memory://", set_as_current=False)
+    app.conf.update(keyed_database_url=database_url, keyed_lease=2.0)
+    queue = SimpleNamespace(name="celery", routing_key="celery")
+    consumer = SimpleNamespace(
+        hostname="gate-test",
+        timer=None,
+        strategies={"t": lambda *args: None},  # discards every message, like Celery's for a revoked id
+        pool=None,
+        task_consumer=SimpleNamespace(queues=[queue]),
+    )
+    gate = GateService(app, consumer, read_settings(app.conf))
+
+    def record(task_id: str) -> dict[str, object]:
+        body = base64.b64encode(b"[[], {}, {}]").decode("ascii")
+        return {
+            "task": "t",
+            "body": body,
+            "content_type": "application/json",
+            "content_encoding": "utf-8",
+            "headers": {"id": task_id, "task": "t"},
+            "properties": {},
+            "exchange": "",
+            "routing_key": "celery",
+        }
+
+    first = gate.ledger.admit(Arrival("first", key="k:1", task_name="t", queue="celery", message=record("first")))
+    parked = gate.ledger.admit(Arrival("gone", key="k:1", task_name="t", queue="celery", message=record("gone")))
+    assert first.verdict is Verdict.ADMITTED and parked.verdict is Verdict.PARKED
+    worker_state.revoked.add("gone")
+    try:
+        request = SimpleNamespace(name="t", keyed_claim=(Token("first", 0), first.fence), keyed_arrival_key="k:1")
+        gate.release(request, Outcome.COMPLETED)  # not started: runs here, and runs the promotion here (D4)
+        with gate.engine.connect() as conn:
+            claims = conn.execute(sa.text("SELECT count(*) FROM keyed_claims")).scalar()
+            used = conn.execute(sa.text("SELECT coalesce(sum(used), 0) FROM keyed_slots")).scalar()
+            outcome = conn.execute(sa.text("SELECT outcome FROM keyed_tasks WHERE task_id = 'gone'")).scalar()
+        assert (claims, used, outcome) == (0, 0, "revoked")
+        assert Token("gone", 0) not in gate._prebound
+    finally:
+        worker_state.revoked.discard("gone")
+        gate.shutdown()
