@@ -277,6 +277,8 @@ class GateService:
         request.keyed_arrival_key = arrival.key
         if admission is None and arrival.key is not None:  # bound a promotion: the key has a line
             self._contended[arrival.key] = time.monotonic()
+        if admission is not None and admission.promotions:  # waiters ahead of it started with the room it found
+            self.dispatch(list(admission.promotions), local=True)
         if admission is not None:
             if admission.verdict is Verdict.ADMITTED:
                 fence = admission.fence

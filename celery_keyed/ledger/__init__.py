@@ -134,7 +134,9 @@ class Ledger:
         if fast is not None:
             return fast
         return self.transaction(
-            lambda conn: admission.admit(conn, arrival, holder=self.holder, lease=self.lease, fresh=fresh, now=now)
+            lambda conn: admission.admit(
+                conn, arrival, holder=self.holder, lease=self.lease, fresh=fresh, dispatch=self.dispatch, now=now
+            )
         )
 
     def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:

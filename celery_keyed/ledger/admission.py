@@ -256,6 +256,7 @@ def admit(
     holder: str,
     lease: float,
     fresh: bool = False,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     now: Any = None,
 ) -> Admission:
     """Admit ``arrival`` (claim a slot: ADMITTED with its fence) or park it durably (PARKED), or record why it
@@ -319,14 +320,26 @@ def admit(
     # Slow path: lock everything the decision depends on, in lock order (every key's shard rows, keys sorted,
     # then their head rows), then decide. Several keys: all have room or the attempt parks (all-or-nothing).
     rooms: dict[str, int | None] = {}
+    uses: dict[str, list[slots.ShardUse]] = {}
     for k in sorted(arrival.keys):
-        uses = slots.slots_lock_all(conn, k, key_name(k), now=now)
-        rooms[k] = next((u.shard for u in uses if u.fits(arrival.cost)), None)
+        uses[k] = slots.slots_lock_all(conn, k, key_name(k), now=now)
+        rooms[k] = next((u.shard for u in uses[k] if u.fits(arrival.cost)), None)
     for k in sorted(arrival.keys):
         keys.keys_lock(conn, k, key_name(k), now=now)
+    promoted: list[Promotion] = []
     for k in sorted(arrival.keys):
         if rooms[k] is not None and conn.execute(waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}).scalar():
-            rooms[k] = None  # a free slot with a line in front of it belongs to the line's head (FIFO, D10)
+            # A free slot with a line in front of it belongs to the line's head (FIFO, D10). Such a line exists
+            # next to room only when time made a waiter eligible (its not-before time passed) and no sweep has
+            # run yet: start it now, with the locks held, rather than leave the room idle until the sweep.
+            free = [u.shard for u in uses[k] for _ in range(max(0, u.share - u.used))]
+            promoted += _promote_waiters(conn, k, free, dispatch=dispatch, now=now)
+            uses[k] = slots.slots_lock_all(conn, k, key_name(k), now=now)
+            rooms[k] = next((u.shard for u in uses[k] if u.fits(arrival.cost)), None)
+            if rooms[k] is not None and conn.execute(
+                waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}
+            ).scalar():
+                rooms[k] = None
     room = rooms.get(arrival.key) if arrival.key else None
     has_room = all(shard is not None for shard in rooms.values())
     head_ready = True
@@ -358,12 +371,12 @@ def admit(
                 holding=holding,
                 now=now,
             )
-            return Admission(Verdict.ADMITTED, fence=fence, shard=room)
+            return Admission(Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted))
 
     too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 else None
     if too_heavy is not None:
         _finish_never_ran(conn, token, "rejected", detail=too_heavy, now=now)
-        return Admission(Verdict.REJECTED, detail=too_heavy)
+        return Admission(Verdict.REJECTED, detail=too_heavy, promotions=tuple(promoted))
     # Park in the line of the first key (in the task's order) without room for it; an attempt that waits for
     # its group or its not-before time stands in its first key's line.
     line = next((k for k in arrival.keys if rooms[k] is None), arrival.key)
@@ -373,11 +386,11 @@ def admit(
         if superseded is None:
             detail = f"waiting room of {line} is full"
             _finish_never_ran(conn, token, "rejected", detail=detail, now=now)
-            return Admission(Verdict.REJECTED, detail=detail)
+            return Admission(Verdict.REJECTED, detail=detail, promotions=tuple(promoted))
     waiting.waiting_insert(
         conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, line=line, now=now
     )
-    return Admission(Verdict.PARKED, superseded=tuple(superseded or ()))
+    return Admission(Verdict.PARKED, superseded=tuple(superseded or ()), promotions=tuple(promoted))
 
 
 def _take_locked(
@@ -476,12 +489,13 @@ RELEASE_FAST = sa.text(
           FROM lk
          WHERE sl.key = lk.key AND sl.shard = lk.shard
         RETURNING sl.key, sl.shard,
-                  sl.used < keyed_shard_share(keyed_effective_limit(sl.name, {NOW}), keyed_name_shards(sl.name),
-                                              sl.shard) AS has_room
+                  GREATEST(keyed_shard_share(keyed_effective_limit(sl.name, {NOW}), keyed_name_shards(sl.name),
+                                             sl.shard) - sl.used, 0) AS free
     )
     SELECT c.task_id, c.attempt, c.key, c.shard, c.fence,
-           ARRAY(SELECT s.key FROM s WHERE s.has_room ORDER BY s.key, s.shard) AS room_keys,
-           ARRAY(SELECT s.shard FROM s WHERE s.has_room ORDER BY s.key, s.shard) AS room_shards,
+           ARRAY(SELECT s.key FROM s WHERE s.free > 0 ORDER BY s.key, s.shard) AS room_keys,
+           ARRAY(SELECT s.shard FROM s WHERE s.free > 0 ORDER BY s.key, s.shard) AS room_shards,
+           ARRAY(SELECT s.free FROM s WHERE s.free > 0 ORDER BY s.key, s.shard) AS room_free,
            COALESCE((SELECT recorded FROM b), false) AS recorded,
            EXISTS (SELECT 1 FROM keyed_waiting w
                     WHERE w.task_id = c.task_id AND w.attempt = c.attempt AND w.shadow) AS has_shadow
@@ -542,19 +556,39 @@ def release(
     waited = _rooms_with_waiters(conn, row)
     for key in sorted({k for k, _ in waited}):
         keys.keys_lock(conn, key, key_name(key), now=now)
-    for key, shard in waited:
-        report.promotions += _promote_waiters(conn, key, [shard], dispatch=dispatch, local=local, now=now)
+    report.promotions += _promote_each_key(conn, waited, dispatch=dispatch, local=local, now=now)
     return report
 
 
 def _rooms_with_waiters(conn: sa.Connection, row: Any) -> list[tuple[str, int]]:
     """The (key, shard) rows a fast release gave room on whose key has parked attempts (read after the slot
-    rows' locks were taken: a new snapshot, D2), in lock order."""
+    rows' locks were taken: a new snapshot, D2), in lock order, once per free slot."""
     return [
         (key, shard)
-        for key, shard in zip(row.room_keys, row.room_shards, strict=True)
+        for key, shard, free in zip(row.room_keys, row.room_shards, row.room_free, strict=True)
         if conn.execute(KEYS_WAITING, {"key": key}).scalar()
+        for _ in range(int(free))
     ]
+
+
+def _promote_each_key(
+    conn: sa.Connection,
+    freed: list[tuple[str, int]],
+    *,
+    dispatch: float,
+    local: LocalHandoff | None = None,
+    now: Any = None,
+) -> list[Promotion]:
+    """Promote into free slots listed as (key, shard), one entry per free slot, key by key in lock order (the
+    caller holds the rows). A slot left free earlier (a line that was not due yet) is filled too: a release
+    fills its shard, not just the slot it gave back."""
+    promotions: list[Promotion] = []
+    for key in sorted({k for k, _ in freed}):
+        shards = [sh for k, sh in freed if k == key]
+        promotions += _promote_waiters(conn, key, shards, dispatch=dispatch, local=local, now=now)
+        if promotions and local is not None:
+            local = None  # a releaser runs at most one promotion itself; the others are dispatched
+    return promotions
 
 
 def _hold_uncertain(
@@ -615,17 +649,14 @@ def after_release_autocommit(
     attempts at once). Locks the shard rows, then the key rows (lock order)."""
     uses = {
         (k, sh): conn.execute(slots.SLOTS_LOCK_ONE, {"key": k, "shard": sh, "name": key_name(k), "now": now}).first()
-        for k, sh in sorted(waited)
+        for k, sh in sorted(set(waited))
     }
     for k in sorted({k for k, _ in waited} | ({key} if has_shadow and key is not None else set())):
         keys.keys_lock(conn, k, key_name(k), now=now)
     if has_shadow:
         _shadows_follow(conn, token, key, outcome, now=now)
-    promotions: list[Promotion] = []
-    for (k, sh), use in uses.items():
-        if use is not None and use.used < use.share:
-            promotions += _promote_waiters(conn, k, [sh], dispatch=dispatch, local=local, now=now)
-    return promotions
+    free = [(k, sh) for (k, sh), use in uses.items() if use is not None for _ in range(max(0, use.share - use.used))]
+    return _promote_each_key(conn, free, dispatch=dispatch, local=local, now=now)
 
 
 def _shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any) -> None:
@@ -679,19 +710,19 @@ def _after_claim_removed(
         groups.groups_lock(conn, row.group_key)
         groups.members_finish(conn, token.task_id)
         _unblock_head(conn, row.group_key)
-    for key, shard in freed:
-        report.promotions += _promote_waiters(conn, key, [shard], dispatch=dispatch, local=local, now=now)
+    report.promotions += _promote_each_key(conn, freed, dispatch=dispatch, local=local, now=now)
     if row.group_key is not None:
         report.promotions += promote_group(conn, row.group_key, dispatch=dispatch, local=local, now=now)
     return report
 
 
 def give_back(conn: sa.Connection, holding: claims.Holding, *, now: Any = None) -> list[tuple[str, int]]:
-    """Give back every slot of a deleted claim, in lock order; the (key, shard) rows that now have room."""
+    """Give back every slot of a deleted claim, in lock order; the (key, shard) rows that now have room, once
+    per free slot."""
     return [
         (key, shard)
         for key, shard in holding.slots()
-        if slots.slots_give_back(conn, key, shard, cost=holding.cost, now=now)
+        for _ in range(slots.slots_give_back(conn, key, shard, cost=holding.cost, now=now))
     ]
 
 
@@ -716,7 +747,9 @@ def give_back_reserved(conn: sa.Connection, row: Any, *, now: Any = None) -> lis
     if not getattr(row, "reserved_keys", None):
         return []
     pairs = sorted(zip(row.reserved_keys, row.reserved_shards, strict=True))
-    return [(k, sh) for k, sh in pairs if slots.slots_give_back(conn, k, sh, cost=int(row.cost or 1), now=now)]
+    return [
+        (k, sh) for k, sh in pairs for _ in range(slots.slots_give_back(conn, k, sh, cost=int(row.cost or 1), now=now))
+    ]
 
 
 def promote_freed(
@@ -725,10 +758,7 @@ def promote_freed(
     """Give slots given back outside a release to the next waiters of their keys (head rows locked in order)."""
     for key in sorted({k for k, _ in freed}):
         keys.keys_lock(conn, key, key_name(key), now=now)
-    promotions: list[Promotion] = []
-    for key, shard in freed:
-        promotions += _promote_waiters(conn, key, [shard], dispatch=dispatch, now=now)
-    return promotions
+    return _promote_each_key(conn, freed, dispatch=dispatch, now=now)
 
 
 def _final_outcome(outcome: Outcome, *, grouped: bool) -> str | None:
@@ -806,6 +836,8 @@ def _promote_waiters(
                 )
             )
             keys.keys_remove_waiting(conn, cand.key, now=now)
+            if promoted[-1].nonce is None:
+                local = None  # the releaser runs one promotion itself; the others are dispatched (D4/D5)
             budget -= 1
             progressed = True
         if not progressed:

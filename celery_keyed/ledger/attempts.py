@@ -91,6 +91,9 @@ class Admission:
     shard: int | None = None
     detail: str = ""
     superseded: tuple[str, ...] = ()  # task ids this arrival replaced in the waiting room
+    # Attempts that were ahead of this arrival and started with the room it found (their not-before time had
+    # passed, no sweep had run yet): the caller dispatches them, like a release's promotions.
+    promotions: tuple[Promotion, ...] = ()
 
     @property
     def admitted(self) -> bool:

@@ -280,8 +280,7 @@ def reclaim_once(
                 keys.keys_lock(conn, key, key_name(key), now=now)
             if waiting.waiting_restore(conn, row.parked) and line is not None:
                 keys.keys_add_waiting(conn, line, force=True)
-            for key, shard in freed:
-                report.promotions += admission._promote_waiters(conn, key, [shard], dispatch=dispatch, now=now)
+            report.promotions += admission._promote_each_key(conn, freed, dispatch=dispatch, now=now)
             if row.group_key is not None:
                 report.promotions += admission.promote_group(conn, row.group_key, dispatch=dispatch, now=now)
     return report

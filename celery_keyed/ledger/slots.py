@@ -102,13 +102,13 @@ SLOTS_TAKE_NOWAIT = sa.text(
 )
 
 # slots_give_back: ``cost`` uses less on the shard a deleted claim came from (release credits its own shard,
-# D12). Returns whether the shard now has room for a promotion (of at least one slot).
+# D12). Returns how many slots the shard now has free (room for that many promotions).
 SLOTS_GIVE_BACK = sa.text(
     f"""
     UPDATE keyed_slots s SET used = s.used - :cost
      WHERE s.key = :key AND s.shard = :shard
-    RETURNING s.used < keyed_shard_share(keyed_effective_limit(s.name, {NOW}), keyed_name_shards(s.name), s.shard)
-              AS has_room
+    RETURNING GREATEST(keyed_shard_share(keyed_effective_limit(s.name, {NOW}), keyed_name_shards(s.name), s.shard)
+                       - s.used, 0) AS free
     """
 )
 
@@ -175,7 +175,7 @@ def slots_take_nowait(conn: sa.Connection, key: str, name: str, *, cost: int = 1
     return conn.execute(SLOTS_TAKE_NOWAIT, params).scalar_one_or_none()
 
 
-def slots_give_back(conn: sa.Connection, key: str, shard: int, *, cost: int = 1, now: Any = None) -> bool:
-    """Return ``cost`` slots to (key, shard), locking the row; True when the shard has room afterwards."""
+def slots_give_back(conn: sa.Connection, key: str, shard: int, *, cost: int = 1, now: Any = None) -> int:
+    """Return ``cost`` slots to (key, shard), locking the row; how many slots the shard has free afterwards."""
     row = conn.execute(SLOTS_GIVE_BACK, {"key": key, "shard": shard, "cost": cost, "now": now}).first()
-    return bool(row and row.has_room)
+    return 0 if row is None else int(row.free)

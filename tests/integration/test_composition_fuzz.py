@@ -83,6 +83,7 @@ class Run:
             message={"keys": list(keys), "cost": cost},
         )
         admission = self.ledger.admit(arrival, now=self.now)
+        self.promoted += admission.promotions
         if admission.verdict is Verdict.ADMITTED:
             self.running[arrival.token] = admission.fence
 

@@ -52,10 +52,11 @@ def test_multi_key_attempts_under_contention(engine: sa.Engine) -> None:
                     task_id=f"w{index}-{cycle}", key=keys[0], extra_keys=keys[1:], cost=cost, message={"k": keys}
                 )
                 admission = ledger.admit(arrival)
-                if admission.verdict is Verdict.PARKED:
-                    continue
-                assert admission.verdict is Verdict.ADMITTED, admission
-                pending = list(run(ledger, arrival.token, admission.fence, keys, cost, rng))
+                pending = list(admission.promotions)
+                if admission.verdict is Verdict.ADMITTED:
+                    pending += run(ledger, arrival.token, admission.fence, keys, cost, rng)
+                else:
+                    assert admission.verdict is Verdict.PARKED, admission
                 while pending:
                     p = pending.pop()
                     fence = ledger.bind(p.token, p.nonce)

@@ -269,12 +269,18 @@ class Model:
         return (w.token, w.key, shard)
 
     def promote_one(self, key: str, shard: int, now: datetime) -> list[tuple[Token, str, int]]:
-        """After a slot of (key, shard) came back: the next eligible waiter takes it, if the shard has room."""
+        """After a slot of (key, shard) came back: the next eligible waiters fill the shard's free slots (one may
+        have been left free while the line was not due yet)."""
         if self.used(key, shard) >= self.share_of(key, shard, now):
             return []
         self.clear_due(key, now)
-        w = self.next_eligible(key, now)
-        return [] if w is None else [self.promote(w, shard, now)]
+        out = []
+        while self.used(key, shard) < self.share_of(key, shard, now):
+            w = self.next_eligible(key, now)
+            if w is None:
+                break
+            out.append(self.promote(w, shard, now))
+        return out
 
     def promote_key(self, key: str, now: datetime) -> list[tuple[Token, str, int]]:
         """Fill every free slot of the key, shard by shard, in waiting order."""
@@ -413,6 +419,13 @@ class LedgerMachine(RuleBasedStateMachine):
             m.tasks[task.task_id] = task
             task.attempt = max(task.attempt, attempt)
             task.not_before[attempt] = not_before
+            expired = task.deadline is not None and task.deadline <= now
+            if not expired and m.room(task.key, now) and m.next_eligible(task.key, now) is not None:
+                # Room next to an eligible waiter exists only after time made it so (a not-before time passed,
+                # an override lapsed) before the sweep: the arrival starts that line first, then queues.
+                self.accept_promotions(list(result.promotions), m.promote_key(task.key, now))
+            else:
+                assert not result.promotions, result
             room = m.room(task.key, now)
             due = not_before is None or not_before <= now
             ahead = m.next_eligible(task.key, now)
@@ -919,9 +932,9 @@ def test_room_from_a_lapsed_override_goes_to_the_earliest_waiter(engine: sa.Engi
 
     later = now + timedelta(seconds=11)  # the override lapsed: K = 2, one slot free, b waiting for it
     late = ledger.admit(Arrival("c", key="acct:1"), now=later)
-    report = ledger.sweep(now=later)
     assert late.verdict is Verdict.PARKED  # was admitted ...
-    assert [p.task_id for p in report.promotions] == ["b"]  # ... and b kept waiting behind a and c
+    assert [p.task_id for p in late.promotions] == ["b"]  # ... and b kept waiting behind a and c; b now starts
+    assert ledger.sweep(now=later).promotions == []  # with the room c found, not at the next sweep
 
 
 def test_a_release_promotes_a_due_retry_before_a_later_arrival(engine: sa.Engine) -> None:
@@ -966,6 +979,6 @@ def test_an_arrival_does_not_overtake_a_due_retry(engine: sa.Engine) -> None:
 
     at = now + timedelta(seconds=5)  # b is due (no sweep yet); c arrives
     late = ledger.admit(Arrival("c", key="acct:1"), now=at)
-    report = ledger.sweep(now=at)
-    assert late.verdict is Verdict.PARKED  # the ledger admits c ...
-    assert [p.task_id for p in report.promotions] == ["b"]  # ... and b, due since t+3, waits behind c
+    assert late.verdict is Verdict.PARKED  # the ledger admitted c ...
+    assert [p.task_id for p in late.promotions] == ["b"]  # ... and b, due since t+3, waited behind c; b now
+    assert ledger.sweep(now=at).promotions == []  # starts with the room c found, not at the next sweep

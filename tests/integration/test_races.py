@@ -226,11 +226,13 @@ def test_a_newcomer_never_takes_a_freed_slot_ahead_of_the_line(engine: sa.Engine
         _report, rest = admission.release_autocommit(conn, Token("a", 0), a.fence, Outcome.COMPLETED)
     assert rest is not None  # the key has a waiter: the promotion is still to do
     assert count(engine, "SELECT used FROM keyed_slots WHERE key = 'k:1'") == 0
-    assert ledger.admit(Arrival("c", key="k:1")).verdict is Verdict.PARKED  # fast path refuses
-    with engine.begin() as conn:  # the slow path too
-        assert admission.admit(conn, Arrival("d", key="k:1"), holder=HOLDER, lease=LEASE).verdict is Verdict.PARKED
+    late = ledger.admit(Arrival("c", key="k:1"))  # the fast path refuses; the slow path parks it behind b ...
+    assert late.verdict is Verdict.PARKED and [p.task_id for p in late.promotions] == ["b"]  # ... and starts b
+    with engine.begin() as conn:  # the slow path, called directly: nothing left to start
+        slow = admission.admit(conn, Arrival("d", key="k:1"), holder=HOLDER, lease=LEASE)
+    assert slow.verdict is Verdict.PARKED and slow.promotions == ()
     waited, key, has_shadow = rest
     promoted = ledger.transaction(
         lambda conn: admission.after_release_autocommit(conn, Token("a", 0), waited, key, has_shadow, Outcome.COMPLETED)
     )
-    assert [p.task_id for p in promoted] == ["b"]
+    assert promoted == []  # b started already: one slot, one promotion

@@ -86,13 +86,14 @@ def _worker(
         for cycle in range(cycles):
             arrival = Arrival(task_id=f"p{index}-c{cycle}", attempt=0, key=KEY, message={"p": index, "c": cycle})
             admission = ledger.admit(arrival)
+            pending = list(admission.promotions)  # attempts ahead of it it started with the room it found
             if admission.verdict is Verdict.PARKED:
                 counts["parked"] += 1
-                continue
-            assert admission.verdict is Verdict.ADMITTED, admission
-            assert admission.fence is not None
-            counts["admitted"] += 1
-            pending = run(arrival.token, admission.fence)
+            else:
+                assert admission.verdict is Verdict.ADMITTED, admission
+                assert admission.fence is not None
+                counts["admitted"] += 1
+                pending += run(arrival.token, admission.fence)
             while pending:  # promotions this process was handed: bind and run them here (D4)
                 promotion = pending.pop()
                 fence = ledger.bind(promotion.token, promotion.nonce)
