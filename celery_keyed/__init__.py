@@ -59,13 +59,12 @@ def __getattr__(name: str) -> Any:
 
 
 def install(app: Any) -> None:
-    """Install the gate on ``app``: the consumer bootstep, the reconciler beat task and its schedule, and the
-    revoke handler. Call it once, where the app is defined (before workers or beat start)."""
+    """Install the gate on ``app``: the consumer bootstep (which also makes the worker's revoke command reach
+    the ledger), the reconciler beat task and its schedule. Call it once, where the app is defined (before
+    workers or beat start). A running task that is revoked is released by its request's failure hook."""
     if getattr(app, "_keyed_installed", False):
         return
     app._keyed_installed = True
-    from celery import signals
-
     from celery_keyed.beat import RECONCILE_TASK, reconcile
     from celery_keyed.bootstep import KeyedGate
 
@@ -83,15 +82,6 @@ def install(app: Any) -> None:
         _schedule(app)
     else:
         app.on_after_configure.connect(_schedule, weak=False)
-
-    @signals.task_revoked.connect(weak=False)
-    def _on_revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
-        from celery_keyed.gate import current_gate
-        from celery_keyed.ledger import Outcome
-
-        gate = current_gate()
-        if gate is not None and request is not None and getattr(request, "keyed_claim", None) is not None:
-            gate.release(request, Outcome.REVOKED)
 
 
 def _ledger(app: Any) -> Any:

@@ -1151,17 +1151,41 @@ def revoke(
     conn: sa.Connection, task_id: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
 ) -> list[Promotion]:
     """Store a revoke in the ledger (Celery's in-memory revoke list expires, D11): parked attempts leave the
-    waiting room with outcome ``revoked``; an unseen task id is recorded so its later arrival is dropped.
-    Running attempts are revoked by Celery and released by their worker with ``Outcome.REVOKED``."""
+    waiting room with outcome ``revoked``; a promotion not yet bound is taken back (its slots go to the next
+    waiters); a task between attempts (a retry in transit or waiting for its countdown in a worker) is booked
+    revoked, so the attempt is dropped when it arrives; an unseen task id is recorded likewise. Running attempts
+    are revoked by Celery and released by their worker with ``Outcome.REVOKED``. All under the task's row lock
+    (first in the lock order), which every claim, park and release of the task takes too."""
     locked = conn.execute(
-        sa.text("SELECT outcome FROM keyed_tasks WHERE task_id = :task_id FOR UPDATE"), {"task_id": task_id}
+        sa.text("SELECT outcome, finished_attempt FROM keyed_tasks WHERE task_id = :task_id FOR UPDATE"),
+        {"task_id": task_id},
     ).first()
     if locked is None:
         conn.execute(books.BOOKS_REVOKE_UNARRIVED, {"task_id": task_id, "now": now})
         return []
+    if locked.outcome is not None:
+        return []
     rows = conn.execute(waiting.WAITING_DELETE_TASK, {"task_id": task_id}).all()
     if not rows:
-        return []
+        held = conn.execute(CLAIMS_OF_TASK, {"task_id": task_id}).all()
+        unbound = conn.execute(CLAIMS_DELETE_UNBOUND_OF_TASK, {"task_id": task_id}).all()
+        if unbound:
+            promotions: list[Promotion] = []
+            for row in unbound:
+                promotions += _after_claim_removed(
+                    conn, row, Outcome.REVOKED, detail="revoked before it was picked up", dispatch=dispatch, now=now
+                ).promotions
+            return promotions
+        if held:
+            return []  # running (or its slots held after it ended): its worker releases it
+        return _finish_never_ran(
+            conn,
+            Token(task_id, int(locked.finished_attempt) + 1),
+            "revoked",
+            detail="revoked between attempts",
+            dispatch=dispatch,
+            now=now,
+        )
     freed = [fr for r in rows for fr in give_back_reserved(conn, r, now=now)]
     for r in rows:
         if r.key is not None:
@@ -1176,6 +1200,16 @@ def revoke(
         dispatch=dispatch,
         now=now,
     )
+
+
+# claims_of_task / claims_delete_unbound_of_task: a task's claims, and its promotions nobody bound yet (revoke).
+CLAIMS_OF_TASK = sa.text("SELECT attempt, state FROM keyed_claims WHERE task_id = :task_id")
+CLAIMS_DELETE_UNBOUND_OF_TASK = sa.text(
+    """
+    DELETE FROM keyed_claims WHERE task_id = :task_id AND state = 'promoted'
+    RETURNING task_id, attempt, key, shard, group_key, fence, parked, cost, extra_keys, extra_shards
+    """
+)
 
 
 def _finish_never_ran(

@@ -319,3 +319,31 @@ def test_the_sweep_settles_a_shadow_whose_claim_is_gone(ledger: Ledger, engine: 
     assert [p.task_id for p in report.promotions] == ["a"]  # a's run was lost: its copy runs
     assert scalar("SELECT count(*) FROM keyed_waiting") == 0
     assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'acct:2'") == 0  # b was over: dropped
+
+
+def test_revoke_takes_back_an_unbound_promotion(ledger: Ledger, scalar) -> None:
+    a = arrive(ledger, "a")
+    arrive(ledger, "b")
+    arrive(ledger, "c")
+    (p,) = ledger.release(Token("a", 0), a.fence, Outcome.COMPLETED).promotions
+    assert p.task_id == "b"
+    promotions = ledger.revoke("b")  # b was republished but nobody bound it yet
+    assert [q.task_id for q in promotions] == ["c"]  # its slot goes to the next waiter
+    assert ledger.bind(p.token, p.nonce) is None  # the copy in flight can no longer take it
+    assert arrive(ledger, "b").verdict is Verdict.DUPLICATE  # ... and is dropped when it arrives
+    assert ledger.books()["revoked"] == 1
+
+
+def test_revoke_between_attempts_books_the_task_revoked(ledger: Ledger) -> None:
+    a = arrive(ledger, "a")
+    assert ledger.release(Token("a", 0), a.fence, Outcome.RETRY).released  # a retry is in transit
+    assert ledger.revoke("a") == []
+    assert ledger.books()["revoked"] == 1
+    assert ledger.admit(Arrival(task_id="a", attempt=1, key="acct:1", message={})).verdict is Verdict.DUPLICATE
+
+
+def test_revoke_leaves_a_running_attempt_to_its_worker(ledger: Ledger) -> None:
+    a = arrive(ledger, "a")
+    assert ledger.revoke("a") == []
+    assert ledger.books().get("open") == 1
+    assert ledger.release(Token("a", 0), a.fence, Outcome.REVOKED).finished == [("a", "revoked")]
