@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import queue
 import re
 import shutil
 import signal
@@ -38,8 +39,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, Protocol, Self, TypedDict
+from typing import IO, Protocol, Self, TypedDict, TypeVar, cast
 from urllib.parse import urlsplit
 
 __all__ = [
@@ -141,7 +143,8 @@ def _die_with_parent(sig: signal.Signals) -> Callable[[], None] | None:
     """A ``preexec_fn`` that asks Linux to send ``sig`` to the child when the thread that forked it dies.
 
     Runs after ``Popen`` has switched user (the kernel clears the setting on credential changes, so the order
-    matters). Note it is the *thread* that matters: start servers from a thread that outlives them.
+    matters). It is the *thread* that matters, not the process: every server is therefore forked by
+    ``_spawner`` (one daemon thread that lives as long as the process), whatever thread asked for it.
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -156,6 +159,56 @@ def _die_with_parent(sig: signal.Signals) -> Callable[[], None] | None:
         prctl(pr_set_pdeathsig, signum, 0, 0, 0)
 
     return preexec
+
+
+_T = TypeVar("_T")
+
+
+class _Spawner:
+    """One long-lived daemon thread that forks every server process.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the process: a server
+    (re)started from a short-lived thread (``threading.Thread(target=pg.restart)``) would be killed as soon as
+    that thread ended. Forking from this thread instead ties the server to the process: the thread ends only
+    when the interpreter does (it is a daemon thread, so it never holds up exit), and then the signal is wanted.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def run(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` (a ``Popen``) on the spawner thread and return its result (or raise its exception)."""
+        future: Future[object] = Future()
+        with self._lock:
+            # After a fork (tests, multiprocessing) the child has no spawner thread: start its own.
+            if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
+                self._requests = queue.SimpleQueue()
+                self._thread = threading.Thread(
+                    target=self._loop, args=(self._requests,), name="testbed-spawner", daemon=True
+                )
+                self._pid = os.getpid()
+                self._thread.start()
+            if threading.current_thread() is self._thread:
+                return fn()
+            self._requests.put((fn, future))
+        return cast(_T, future.result())
+
+    @staticmethod
+    def _loop(requests: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]]) -> None:
+        while True:
+            fn, future = requests.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as error:  # handed to the caller
+                future.set_exception(error)
+
+
+_spawner = _Spawner()
 
 
 class _UserKwargs(TypedDict, total=False):
@@ -281,16 +334,21 @@ class _ManagedServer:
     def _launch(self, timeout: float = 30.0) -> None:
         if self._log is None or self._log.closed:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the server's lifetime
-        self._proc = subprocess.Popen(
-            self._command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=self.tmpdir,
-            start_new_session=True,
-            preexec_fn=_die_with_parent(self._pdeathsig),
-            env=self._env(),
-            **_as_user(self.owner),
+        log = self._log
+        command, env, owner = self._command(), self._env(), _as_user(self.owner)
+        # Forked by the spawner thread, never by the caller's: see _Spawner (the parent-death signal is per thread).
+        self._proc = _spawner.run(
+            lambda: subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.tmpdir,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(self._pdeathsig),
+                env=env,
+                **owner,
+            )
         )
         with _live_lock:
             _live.add(self)

@@ -10,6 +10,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -265,3 +268,51 @@ def test_database_url_has_the_ledger_schema(database_url: str) -> None:
         "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')",
     )
     assert rows[0][0] > 0
+
+
+# -- Restarts from a short-lived thread (issue 9 item 10) ------------------------------------------------------
+
+
+def _restart_in_thread(action: Callable[[], None]) -> None:
+    """Run ``action`` on a thread that ends right after it (as a fault injector or a test helper would)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as error:  # re-raised in the caller
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name="short-lived")
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive()
+    if errors:
+        raise errors[0]
+
+
+def test_servers_restarted_from_a_short_lived_thread_stay_up() -> None:
+    """The parent-death signal (PR_SET_PDEATHSIG) fires when the *thread* that forked a server exits: a
+    restart, resume or start from a thread that then ends must not take the server down with it."""
+    with start_postgres(use_env=False) as pg, start_redis(use_env=False) as rd:
+        postgres, redis_server = managed_postgres(pg), managed_redis(rd)
+        _restart_in_thread(postgres.restart)
+        _restart_in_thread(redis_server.restart)
+        _restart_in_thread(postgres.suspend)
+        _restart_in_thread(postgres.resume)
+        started: list[testbed.RedisTarget] = []
+        _restart_in_thread(lambda: started.append(start_redis(use_env=False)))
+        late = managed_redis(started[0])
+        try:
+            pids = (postgres.pid, redis_server.pid, late.pid)
+            time.sleep(3.0)  # the signal is immediate when the thread ends; give it ample time anyway
+            assert (postgres.pid, redis_server.pid, late.pid) == pids and None not in pids
+            assert pg_query(pg.url, "SELECT 1") == [(1,)]
+            for server in (redis_server, late):
+                client = redis.Redis.from_url(server.url)
+                try:
+                    assert client.ping()
+                finally:
+                    client.close()
+        finally:
+            late.stop()
