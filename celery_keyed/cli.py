@@ -18,6 +18,7 @@ from __future__ import annotations
 import decimal
 import getpass
 import json
+import math
 import socket
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -31,9 +32,10 @@ import click
 import sqlalchemy as sa
 
 from celery_keyed.ledger import Ledger, Promotion, Report
+from celery_keyed.ledger.bounds import INT_MAX, SECONDS_MAX, SLOT_LIMIT_MAX, STATEMENT_TIMEOUT_MAX
 from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing
 from celery_keyed.ledger.keyspec import validate_name
-from celery_keyed.ledger.migrations import applied_versions, migrate
+from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing
 from celery_keyed.ledger.overrides import override_get
 from celery_keyed.ledger.reconcile import check_counters_once, drop_idle_keys_once
 from celery_keyed.ledger.status import (
@@ -102,18 +104,32 @@ def _safe_url(url: str) -> str:
     return sa.engine.make_url(url).render_as_string(hide_password=True)
 
 
+class Seconds(click.FloatRange):
+    """A positive, finite number of seconds up to ``maximum`` (``FloatRange`` alone lets ``nan`` through)."""
+
+    name = "seconds"
+
+    def __init__(self, maximum: float = SECONDS_MAX) -> None:
+        super().__init__(min=0, min_open=True, max=maximum)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return number
+
+
 @contextmanager
-def _ledger_errors(settings: KeyedSettings) -> Iterator[None]:
+def _ledger_errors(settings: KeyedSettings, engine: sa.Engine) -> Iterator[None]:
     """Turn the ways a ledger call fails into clear messages (exit 1) instead of tracebacks."""
     try:
         yield
     except SchemaMissing as exc:
         raise click.ClickException(f"{exc} (ledger {_safe_url(settings.database_url)})") from None
     except sa.exc.ProgrammingError as exc:
-        if getattr(getattr(exc.orig, "diag", None), "sqlstate", None) == "42P01":  # undefined_table
-            raise click.ClickException(
-                f"the ledger at {_safe_url(settings.database_url)} has no schema: run `celery -A <app> keyed migrate`"
-            ) from None
+        missing = schema_missing(exc, engine)  # undefined_table: never migrated, or behind this version
+        if missing is not None:
+            raise click.ClickException(f"{missing} (ledger {_safe_url(settings.database_url)})") from None
         raise
     except sa.exc.OperationalError as exc:
         first = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
@@ -130,16 +146,16 @@ def pass_operator(command: F) -> F:
     @click.pass_context
     def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
         app = _app_of(ctx)
-        try:
-            settings = read_settings(app.conf)
-        except (InvalidConfig, InvalidKey) as exc:
-            raise click.ClickException(f"celery-keyed settings: {exc}") from None
         from celery_keyed.engine import create_ledger_engine
 
-        engine = create_ledger_engine(settings)
+        try:
+            settings = read_settings(app.conf)
+            engine = create_ledger_engine(settings)
+        except (InvalidConfig, InvalidKey) as exc:
+            raise click.ClickException(f"celery-keyed settings: {exc}") from None
         operator = Operator(app, settings, engine)
         try:
-            with _ledger_errors(settings):
+            with _ledger_errors(settings, engine):
                 return ctx.invoke(command, operator, *args, **kwargs)
         finally:
             engine.dispose()
@@ -228,7 +244,7 @@ def keyed() -> None:
 @click.option(
     "--limit",
     "limit",
-    type=click.IntRange(min=0),
+    type=click.IntRange(min=0, max=INT_MAX),
     default=20,
     show_default=True,
     metavar="N",
@@ -237,7 +253,7 @@ def keyed() -> None:
 @click.option("--all", "idle", is_flag=True, help="Also list keys with nothing in flight or waiting.")
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Seconds(STATEMENT_TIMEOUT_MAX),
     default=30.0,
     show_default=True,
     help="Seconds the queries may take.",
@@ -379,11 +395,11 @@ def explain(operator: Operator, task_id: str, as_json: bool) -> None:
 
 @keyed.command("set-limit", context_settings={"ignore_unknown_options": True})  # "-1" is a bad N, not an option
 @click.argument("name", callback=_name_argument)
-@click.argument("limit", type=click.IntRange(min=0), metavar="N")
+@click.argument("limit", type=click.IntRange(min=0, max=SLOT_LIMIT_MAX), metavar="N")
 @click.option("--reason", required=True, help="Why (required; kept in the audit trail).")
 @click.option(
     "--expires-in",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Seconds(),
     metavar="SECONDS",
     help="The override lapses by itself after this many seconds.",
 )
@@ -425,6 +441,10 @@ def set_limit(
             raise click.BadParameter(f"not an ISO 8601 time: {until!r}", param_hint="'--until'") from None
         if expires_at.tzinfo is None:
             expires_at = expires_at.replace(tzinfo=UTC)
+        try:
+            expires_at = expires_at.astimezone(UTC)
+        except OverflowError:  # past 9999-12-31 in UTC: no timestamp in Python holds it
+            raise click.BadParameter(f"{until!r} is past the year 9999 in UTC", param_hint="'--until'") from None
         if expires_at <= now:
             raise click.BadParameter(f"{until!r} is in the past", param_hint="'--until'")
     author = author if author is not None else _default_author()

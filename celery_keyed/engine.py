@@ -1,5 +1,6 @@
 """The ledger's SQLAlchemy engine for a Celery process: bounded connect and statement times, so a ledger call
-from the consumer loop can never block it for long (DESIGN §5)."""
+from the consumer loop can never block it for long (DESIGN §5). The ledger is PostgreSQL only (row locks,
+``SKIP LOCKED``, advisory locks, ``jsonb``): any other URL is a configuration error, said at once."""
 
 from __future__ import annotations
 
@@ -7,18 +8,43 @@ import math
 
 import sqlalchemy as sa
 
+from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.settings import KeyedSettings
 
 
+def ledger_url(database_url: str) -> sa.URL:
+    """The parsed ``keyed_database_url``; :class:`InvalidConfig` unless it is a PostgreSQL URL."""
+    try:
+        url = sa.engine.make_url(database_url)
+    except sa.exc.ArgumentError:
+        raise InvalidConfig(
+            "keyed_database_url is not a database URL: the ledger needs PostgreSQL, e.g. "
+            "postgresql+psycopg://user:password@host/dbname"
+        ) from None
+    if url.get_backend_name() != "postgresql":
+        raise InvalidConfig(
+            f"keyed_database_url must be a PostgreSQL URL (postgresql+psycopg://...): the ledger needs PostgreSQL,"
+            f" got a {url.get_backend_name()!r} URL ({url.render_as_string(hide_password=True)})"
+        )
+    return url
+
+
 def create_ledger_engine(settings: KeyedSettings) -> sa.Engine:
-    return sa.create_engine(
-        settings.database_url,
-        pool_size=settings.pool_size,
-        max_overflow=settings.pool_size,
-        pool_timeout=settings.connect_timeout,
-        connect_args={
-            "connect_timeout": max(1, math.ceil(settings.connect_timeout)),
-            "options": f"-c statement_timeout={int(settings.statement_timeout * 1000)}",
-            "application_name": "celery-keyed",
-        },
-    )
+    url = ledger_url(settings.database_url)
+    try:
+        return sa.create_engine(
+            url,
+            pool_size=settings.pool_size,
+            max_overflow=settings.pool_size,
+            pool_timeout=settings.connect_timeout,
+            connect_args={
+                "connect_timeout": max(1, math.ceil(settings.connect_timeout)),
+                "options": f"-c statement_timeout={max(1, round(settings.statement_timeout * 1000))}",
+                "application_name": "celery-keyed",
+            },
+        )
+    except (ImportError, sa.exc.NoSuchModuleError) as exc:
+        raise InvalidConfig(
+            f"keyed_database_url names a PostgreSQL driver that is not installed ({exc}): use "
+            "postgresql+psycopg:// (psycopg 3, installed with celery-keyed)"
+        ) from None

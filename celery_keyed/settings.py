@@ -11,8 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_keyed.ledger.bounds import INT_MAX, SECONDS_MAX, STATEMENT_TIMEOUT_MAX, check_int, check_seconds
 from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.ledger.names import NameConfig, parse_limits
+
+#: The most ledger connections a worker process may keep (``keyed_pool_size``; as many again may overflow).
+POOL_SIZE_MAX = 1000
 
 #: Defaults of every setting (name without the ``keyed_`` prefix → value).
 DEFAULTS: dict[str, Any] = {
@@ -83,13 +87,16 @@ def read_settings(conf: Any) -> KeyedSettings:
     url = str(url)
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         url = "postgresql+psycopg://" + url.split("://", 1)[1]
-    lease = _positive(get("lease"), "keyed_lease")
+    lease = _seconds(get("lease"), "keyed_lease")
     heartbeat = get("heartbeat_interval")
-    heartbeat = lease / 6 if heartbeat is None else _positive(heartbeat, "keyed_heartbeat_interval")
+    heartbeat = lease / 6 if heartbeat is None else _seconds(heartbeat, "keyed_heartbeat_interval")
     if heartbeat >= lease / 2:
         raise InvalidConfig(f"keyed_heartbeat_interval ({heartbeat}) must be well below keyed_lease ({lease})")
     margin = get("self_fence_margin")
-    margin = lease / 6 if margin is None else _positive(margin, "keyed_self_fence_margin")
+    margin = lease / 6 if margin is None else _seconds(margin, "keyed_self_fence_margin")
+    statement_timeout = _seconds(get("statement_timeout"), "keyed_statement_timeout", maximum=STATEMENT_TIMEOUT_MAX)
+    if statement_timeout < 0.001:  # Postgres counts it in whole milliseconds, and 0 would mean "no timeout"
+        raise InvalidConfig(f"keyed_statement_timeout must be at least 0.001 seconds, got {statement_timeout!r}")
     return KeyedSettings(
         database_url=url,
         limits=parse_limits(get("concurrency_limits")),
@@ -97,21 +104,22 @@ def read_settings(conf: Any) -> KeyedSettings:
         heartbeat_interval=heartbeat,
         self_fence=bool(get("self_fence")),
         self_fence_margin=margin,
-        sweep_interval=_positive(get("sweep_interval"), "keyed_sweep_interval"),
-        dispatch_timeout=_positive(get("dispatch_timeout"), "keyed_dispatch_timeout"),
-        reconcile_schedule=_positive(get("reconcile_schedule"), "keyed_reconcile_schedule"),
-        idle_key_ttl=_positive(get("idle_key_ttl"), "keyed_idle_key_ttl"),
-        group_arrival_timeout=_positive(get("group_arrival_timeout"), "keyed_group_arrival_timeout"),
-        reserve_timeout=_positive(get("reserve_timeout"), "keyed_reserve_timeout"),
+        sweep_interval=_seconds(get("sweep_interval"), "keyed_sweep_interval"),
+        dispatch_timeout=_seconds(get("dispatch_timeout"), "keyed_dispatch_timeout"),
+        reconcile_schedule=_seconds(get("reconcile_schedule"), "keyed_reconcile_schedule"),
+        idle_key_ttl=_seconds(get("idle_key_ttl"), "keyed_idle_key_ttl"),
+        group_arrival_timeout=_seconds(get("group_arrival_timeout"), "keyed_group_arrival_timeout"),
+        reserve_timeout=_seconds(get("reserve_timeout"), "keyed_reserve_timeout"),
         register_groups=bool(get("register_groups")),
         local_handoff=bool(get("local_handoff")),
-        probe_interval=_positive(get("probe_interval"), "keyed_probe_interval"),
+        probe_interval=_seconds(get("probe_interval"), "keyed_probe_interval"),
         metrics_port=_port(get("metrics_port")),
         metrics_addr=str(get("metrics_addr")),
-        metrics_timeout=_positive(get("metrics_timeout"), "keyed_metrics_timeout"),
-        connect_timeout=_positive(get("connect_timeout"), "keyed_connect_timeout"),
-        statement_timeout=_positive(get("statement_timeout"), "keyed_statement_timeout"),
-        pool_size=int(_positive(get("pool_size"), "keyed_pool_size")),
+        metrics_timeout=_seconds(get("metrics_timeout"), "keyed_metrics_timeout"),
+        # libpq reads connect_timeout as an int of seconds
+        connect_timeout=_seconds(get("connect_timeout"), "keyed_connect_timeout", maximum=INT_MAX),
+        statement_timeout=statement_timeout,
+        pool_size=_pool_size(get("pool_size")),
         queues=_queue_names(get("queues")),
     )
 
@@ -127,10 +135,16 @@ def _port(value: Any) -> int | None:
     return value
 
 
-def _positive(value: Any, setting: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidConfig(f"{setting} must be a positive number, got {value!r}")
-    return float(value)
+def _seconds(value: Any, setting: str, *, maximum: float = SECONDS_MAX) -> float:
+    """A duration setting: a finite positive number of seconds that timestamps and timers can hold."""
+    return check_seconds(value, setting, maximum=maximum)
+
+
+def _pool_size(value: Any) -> int:
+    """``keyed_pool_size``: a whole number of connections (a float with no fraction is taken as that number)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return check_int(value, "keyed_pool_size", minimum=1, maximum=POOL_SIZE_MAX)
 
 
 def _queue_names(value: Any) -> tuple[str, ...]:

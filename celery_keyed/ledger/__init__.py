@@ -29,12 +29,12 @@ from celery_keyed.ledger.admission import (
 from celery_keyed.ledger.attempts import Admission, Arrival, Outcome, Promotion, ReleaseReport, Token, Verdict
 from celery_keyed.ledger.books import books_balance
 from celery_keyed.ledger.claims import HeldClaim, claims_renew
-from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, WrongState
+from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState
 from celery_keyed.ledger.explain import Explanation, explain
 from celery_keyed.ledger.groups import groups_register
 from celery_keyed.ledger.holders import holders_register, new_holder
 from celery_keyed.ledger.keyspec import key_name, normalize_key
-from celery_keyed.ledger.migrations import migrate
+from celery_keyed.ledger.migrations import migrate, schema_required
 from celery_keyed.ledger.names import NameConfig, configure_names, parse_limits
 from celery_keyed.ledger.overrides import clear_override, set_override
 from celery_keyed.ledger.reconcile import DEFAULT_RESERVE_TIMEOUT, Report, reconcile_once, sweep_once
@@ -54,6 +54,7 @@ __all__ = [
     "Promotion",
     "ReleaseReport",
     "Report",
+    "SchemaMissing",
     "Token",
     "Verdict",
     "WrongState",
@@ -123,10 +124,14 @@ class Ledger:
         raise AssertionError("unreachable")
 
     def register_holder(self, *, now: datetime | None = None) -> None:
-        self.transaction(lambda conn: holders_register(conn, self.holder, now=now))
+        """Record this process as a holder (the worker's first ledger call at start). A database without the
+        ledger's tables raises :class:`SchemaMissing`, which says to run ``celery keyed migrate``."""
+        with schema_required(self.engine):
+            self.transaction(lambda conn: holders_register(conn, self.holder, now=now))
 
     def configure(self, limits: Mapping[str, NameConfig], *, now: datetime | None = None) -> list[Promotion]:
-        return self.transaction(lambda conn: configure_names(conn, limits, dispatch=self.dispatch, now=now))
+        with schema_required(self.engine):
+            return self.transaction(lambda conn: configure_names(conn, limits, dispatch=self.dispatch, now=now))
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         with self.autocommit.connect() as conn:
@@ -210,6 +215,14 @@ class Ledger:
         held = list(held)
         return self.transaction(lambda conn: claims_renew(conn, self.holder, held, lease=self.lease, now=now))
 
+    def confirm(self, token: Token, fence: int, *, now: datetime | None = None) -> bool:
+        """Bind a start to a claim taken earlier (D14): True when the claim of ``token`` is still this holder's,
+        running, with ``fence`` (its lease renewed); False when it lapsed or was taken back. One
+        self-committing statement."""
+        with self.autocommit.connect() as conn:
+            held = HeldClaim(token.task_id, token.attempt, fence)
+            return bool(claims_renew(conn, self.holder, [held], lease=self.lease, now=now))
+
     def revoke(self, task_id: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: revoke(conn, task_id, dispatch=self.dispatch, now=now))
 
@@ -223,18 +236,21 @@ class Ledger:
         expires_at: datetime | None = None,
         now: datetime | None = None,
     ) -> list[Promotion]:
-        return self.transaction(
-            lambda conn: set_override(
-                conn, name, limit, reason=reason, author=author, expires_at=expires_at, dispatch=self.dispatch, now=now
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: set_override(
+                    conn, name, limit, reason=reason, author=author, expires_at=expires_at, dispatch=self.dispatch,
+                    now=now,
+                )
             )
-        )
 
     def clear_override(
         self, name: str, *, reason: str = "", author: str = "", now: datetime | None = None
     ) -> list[Promotion]:
-        return self.transaction(
-            lambda conn: clear_override(conn, name, reason=reason, author=author, dispatch=self.dispatch, now=now)
-        )
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: clear_override(conn, name, reason=reason, author=author, dispatch=self.dispatch, now=now)
+            )
 
     def promote_key(self, key: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: promote_key(conn, key, dispatch=self.dispatch, now=now))
@@ -246,13 +262,14 @@ class Ledger:
         group_arrival_timeout: float = 300.0,
         reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
     ) -> Report:
-        return sweep_once(
-            self.engine,
-            now=now,
-            group_arrival_timeout=group_arrival_timeout,
-            dispatch=self.dispatch,
-            reserve_timeout=reserve_timeout,
-        )
+        with schema_required(self.engine):
+            return sweep_once(
+                self.engine,
+                now=now,
+                group_arrival_timeout=group_arrival_timeout,
+                dispatch=self.dispatch,
+                reserve_timeout=reserve_timeout,
+            )
 
     def reconcile(
         self,
@@ -262,23 +279,24 @@ class Ledger:
         group_arrival_timeout: float = 300.0,
         reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
     ) -> Report:
-        return reconcile_once(
-            self.engine,
-            lease=self.lease,
-            now=now,
-            idle=idle,
-            group_arrival_timeout=group_arrival_timeout,
-            dispatch=self.dispatch,
-            reserve_timeout=reserve_timeout,
-        )
+        with schema_required(self.engine):
+            return reconcile_once(
+                self.engine,
+                lease=self.lease,
+                now=now,
+                idle=idle,
+                group_arrival_timeout=group_arrival_timeout,
+                dispatch=self.dispatch,
+                reserve_timeout=reserve_timeout,
+            )
 
     def explain(self, task_id: str, *, now: datetime | None = None) -> Explanation:
-        with self.engine.connect() as conn:
+        with schema_required(self.engine), self.engine.connect() as conn:
             return explain(conn, task_id, now=now)
 
     def books(self) -> dict[str, int]:
-        with self.engine.connect() as conn:
+        with schema_required(self.engine), self.engine.connect() as conn:
             return books_balance(conn)
 
 
-_ = (overrides, reconcile, normalize_key, key_name, parse_limits, InvalidKey, InvalidConfig, LedgerError)
+_ = (overrides, reconcile, normalize_key, key_name, parse_limits, InvalidKey, InvalidConfig, LedgerError, SchemaMissing)

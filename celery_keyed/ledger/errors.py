@@ -20,7 +20,8 @@ class WrongState(LedgerError):
 
 
 class SchemaMissing(LedgerError):
-    """The ledger tables do not exist: run ``celery keyed migrate`` (or ``migrate(engine)``)."""
+    """The ledger's tables do not exist, or are behind this version: run ``celery keyed migrate`` (or
+    ``migrate(engine)``). Raised by ``migrations.schema_missing`` from the database's "undefined table" error."""
 
 
 #: Named CHECK constraints of the schema and the rule each states, for error messages.

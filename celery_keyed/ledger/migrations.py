@@ -7,9 +7,16 @@ that several workers (or a Django ``migrate`` and a worker) starting at once app
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 
 import sqlalchemy as sa
+
+from celery_keyed.ledger.errors import SchemaMissing
+
+#: What to run when the schema is missing or behind (the worker's and the CLI's error messages say it).
+MIGRATE_HINT = "run `celery -A <app> keyed migrate` (or `python manage.py migrate` with the Django app)"
 
 #: The table that records applied migrations.
 keyed_migrations = sa.Table(
@@ -91,3 +98,50 @@ def migrate(engine: sa.Engine) -> list[str]:
             conn.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": _MIGRATION_LOCK_ID})
             conn.commit()
     return applied
+
+
+#: SQLSTATEs of a schema that is missing or older than the code: undefined_table, undefined_column,
+#: undefined_function. A missing table always means "migrate"; a missing column or function only when migrations
+#: are pending (else it is a bug in a statement, and the database's own error says more).
+_UNDEFINED_TABLE = "42P01"
+_UNDEFINED_OBJECTS = {_UNDEFINED_TABLE, "42703", "42883"}
+
+
+def schema_missing(exc: BaseException, engine: sa.Engine) -> SchemaMissing | None:
+    """A clear :class:`SchemaMissing` for a database error raised because the ledger's schema is missing or
+    behind this version (a table, column or function it lacks), saying which; None for any other error."""
+    orig = getattr(exc, "orig", None)
+    diag = getattr(orig, "diag", None)
+    sqlstate = getattr(diag, "sqlstate", None)
+    if sqlstate not in _UNDEFINED_OBJECTS:
+        return None
+    detail = getattr(diag, "message_primary", None) or str(orig).strip().splitlines()[0]
+    try:
+        with engine.connect() as conn:
+            done = set(applied_versions(conn))
+    except sa.exc.DBAPIError:
+        done = set()
+    pending = [version for version, _ in migration_files() if version not in done]
+    if not done:
+        return SchemaMissing(f"the ledger has no schema: {MIGRATE_HINT} ({detail})")
+    if pending:
+        return SchemaMissing(
+            f"the ledger's schema is behind this version of celery-keyed (pending: {', '.join(pending)}):"
+            f" {MIGRATE_HINT} ({detail})"
+        )
+    if sqlstate == _UNDEFINED_TABLE:
+        return SchemaMissing(f"the ledger's schema is incomplete ({detail}): {MIGRATE_HINT}")
+    return None
+
+
+@contextmanager
+def schema_required(engine: sa.Engine) -> Iterator[None]:
+    """Turn "relation keyed_... does not exist" inside the block into :class:`SchemaMissing` (see
+    ``schema_missing``); every other error passes unchanged."""
+    try:
+        yield
+    except sa.exc.ProgrammingError as exc:
+        missing = schema_missing(exc, engine)
+        if missing is None:
+            raise
+        raise missing from exc

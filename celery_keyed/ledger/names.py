@@ -14,6 +14,17 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 
+from celery_keyed.ledger.bounds import (
+    BURST_MAX,
+    MAX_WAITING_MAX,
+    RATE_MAX,
+    RATE_MIN,
+    SHARDS_MAX,
+    SLOT_LIMIT_MAX,
+    check_int,
+    check_number,
+    check_seconds,
+)
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.ledger.keyspec import validate_name
@@ -46,33 +57,27 @@ class NameConfig:
     fair: bool = False
 
     def __post_init__(self) -> None:
+        # Every number is checked against what its column and the clock can hold (ledger/bounds.py), so a value
+        # out of range fails here, at configuration time, naming the name and the option.
         validate_name(self.name)
-        _check_int(self.name, "limit", self.limit, minimum=0)
-        _check_int(self.name, "shards", self.shards, minimum=1, maximum=1024)
+        check_int(self.limit, f"{self.name}: limit", maximum=SLOT_LIMIT_MAX)
+        check_int(self.shards, f"{self.name}: shards", minimum=1, maximum=SHARDS_MAX)
         if self.max_waiting is not None:
-            _check_int(self.name, "max_waiting", self.max_waiting, minimum=0)
-        if self.max_wait is not None and (
-            isinstance(self.max_wait, bool)
-            or not isinstance(self.max_wait, int | float)
-            or not math.isfinite(self.max_wait)
-            or self.max_wait <= 0
-        ):
-            raise InvalidConfig(f"{self.name}: max_wait must be a positive number of seconds, got {self.max_wait!r}")
+            check_int(self.max_waiting, f"{self.name}: max_waiting", maximum=MAX_WAITING_MAX)
+        for option in ("max_wait", "uncertain_hold"):
+            if getattr(self, option) is not None:
+                check_seconds(getattr(self, option), f"{self.name}: {option}")
         if isinstance(self.rate, str):
             object.__setattr__(self, "rate", parse_rate(self.name, self.rate))
+        if self.rate is not None:
+            check_number(self.rate, f"{self.name}: rate", minimum=RATE_MIN, maximum=RATE_MAX,
+                         unit="a number of starts per second (or like '100/m')")
         if self.burst is not None and self.rate is None:
             raise InvalidConfig(f"{self.name}: burst needs a rate")
-        if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int | float)
-                                       or not math.isfinite(self.burst) or self.burst < 1):
-            raise InvalidConfig(f"{self.name}: burst must be a number of tokens, at least 1, got {self.burst!r}")
+        if self.burst is not None:
+            check_number(self.burst, f"{self.name}: burst", minimum=1, maximum=BURST_MAX, unit="a number of tokens")
         if not isinstance(self.fair, bool):
             raise InvalidConfig(f"{self.name}: fair must be True or False, got {self.fair!r}")
-        for option in ("max_wait", "uncertain_hold", "rate"):
-            value = getattr(self, option)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0
-            ):
-                raise InvalidConfig(f"{self.name}: {option} must be a positive number of seconds, got {value!r}")
         if self.overflow not in ("reject", "supersede"):
             raise InvalidConfig(f"{self.name}: overflow must be 'reject' or 'supersede', got {self.overflow!r}")
 
@@ -111,14 +116,6 @@ def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
     if not isinstance(setting, Mapping):
         raise InvalidConfig(f"keyed_concurrency_limits must be a dict by name, got {type(setting).__name__}")
     return {name: NameConfig.from_setting(validate_name(name), value) for name, value in setting.items()}
-
-
-def _check_int(name: str, option: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidConfig(f"{name}: {option} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        upper = f" and at most {maximum}" if maximum is not None else ""
-        raise InvalidConfig(f"{name}: {option} must be at least {minimum}{upper}, got {value}")
 
 
 # names_upsert: write one name's configuration (worker start, tests, admin).

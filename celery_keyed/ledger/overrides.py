@@ -16,6 +16,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger.admission import DEFAULT_DISPATCH_TIMEOUT, promote_key
 from celery_keyed.ledger.attempts import Promotion
+from celery_keyed.ledger.bounds import SLOT_LIMIT_MAX
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.ledger.keyspec import validate_name
@@ -72,8 +73,11 @@ def set_override(
     """Set the runtime limit of ``name`` (0 pauses) in the caller's transaction; returns the promotions a
     raised limit made (the caller dispatches them after commit)."""
     validate_name(name)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise InvalidConfig(f"an override limit must be a non-negative integer (0 pauses), got {limit!r}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= SLOT_LIMIT_MAX:
+        raise InvalidConfig(
+            f"{name}: an override limit must be a non-negative integer (0 pauses), at most {SLOT_LIMIT_MAX},"
+            f" got {limit!r}"
+        )
     if not isinstance(reason, str) or not reason.strip():
         raise InvalidConfig("an override needs a reason")
     params = {

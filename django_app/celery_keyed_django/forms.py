@@ -7,6 +7,7 @@ from typing import Any
 from django import forms
 from django.utils import timezone
 
+from celery_keyed.ledger.bounds import SLOT_LIMIT_MAX
 from celery_keyed.ledger.errors import InvalidKey
 from celery_keyed.ledger.keyspec import validate_name
 from celery_keyed_django.models import Override
@@ -25,14 +26,16 @@ class OverrideForm(forms.ModelForm):
     slot_limit = forms.IntegerField(
         label="Limit",
         min_value=0,
+        max_value=SLOT_LIMIT_MAX,
         help_text="Tasks of one key that may run at once, cluster-wide. <strong>0 pauses the name</strong>: running "
         "tasks finish, no new ones start. Lowering never stops running tasks.",
         error_messages={
             "invalid": "Enter a whole number: 0 or more (0 pauses the name).",
             "min_value": "The limit cannot be negative: enter 0 to pause the name, or a positive number.",
+            "max_value": f"The limit can be at most {SLOT_LIMIT_MAX} (what the ledger can store).",
             "required": "Enter a limit: 0 pauses the name.",
         },
-        widget=forms.NumberInput(attrs={"min": 0, "step": 1, "style": "width: 8em"}),
+        widget=forms.NumberInput(attrs={"min": 0, "max": SLOT_LIMIT_MAX, "step": 1, "style": "width: 8em"}),
     )
     reason = forms.CharField(
         label="Reason",

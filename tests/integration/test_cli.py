@@ -170,19 +170,29 @@ def test_set_limit_pause_until_and_human_output(app: Celery, ledger: Ledger, eng
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["set-limit", "api", "-1", "--reason", "x"], "-1 is not in the range x>=0"),
+        (["set-limit", "api", "-1", "--reason", "x"], "-1 is not in the range 0<=x<=2147483647"),
+        # issue 9: past the ledger's integer column, once a raw database error with a traceback (exit 1)
+        (["set-limit", "api", str(10**12), "--reason", "x"], "1000000000000 is not in the range 0<=x<=2147483647"),
+        (["set-limit", "api", str(2**63), "--reason", "x"], "9223372036854775808 is not in the range 0<=x<=2147483647"),
+        (["set-limit", "api", "2", "--reason", "x", "--expires-in", "1e300"], "is not in the range 0<x<=3155760000"),
+        (["set-limit", "api", "2", "--reason", "x", "--expires-in", "inf"], "is not in the range 0<x<=3155760000"),
+        (["set-limit", "api", "2", "--reason", "x", "--expires-in", "nan"], "'nan' is not a finite number of seconds"),
+        (["set-limit", "api", "2", "--reason", "x", "--until", "9999-12-31T23:59:59-01:00"], "past the year 9999"),
+        (["status", "--limit", str(10**30)], "is not in the range 0<=x<=2147483647"),
+        (["status", "--timeout", "1e300"], "is not in the range 0<x<=2147483.647"),
+        (["status", "--timeout", "nan"], "is not a finite number of seconds"),
         (["set-limit", "api", "two", "--reason", "x"], "'two' is not a valid integer"),
         (["set-limit", "api", "2"], "Missing option '--reason'"),
         (["set-limit", "api", "2", "--reason", "   "], "a reason is required"),
         (["set-limit", "bad name", "2", "--reason", "x"], "a name must be"),
         (["set-limit", "api:t1", "2", "--reason", "x"], "a name must be"),
-        (["set-limit", "api", "2", "--reason", "x", "--expires-in", "0"], "0.0 is not in the range x>0"),
+        (["set-limit", "api", "2", "--reason", "x", "--expires-in", "0"], "0.0 is not in the range 0<x<=3155760000"),
         (["set-limit", "api", "2", "--reason", "x", "--until", "yesterday"], "not an ISO 8601 time"),
         (["set-limit", "api", "2", "--reason", "x", "--until", "2001-01-01"], "in the past"),
         (["set-limit", "api", "2", "--reason", "x", "--until", "2999-01-01", "--expires-in", "5"], "not both"),
         (["clear-limit", "bad name"], "a name must be"),
         (["status", "--name", "x y"], "a name must be"),
-        (["status", "--limit", "-3"], "-3 is not in the range x>=0"),
+        (["status", "--limit", "-3"], "-3 is not in the range 0<=x<=2147483647"),
     ],
 )
 def test_bad_input_is_a_click_error_and_changes_nothing(
@@ -191,6 +201,7 @@ def test_bad_input_is_a_click_error_and_changes_nothing(
     ledger.set_override("api", 2, reason="before", author="alice")
     result = run(app, *args, code=2)
     assert message in result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output  # one line, no traceback
     with engine.connect() as conn:
         overrides = conn.execute(sa.text("SELECT name, slot_limit, reason FROM keyed_overrides")).all()
         log = conn.execute(sa.text("SELECT count(*) FROM keyed_override_log")).scalar()
@@ -249,6 +260,49 @@ def test_unreachable_ledger_and_missing_url_are_clear_errors(redis_url: str) -> 
         assert "keyed_database_url" in run(bare, "status", code=1).output
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite:///ledger.db", "keyed_database_url must be a PostgreSQL URL"),
+        ("mysql://user:secret@db/app", "got a 'mysql' URL (mysql://user:***@db/app)"),
+    ],
+)
+@pytest.mark.parametrize("command", [["status"], ["migrate"], ["set-limit", "api", "2", "--reason", "x"]])
+def test_a_ledger_url_that_is_not_postgresql_is_a_clear_error(
+    redis_url: str, url: str, message: str, command: list[str]
+) -> None:
+    """Issue 9: once ModuleNotFoundError (mysql) or a raw SQLAlchemy error with a traceback."""
+    app = Celery("cli-test", broker=redis_url, set_as_current=False)
+    app.conf.keyed_database_url = url
+    result = run(app, *command, code=1)
+    assert message in result.output and "secret" not in result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+
+
+def test_a_ledger_behind_this_version_says_to_migrate(blank_database_url: str, redis_url: str) -> None:
+    from celery_keyed.ledger.migrations import _execute_script, migration_files
+
+    engine = sa.create_engine(blank_database_url)
+    (version, sql), *_ = migration_files()
+    with engine.connect() as conn:  # only the first migration, as an older release would have left it
+        conn.execute(sa.text("CREATE TABLE keyed_migrations (version text PRIMARY KEY, applied_at timestamptz)"))
+        _execute_script(conn, sql)
+        conn.execute(sa.text("INSERT INTO keyed_migrations VALUES (:v, now())"), {"v": version})
+        conn.commit()
+    engine.dispose()
+    app = Celery("cli-test", broker=redis_url, set_as_current=False)
+    app.conf.keyed_database_url = blank_database_url
+    try:
+        result = run(app, "reconcile", code=1)
+        assert "the ledger's schema is behind this version of celery-keyed (pending: " in result.output
+        assert "run `celery -A <app> keyed migrate`" in result.output
+        run(app, "migrate")
+        assert run_json(app, "reconcile")["drift"] == []
+    finally:
+        close_publisher(app)
+        app.close()
+
+
 def test_render_table_aligns_columns() -> None:
     assert render_table(("A", "NUM"), [("x", 1), ("long", 100)], right=(1,)).splitlines() == [
         "A     NUM",
@@ -283,7 +337,7 @@ def test_the_celery_command_runs_the_plugin(database_url: str, ledger: Ledger, e
         assert conn.execute(sa.text("SELECT reason FROM keyed_override_log")).scalar() == "from a shell"
     bad = subprocess.run([*celery, "set-limit", "api", "-5", "--reason", "x"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
-    assert bad.returncode == 2 and "-5 is not in the range x>=0" in bad.stderr
+    assert bad.returncode == 2 and "-5 is not in the range 0<=x<=2147483647" in bad.stderr
 
 
 def test_status_shows_rate_fair_and_uncertain_rules(app: Celery, ledger: Ledger) -> None:

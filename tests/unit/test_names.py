@@ -47,3 +47,44 @@ def test_bad_settings_are_clear_errors(setting: object, message: str) -> None:
 def test_bad_name_is_a_key_error() -> None:
     with pytest.raises(InvalidKey):
         parse_limits({"a:b": 1})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"limit": 10**12}, "x: limit must be at least 0 and at most 2147483647, got 1000000000000"),
+        ({"limit": 2**63}, "x: limit must be at least 0 and at most 2147483647"),
+        ({"max_waiting": 2**40}, "x: max_waiting must be at least 0 and at most 2147483647"),
+        ({"max_waiting": 1.5}, "x: max_waiting must be an integer"),
+        ({"max_wait": 1e300}, r"x: max_wait must be a positive number of seconds, at most 3155760000, got 1e\+300"),
+        ({"max_wait": float("nan")}, "x: max_wait must be a positive number of seconds"),
+        ({"max_wait": -1}, "x: max_wait must be a positive number of seconds"),
+        ({"max_wait": "10"}, "x: max_wait must be a positive number of seconds"),
+        ({"uncertain_hold": 1e300}, "x: uncertain_hold must be a positive number of seconds, at most 3155760000"),
+        ({"uncertain_hold": float("inf")}, "x: uncertain_hold must be a positive number of seconds"),
+        ({"rate": -1.0}, r"x: rate must be a number of starts per second \(or like '100/m'\), at least 1e-06"),
+        ({"rate": 1e300}, "x: rate must be a number of starts per second .* at most 1000000000,"),
+        ({"rate": 1e-300}, "x: rate must be a number of starts per second"),
+        ({"rate": "1e300/s"}, "x: rate must be a number of starts per second"),
+        ({"rate": float("nan")}, "x: rate must be a number of starts per second"),
+        ({"rate": 1.0, "burst": 1e12}, "x: burst must be a number of tokens, at least 1 and at most 2147483647"),
+        ({"rate": 1.0, "burst": float("inf")}, "x: burst must be a number of tokens"),
+    ],
+)
+def test_numbers_past_what_the_ledger_can_hold_fail_at_configuration_naming_the_option(
+    options: dict[str, object], message: str
+) -> None:
+    """Issue 9: every numeric option is checked against its column type and the clock (ledger/bounds.py), at
+    configuration time, naming the name and the option; before, max_wait=1e300 was accepted and the worker died
+    on the first waiting task (timestamp overflow), and limit=10**12 failed in Postgres without naming it."""
+    with pytest.raises(InvalidConfig, match=message):
+        parse_limits({"x": {"limit": 1, **options}})
+
+
+def test_the_largest_values_the_ledger_can_hold_are_accepted() -> None:
+    config = NameConfig(
+        "x", limit=2**31 - 1, max_waiting=2**31 - 1, max_wait=3155760000, uncertain_hold=3155760000.0,
+        rate="1000000000/s", burst=2**31 - 1,
+    )  # fmt: skip
+    assert config.rate == 1e9
+    assert NameConfig("x", rate="1/h").rate == pytest.approx(1 / 3600)
