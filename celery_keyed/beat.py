@@ -1,5 +1,6 @@
 """The reconciler beat task ``celery_keyed.reconcile`` (registered by ``install(app)``): reclaim dead leases,
-void stuck promotions, sweep, check counters against claims, drop idle keys. Safe in several beats at once."""
+void stuck promotions, sweep, check counters against claims, drop idle keys, prune the books after
+``keyed_books_retention``. Safe in several beats at once."""
 
 from __future__ import annotations
 
@@ -33,12 +34,15 @@ def reconcile(app: Any) -> dict[str, Any]:
             report = ledger.sweep(
                 group_arrival_timeout=settings.group_arrival_timeout, reserve_timeout=settings.reserve_timeout
             )
+            if settings.books_retention is not None:  # pruning finished rows needs no full lease of reachability
+                report.pruned = ledger.prune_books(settings.books_retention)
             reclaim = "skipped (ledger reachable for less than a lease)"
         else:
             report = ledger.reconcile(
                 idle=settings.idle_key_ttl,
                 group_arrival_timeout=settings.group_arrival_timeout,
                 reserve_timeout=settings.reserve_timeout,
+                books_retention=settings.books_retention,
             )
             reclaim = f"{len(report.reclaimed)} reclaimed"
     except Exception:
@@ -57,6 +61,7 @@ def reconcile(app: Any) -> dict[str, Any]:
         "lost": report.lost,
         "drift": report.drift,
         "dropped_keys": report.dropped_keys,
+        "pruned": report.pruned,
     }
     logger.info("celery-keyed reconcile: %s", summary)
     return summary

@@ -536,7 +536,8 @@ def clear_limit(operator: Operator, name: str, reason: str, author: str | None, 
 @pass_operator
 def reconcile(operator: Operator, reclaim: bool, as_json: bool) -> None:
     """Run one reconcile pass now and print its report: due times, expiries, lapsed overrides, promotions,
-    counters checked against the claims that exist (drift is a bug: reported, then repaired), idle keys."""
+    counters checked against the claims that exist (drift is a bug: reported, then repaired), idle keys, finished
+    task ids pruned after keyed_books_retention."""
     settings = operator.settings
     ledger = operator.ledger
     if reclaim:
@@ -544,6 +545,7 @@ def reconcile(operator: Operator, reclaim: bool, as_json: bool) -> None:
             idle=settings.idle_key_ttl,
             group_arrival_timeout=settings.group_arrival_timeout,
             reserve_timeout=settings.reserve_timeout,
+            books_retention=settings.books_retention,
         )
     else:
         report = ledger.sweep(
@@ -551,6 +553,8 @@ def reconcile(operator: Operator, reclaim: bool, as_json: bool) -> None:
         )
         report.drift += check_counters_once(operator.engine)
         report.dropped_keys = drop_idle_keys_once(operator.engine, idle=settings.idle_key_ttl)
+        if settings.books_retention is not None:
+            report.pruned = ledger.prune_books(settings.books_retention)
     operator.dispatch(report.promotions)
     summary = _report_summary(report, reclaim=reclaim)
     if as_json:
@@ -576,6 +580,7 @@ def _report_summary(report: Report, *, reclaim: bool) -> dict[str, Any]:
         "promoted": len(report.promotions),
         "drift": report.drift,
         "dropped_keys": report.dropped_keys,
+        "pruned": report.pruned,
     }
 
 

@@ -30,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "dispatch_timeout": 30.0,  # seconds a promoted attempt may take to be bound before it is re-parked
     "reconcile_schedule": 30.0,  # seconds between beat runs of celery_keyed.reconcile
     "idle_key_ttl": 3600.0,  # seconds after which an idle key's rows are dropped
+    "books_retention": 7 * 86400.0,  # seconds a finished task id stays in the books (keyed_tasks); 0 = for ever
     "group_arrival_timeout": 300.0,  # seconds a registered group number may take to arrive (D10)
     "reserve_timeout": 60.0,  # seconds a multi-key waiter may hold reserved slots (docs/ledger.md)
     "register_groups": True,  # allocate group numbers at publish (in Postgres)
@@ -57,6 +58,7 @@ class KeyedSettings:
     dispatch_timeout: float = 30.0
     reconcile_schedule: float = 30.0
     idle_key_ttl: float = 3600.0
+    books_retention: float | None = 7 * 86400.0  # None: keep every finished task id
     group_arrival_timeout: float = 300.0
     reserve_timeout: float = 60.0
     register_groups: bool = True
@@ -108,6 +110,7 @@ def read_settings(conf: Any) -> KeyedSettings:
         dispatch_timeout=_seconds(get("dispatch_timeout"), "keyed_dispatch_timeout"),
         reconcile_schedule=_seconds(get("reconcile_schedule"), "keyed_reconcile_schedule"),
         idle_key_ttl=_seconds(get("idle_key_ttl"), "keyed_idle_key_ttl"),
+        books_retention=_retention(get("books_retention")),
         group_arrival_timeout=_seconds(get("group_arrival_timeout"), "keyed_group_arrival_timeout"),
         reserve_timeout=_seconds(get("reserve_timeout"), "keyed_reserve_timeout"),
         register_groups=bool(get("register_groups")),
@@ -138,6 +141,13 @@ def _port(value: Any) -> int | None:
 def _seconds(value: Any, setting: str, *, maximum: float = SECONDS_MAX) -> float:
     """A duration setting: a finite positive number of seconds that timestamps and timers can hold."""
     return check_seconds(value, setting, maximum=maximum)
+
+
+def _retention(value: Any) -> float | None:
+    """``keyed_books_retention``: seconds a finished task id stays in the books; 0 keeps them for ever (None)."""
+    if value == 0 and not isinstance(value, bool):
+        return None
+    return _seconds(value, "keyed_books_retention")
 
 
 def _pool_size(value: Any) -> int:

@@ -37,7 +37,13 @@ from celery_keyed.ledger.keyspec import key_name, normalize_key
 from celery_keyed.ledger.migrations import migrate, schema_required
 from celery_keyed.ledger.names import NameConfig, configure_names, parse_limits
 from celery_keyed.ledger.overrides import clear_override, set_override
-from celery_keyed.ledger.reconcile import DEFAULT_RESERVE_TIMEOUT, Report, reconcile_once, sweep_once
+from celery_keyed.ledger.reconcile import (
+    DEFAULT_RESERVE_TIMEOUT,
+    Report,
+    prune_books_once,
+    reconcile_once,
+    sweep_once,
+)
 
 __all__ = [
     "DEFAULT_DISPATCH_TIMEOUT",
@@ -278,7 +284,10 @@ class Ledger:
         idle: float = 3600.0,
         group_arrival_timeout: float = 300.0,
         reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
+        books_retention: float | None = None,
     ) -> Report:
+        """One reconcile run (the beat task's); ``books_retention``: prune finished task ids older than this many
+        seconds (None keeps them; the setting ``keyed_books_retention`` defaults to 7 days)."""
         with schema_required(self.engine):
             return reconcile_once(
                 self.engine,
@@ -288,7 +297,13 @@ class Ledger:
                 group_arrival_timeout=group_arrival_timeout,
                 dispatch=self.dispatch,
                 reserve_timeout=reserve_timeout,
+                books_retention=books_retention,
             )
+
+    def prune_books(self, retention: float, *, now: datetime | None = None) -> int:
+        """Forget finished task ids older than ``retention`` seconds, in bounded batches (part of ``reconcile``)."""
+        with schema_required(self.engine):
+            return prune_books_once(self.engine, retention=retention, now=now)
 
     def explain(self, task_id: str, *, now: datetime | None = None) -> Explanation:
         with schema_required(self.engine), self.engine.connect() as conn:

@@ -4,6 +4,12 @@ Invariant: a task's outcome is recorded exactly once — ``books_finish`` is gua
 its row count is the answer. completed + failed + dead_lettered + expired + rejected + superseded + revoked +
 still open (outcome NULL) = arrivals; ``lost`` rows are registered group members that never arrived.
 ``finished_attempt``: attempts numbered at or below it are over, so their duplicates are dropped (D8).
+
+Retention (``keyed_books_retention``): reconcile prunes finished rows older than the retention (``books_prune``),
+counting each pruned task id by outcome in ``keyed_books_pruned`` in the same statement, and ``books_balance``
+adds those counts back, so the books balance over every task id that ever arrived. A pruned task id is forgotten:
+a copy of it delivered after that is a new arrival, so the retention must outlast any redelivery (the broker's
+visibility timeout, the longest ETA or countdown).
 """
 
 from __future__ import annotations
@@ -73,8 +79,45 @@ BOOKS_UNNOTIFIED = sa.text(
 )
 BOOKS_MARK_NOTIFIED = sa.text("UPDATE keyed_tasks SET notified = true WHERE task_id = ANY(:task_ids)")
 
-# books_balance: counts by outcome (NULL = still waiting or running).
-BOOKS_BALANCE = sa.text("SELECT outcome, count(*) AS n FROM keyed_tasks GROUP BY outcome")
+# books_balance: counts by outcome (NULL = still waiting or running), with the task ids pruned after the retention
+# (one statement, one snapshot: a prune deletes and counts in one transaction, so no task id is seen twice or missed).
+BOOKS_BALANCE = sa.text(
+    """
+    SELECT outcome, sum(n) AS n FROM (
+        SELECT outcome, count(*) AS n FROM keyed_tasks GROUP BY outcome
+        UNION ALL
+        SELECT outcome, tasks FROM keyed_books_pruned WHERE tasks > 0
+    ) b GROUP BY outcome
+    """
+)
+
+# books_prune: forget up to :batch finished task ids that finished before now - :retention, oldest first, and count
+# them by outcome in keyed_books_pruned in the same statement (the books still balance). Never an open task
+# (outcome NULL: waiting, running, between attempts), never a never-ran outcome whose failure result is not stored
+# yet (NOT notified, D11), never a task that still has a claim (an uncertain hold), a parked row (a shadow, D8) or a
+# group member row. Rows an admission holds locked are skipped (SKIP LOCKED) and pruned by a later run; an
+# admission that waits for a pruned row's lock then finds no row and books a new arrival.
+BOOKS_PRUNE = sa.text(
+    f"""
+    WITH gone AS (
+        DELETE FROM keyed_tasks t USING (
+            SELECT f.task_id FROM keyed_tasks f
+             WHERE f.outcome IS NOT NULL AND f.finished_at < {NOW} - make_interval(secs => :retention)
+               AND (f.notified OR f.outcome <> ALL(:never_ran))
+               AND NOT EXISTS (SELECT 1 FROM keyed_claims c WHERE c.task_id = f.task_id)
+               AND NOT EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = f.task_id)
+               AND NOT EXISTS (SELECT 1 FROM keyed_group_members m WHERE m.task_id = f.task_id)
+             ORDER BY f.finished_at LIMIT :batch FOR UPDATE SKIP LOCKED) v
+         WHERE t.task_id = v.task_id AND t.outcome IS NOT NULL
+        RETURNING t.outcome
+    ), counted AS (
+        INSERT INTO keyed_books_pruned AS p (outcome, tasks)
+        SELECT outcome, count(*) FROM gone GROUP BY outcome
+        ON CONFLICT (outcome) DO UPDATE SET tasks = p.tasks + excluded.tasks
+    )
+    SELECT count(*) FROM gone
+    """
+)
 
 
 def books_arrive(
@@ -103,10 +146,17 @@ def books_count_duplicate(conn: sa.Connection, task_id: str) -> None:
 
 
 def books_balance(conn: sa.Connection) -> dict[str, int]:
-    """Counts by outcome; key ``"open"`` for tasks still waiting or running, ``"arrivals"`` for all but lost."""
+    """Counts by outcome of every task id that ever arrived (pruned ones included); key ``"open"`` for tasks still
+    waiting or running, ``"arrivals"`` for all but lost."""
     counts = {(row.outcome or "open"): int(row.n) for row in conn.execute(BOOKS_BALANCE)}
     counts["arrivals"] = sum(n for outcome, n in counts.items() if outcome != "lost")
     return counts
+
+
+def books_prune(conn: sa.Connection, *, retention: float, batch: int, now: Any = None) -> int:
+    """Prune one batch of finished task ids older than ``retention`` seconds; returns how many."""
+    params = {"retention": retention, "batch": batch, "never_ran": list(NEVER_RAN), "now": now}
+    return int(conn.execute(BOOKS_PRUNE, params).scalar_one())
 
 
 def books_unnotified(conn: sa.Connection, limit: int = 500) -> list[sa.Row[Any]]:

@@ -67,7 +67,10 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
                 dict(member),
             )
         return Explanation(
-            task_id, "unknown", "the ledger has no record of this task id (not keyed, or not received yet)"
+            task_id,
+            "unknown",
+            "the ledger has no record of this task id (not keyed, not received yet, or finished longer ago than"
+            " keyed_books_retention)",
         )
     claim = conn.execute(EXPLAIN_CLAIM, {"task_id": task_id, "now": now}).mappings().first()
     if claim is not None and claim["state"] == "uncertain":

@@ -1,6 +1,6 @@
 """Background repair of the ledger: ``sweep_once`` (due times, every ``keyed_sweep_interval``) and
-``reconcile_once`` (leases, counters, idle keys; the beat task). Both take an engine and run one short
-transaction per item, so they never hold many locks and are safe to run in several processes at once
+``reconcile_once`` (leases, counters, idle keys, the books' retention; the beat task). Both take an engine and run
+one short transaction per item, so they never hold many locks and are safe to run in several processes at once
 (every step is a guarded statement with SKIP LOCKED; the loser of a race does nothing).
 """
 
@@ -12,7 +12,7 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import admission, groups, keys, overrides, slots, waiting
+from celery_keyed.ledger import admission, books, groups, keys, overrides, slots, waiting
 from celery_keyed.ledger.attempts import Outcome, Promotion, Token
 from celery_keyed.ledger.claims import CLAIMS_DELETE_UNCERTAIN_DUE, Holding
 from celery_keyed.ledger.clock import NOW
@@ -25,6 +25,11 @@ _BATCH = 500
 
 #: Seconds a multi-key waiter may hold reserved slots before they are given back (docs/ledger.md).
 DEFAULT_RESERVE_TIMEOUT = 60.0
+
+#: Finished task ids pruned per transaction, and at most this many transactions per reconcile run: the work of one
+#: run stays bounded (a backlog, e.g. after enabling retention on old books, drains over several runs).
+PRUNE_BATCH = 1000
+PRUNE_BATCHES = 20
 
 # reclaim candidates: running claims whose lease expired, provided the database server itself has been up for
 # a full lease (D7: a Postgres restart must not mass-reclaim the slots of tasks that kept running).
@@ -84,11 +89,12 @@ class Report:
     lost: int = 0
     dropped_keys: int = 0
     due: int = 0
+    pruned: int = 0  # finished task ids forgotten after the books' retention
 
     def merge(self, other: Report) -> Report:
         for name in ("promotions", "finished", "reclaimed", "voided", "drift"):
             getattr(self, name).extend(getattr(other, name))
-        for name in ("expired", "lost", "dropped_keys", "due"):
+        for name in ("expired", "lost", "dropped_keys", "due", "pruned"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
 
@@ -356,6 +362,27 @@ def drop_idle_keys_once(engine: sa.Engine, *, idle: float = 3600.0, now: datetim
     return dropped
 
 
+def prune_books_once(
+    engine: sa.Engine,
+    *,
+    retention: float,
+    now: datetime | None = None,
+    batch: int = PRUNE_BATCH,
+    batches: int = PRUNE_BATCHES,
+) -> int:
+    """Forget finished task ids whose outcome is older than ``retention`` seconds (``books_prune``: never an open
+    task, never an outcome whose result is not stored yet), ``batch`` rows per transaction and at most ``batches``
+    transactions; returns how many. The books still balance: each pruned id is counted by outcome."""
+    pruned = 0
+    for _ in range(batches):
+        with engine.begin() as conn:
+            n = books.books_prune(conn, retention=retention, batch=batch, now=now)
+        pruned += n
+        if n < batch:
+            break
+    return pruned
+
+
 def reconcile_once(
     engine: sa.Engine,
     *,
@@ -365,9 +392,11 @@ def reconcile_once(
     group_arrival_timeout: float = 300.0,
     dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
     reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
+    books_retention: float | None = None,
 ) -> Report:
     """The periodic repair (beat task): reclaim dead leases and void unbound promotions, run the sweep,
-    check counters against the claims that exist, drop idle keys. Returns a report."""
+    check counters against the claims that exist, drop idle keys, prune the books after ``books_retention``
+    seconds (None: keep every row). Returns a report."""
     report = reclaim_once(engine, lease=lease, now=now, dispatch=dispatch)
     report.merge(
         sweep_once(
@@ -380,4 +409,6 @@ def reconcile_once(
     )
     report.drift += check_counters_once(engine)
     report.dropped_keys = drop_idle_keys_once(engine, idle=idle, now=now)
+    if books_retention is not None:
+        report.pruned = prune_books_once(engine, retention=books_retention, now=now)
     return report

@@ -186,6 +186,23 @@ class TaskRecord(models.Model):
         return self.task_id
 
 
+class PrunedTasks(models.Model):
+    """Task ids of one outcome pruned from the books after ``keyed_books_retention`` (``keyed_books_pruned``):
+    ``Ledger.books()`` adds them back, so the books balance over every task id that ever arrived."""
+
+    outcome = models.TextField(primary_key=True, choices=OUTCOMES)
+    tasks = models.BigIntegerField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_books_pruned"
+        default_permissions = ()
+        verbose_name = "pruned task count"
+
+    def __str__(self) -> str:
+        return f"{self.outcome}: {self.tasks} pruned"
+
+
 class Claim(models.Model):
     """A held slot (``keyed_claims``): the right of one attempt to execute. Primary key in the table:
     (task_id, attempt); the fence is unique too (drawn from a sequence for every claim)."""

@@ -38,6 +38,7 @@ LEDGER_TABLES = (
     "keyed_groups",
     "keyed_group_members",
     "keyed_events",
+    "keyed_books_pruned",
 )
 
 

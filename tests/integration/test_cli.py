@@ -225,6 +225,7 @@ def test_reconcile_reports_and_repairs_drift(app: Celery, busy: Ledger, engine: 
     doc = run_json(app, "reconcile")
     assert doc["drift"] == ["api:t2 shard 0: used 3 but 1 claims exist"]
     assert doc["reclaimed"] == "skipped (use --reclaim)"
+    assert doc["pruned"] == 0  # nothing finished before keyed_books_retention (7 days)
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT used FROM keyed_slots WHERE key = 'api:t2'")).scalar() == 1
     out = run(app, "reconcile", "--reclaim").stdout

@@ -116,6 +116,18 @@ CREATE INDEX keyed_tasks_outcome_idx ON keyed_tasks (outcome, finished_at);
 -- Outcomes of tasks that never ran and whose result is not stored yet (D11).
 CREATE INDEX keyed_tasks_unnotified_idx ON keyed_tasks (finished_at)
     WHERE NOT notified AND outcome IN ('dead_lettered', 'expired', 'rejected', 'superseded', 'revoked', 'lost');
+-- Finished task ids by finish time: the retention prune (keyed_books_retention) takes the oldest first.
+CREATE INDEX keyed_tasks_finished_idx ON keyed_tasks (finished_at) WHERE outcome IS NOT NULL;
+
+-- Books pruned: how many task ids of each final outcome reconcile pruned from keyed_tasks after the retention, so
+-- the books still balance over every task id that ever arrived (counted in the statement that deletes the rows).
+CREATE TABLE keyed_books_pruned (
+    outcome text PRIMARY KEY,
+    tasks bigint NOT NULL DEFAULT 0,
+    CONSTRAINT keyed_books_pruned_outcome_known CHECK (outcome IN (
+        'completed', 'failed', 'dead_lettered', 'expired', 'rejected', 'superseded', 'revoked', 'lost')),
+    CONSTRAINT keyed_books_pruned_tasks_nonnegative CHECK (tasks >= 0)
+);
 
 -- Claims: the right of one attempt to execute. A row here is a held slot (of key/shard and/or of its
 -- group); only the actor whose DELETE returns the row gives the slot back (release exactly once).
