@@ -88,9 +88,8 @@ def _ledger(app: Any) -> Any:
     from celery_keyed.ledger import Ledger
     from celery_keyed.publisher import publisher_for
 
-    publisher = publisher_for(app)
-    if publisher is None:
-        raise RuntimeError("celery-keyed: keyed_database_url is not configured")
+    publisher = publisher_for(app, required=True)
+    assert publisher is not None  # required: a configuration error was raised
     return Ledger(publisher.engine, lease=publisher.settings.lease, dispatch=publisher.settings.dispatch_timeout)
 
 

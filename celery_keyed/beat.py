@@ -24,9 +24,8 @@ _last_unreachable = time.monotonic()
 
 def reconcile(app: Any) -> dict[str, Any]:
     global _last_unreachable
-    publisher = publisher_for(app)
-    if publisher is None:
-        raise RuntimeError("celery-keyed: keyed_database_url is not configured")
+    publisher = publisher_for(app, required=True)  # a configuration error says what is wrong
+    assert publisher is not None
     settings = publisher.settings
     ledger = Ledger(publisher.engine, lease=settings.lease, dispatch=settings.dispatch_timeout)
     try:

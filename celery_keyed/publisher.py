@@ -23,8 +23,10 @@ class Publisher:
     pid: int
 
 
-def publisher_for(app: Any) -> Publisher | None:
-    """The ledger access of ``app`` in this process, or None when the app has no ledger configured."""
+def publisher_for(app: Any, *, required: bool = False) -> Publisher | None:
+    """The ledger access of ``app`` in this process, or None when the app has no usable ledger configuration
+    (publishing goes on without the ledger). ``required``: raise the configuration error instead (an operator's
+    call such as ``set_limit`` must say what is wrong: a missing URL, a non-PostgreSQL URL, a value out of range)."""
     current: Publisher | None = getattr(app, "_keyed_publisher", None)
     if current is not None and current.pid == os.getpid():
         return current
@@ -34,9 +36,12 @@ def publisher_for(app: Any) -> Publisher | None:
             return current
         try:
             settings = read_settings(app.conf)
+            engine = create_ledger_engine(settings)
         except Exception:
+            if required:
+                raise
             return None
-        current = Publisher(settings, create_ledger_engine(settings), os.getpid())
+        current = Publisher(settings, engine, os.getpid())
         app._keyed_publisher = current
         return current
 

@@ -114,3 +114,34 @@ def test_a_worker_on_a_database_without_the_schema_fails_at_start_saying_to_migr
         gate.shutdown()
         gate.engine.dispose()
         app.close()
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"keyed_database_url": "sqlite:///ledger.db"}, "keyed_database_url must be a PostgreSQL URL"),
+        ({"keyed_database_url": "mysql://u@db/app"}, "got a 'mysql' URL"),
+        ({"keyed_concurrency_limits": {"acct": {"max_wait": 1e300}}}, "acct: max_wait must be a positive number"),
+        ({"keyed_lease": float("inf")}, "keyed_lease must be a positive number of seconds"),
+    ],
+)
+def test_operator_calls_on_a_bad_configuration_say_what_is_wrong(
+    database_url: str, conf: dict[str, object], message: str
+) -> None:
+    """``set_limit`` / ``clear_limit`` / ``revoke`` and the beat task raise the configuration's own error (before:
+    ModuleNotFoundError for mysql, or "keyed_database_url is not configured" for any bad setting)."""
+    from celery_keyed import beat
+
+    app = Celery("clear-errors", broker="memory://", set_as_current=False)
+    app.conf.keyed_database_url = database_url
+    app.conf.update(conf)
+    try:
+        with pytest.raises(InvalidConfig, match=message):
+            celery_keyed.set_limit(app, "api", 2, reason="x")
+        with pytest.raises(InvalidConfig, match=message):
+            celery_keyed.clear_limit(app, "api")
+        with pytest.raises(InvalidConfig, match=message):
+            beat.reconcile(app)
+    finally:
+        close_publisher(app)
+        app.close()
