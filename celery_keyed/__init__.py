@@ -75,8 +75,10 @@ def install(app: Any) -> None:
         return reconcile(app)
 
     def _schedule(sender: Any, **kwargs: Any) -> None:
-        interval = sender.conf.get("keyed_reconcile_schedule") or 30.0
-        sender.add_periodic_task(float(interval), reconcile_task.s(), name=RECONCILE_TASK)
+        from celery_keyed.ledger.bounds import check_seconds
+
+        interval = check_seconds(sender.conf.get("keyed_reconcile_schedule") or 30.0, "keyed_reconcile_schedule")
+        sender.add_periodic_task(interval, reconcile_task.s(), name=RECONCILE_TASK)
 
     if app.configured:
         _schedule(app)

@@ -144,4 +144,4 @@ def schema_required(engine: sa.Engine) -> Iterator[None]:
         missing = schema_missing(exc, engine)
         if missing is None:
             raise
-        raise missing from exc
+        raise missing from None  # the message carries the database's own detail
