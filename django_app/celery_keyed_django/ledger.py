@@ -13,6 +13,7 @@ Settings (Django ``settings.py``, the names Celery users already use with ``name
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -27,6 +28,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from sqlalchemy.pool import NullPool
 
 from celery_keyed.ledger import DEFAULT_DISPATCH_TIMEOUT, Ledger, Promotion
+from celery_keyed.ledger.bounds import check_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +87,12 @@ def dispose_engines() -> None:
 
 
 def _float_setting(name: str, default: float) -> float:
+    """A duration setting in seconds, in the range the workers' settings have (``ledger/bounds.py``)."""
     value = getattr(settings, name, None)
-    return default if value is None else float(value)
+    if isinstance(value, str):  # e.g. read from the environment
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    return default if value is None else check_seconds(value, name)
 
 
 def get_ledger() -> Ledger:

@@ -388,3 +388,18 @@ def test_live_view_of_100k_keys_is_a_bounded_number_of_queries(
     assert "tenant:000001" in body and "acct:000001" not in body
     body = admin_client.get(url("key_changelist"), {"q": "acct:000007"}).content.decode()
     assert "acct:000007" in body and "configuration" in body
+
+
+@pytest.mark.parametrize("value", [1e300, float("nan"), -1, "soon"])
+def test_the_admins_lease_and_dispatch_settings_have_the_workers_range(settings: Any, value: object) -> None:
+    """Issue 9: a lease of 1e300 reached Postgres as make_interval(secs => 1e300) on the first force release."""
+    from celery_keyed.ledger.errors import InvalidConfig
+    from celery_keyed_django.ledger import get_ledger
+
+    settings.CELERY_KEYED_LEASE = value
+    with pytest.raises(InvalidConfig, match="CELERY_KEYED_LEASE must be a positive number of seconds"):
+        get_ledger()
+    settings.CELERY_KEYED_LEASE = "30"
+    settings.CELERY_KEYED_DISPATCH_TIMEOUT = value
+    with pytest.raises(InvalidConfig, match="CELERY_KEYED_DISPATCH_TIMEOUT must be a positive number of seconds"):
+        get_ledger()
