@@ -393,8 +393,9 @@ def test_live_view_of_100k_keys_is_a_bounded_number_of_queries(
 @pytest.mark.parametrize("value", [1e300, float("nan"), -1, "soon"])
 def test_the_admins_lease_and_dispatch_settings_have_the_workers_range(settings: Any, value: object) -> None:
     """Issue 9: a lease of 1e300 reached Postgres as make_interval(secs => 1e300) on the first force release."""
-    from celery_keyed.ledger.errors import InvalidConfig
     from celery_keyed_django.ledger import get_ledger
+
+    from celery_keyed.ledger.errors import InvalidConfig
 
     settings.CELERY_KEYED_LEASE = value
     with pytest.raises(InvalidConfig, match="CELERY_KEYED_LEASE must be a positive number of seconds"):
