@@ -654,13 +654,19 @@ def find_redis_server() -> Path:
 
 
 class RedisServer(_ManagedServer):
-    """A throwaway Redis on 127.0.0.1:``port`` without persistence: ``restart()`` starts it empty."""
+    """A throwaway Redis on 127.0.0.1:``port``.
+
+    Without persistence by default: ``restart()`` starts it empty. ``persistent=True`` keeps an append-only
+    file fsynced on every write in its directory, so a restart or an outage (``suspend`` / ``resume``) keeps
+    every queued message and result, like a production broker (the chaos harness breaks Redis this way).
+    """
 
     kind = "Redis"
 
-    def __init__(self, binary: Path, tmpdir: Path, port: int) -> None:
+    def __init__(self, binary: Path, tmpdir: Path, port: int, persistent: bool = False) -> None:
         super().__init__(tmpdir, port)
         self.binary = binary
+        self.persistent = persistent
 
     @property
     def url(self) -> str:
@@ -680,7 +686,9 @@ class RedisServer(_ManagedServer):
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.persistent else "no",
+            "--appendfsync",
+            "always",
             "--daemonize",
             "no",
             "--dir",
@@ -707,14 +715,16 @@ def _redis_ping(port: int, host: str = "127.0.0.1") -> bool:
         return sock.recv(64).startswith(b"+PONG")
 
 
-def start_redis(*, use_env: bool = True, timeout: float = 30.0) -> RedisTarget:
-    """Start a throwaway Redis, or wrap the server named by ``CELERY_BROKER_URL`` if that is set."""
+def start_redis(*, use_env: bool = True, timeout: float = 30.0, persistent: bool = False) -> RedisTarget:
+    """Start a throwaway Redis, or wrap the server named by ``CELERY_BROKER_URL`` if that is set.
+
+    ``persistent``: keep the data through restarts (an append-only file, see ``RedisServer``)."""
     if use_env and os.environ.get(BROKER_URL_ENV):
         return ExternalRedis(os.environ[BROKER_URL_ENV])
     binary = find_redis_server()
     tmpdir = Path(tempfile.mkdtemp(prefix="celery-keyed-redis-"))
     try:
-        server = RedisServer(binary, tmpdir, _free_port())
+        server = RedisServer(binary, tmpdir, _free_port(), persistent=persistent)
         _launch_on_free_port(server, timeout)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -316,3 +316,19 @@ def test_servers_restarted_from_a_short_lived_thread_stay_up() -> None:
                     client.close()
         finally:
             late.stop()
+
+
+def test_persistent_redis_keeps_data_through_restart_and_outage() -> None:
+    with start_redis(use_env=False, persistent=True) as rd:
+        server = managed_redis(rd)
+        client = redis.Redis.from_url(server.url_for(1))
+        try:
+            client.rpush("queue", "m1", "m2")
+            server.restart()
+            assert client.lrange("queue", 0, -1) == [b"m1", b"m2"]
+            client.rpush("queue", "m3")
+            server.suspend()
+            server.resume()
+            assert client.lrange("queue", 0, -1) == [b"m1", b"m2", b"m3"]
+        finally:
+            client.close()

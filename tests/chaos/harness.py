@@ -1,0 +1,944 @@
+"""The chaos harness: real prefork workers on two hostnames, real Redis and PostgreSQL that it breaks on a
+seeded schedule, and an independent observer of task bodies that checks the bound and the books.
+
+Run it from pytest (``tests/chaos/test_chaos.py``: a short variant in the fast suite, the long one with
+``make chaos``) or by hand, e.g. to replay a failing schedule::
+
+    .venv/bin/python -m tests.chaos.harness --seed 1234 [--long] [--tasks N] [--keep]
+
+What it does:
+
+- 4 workers (``a1@hostA a2@hostA b1@hostB b2@hostB``, prefork, ``-c 2``), 20 mutex keys ``m:0``..``m:19``
+  (unconfigured: K = 1) and one gate ``gate:api`` (name ``gate`` configured with K = 3); acks_late tasks of
+  random length (mostly 20-300 ms, some up to 1.5 s, a few longer than the lease), a short lease
+  (``keyed_lease`` 4 s) and a short Redis ``visibility_timeout`` (6 s: long tasks are redelivered while they
+  run); Redis with an fsynced append-only file, so a restart or an outage loses nothing.
+- Faults, seeded and printed: SIGKILL of a worker's main process (the report says whether its pool children
+  outlived it; the observer sees their bodies either way) and
+  of a pool child running a body, warm shutdown (SIGTERM to the main process, as systemd does) while a body
+  longer than the lease runs, each followed by a restart; PostgreSQL restart and an outage longer than the
+  lease; Redis restart and an outage longer than the lease.
+- The observer (``tests/chaos/proj.py``): each body writes ``start`` / ``end`` lines to its own process's
+  file, and a heartbeat every 5 ms. A body without ``end`` was killed; its end is the moment its process died,
+  bounded from above by the harness's own ``kill`` (exact: taken after the signal was sent) or, for deaths the
+  harness did not cause (self-fencing, Celery terminating a child), by a pidfd watcher that notes the exit within
+  milliseconds; its heartbeat bounds it from below. An overlap that exists only inside that uncertainty window
+  is reported as ambiguous, not as a breach.
+
+Checks after the drain: peak bodies per key <= K at every instant; every task id has exactly one terminal
+outcome in the books (``keyed_tasks``), ``completed``, and a matching SUCCESS result; no open books, claims or
+waiting rows; reconcile drift 0 (every reconcile run during the chaos, ``keyed_events``, and a final one); no
+worker died that the harness did not kill; time from the end of the last fault to drained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import sqlalchemy as sa
+
+from celery_keyed.testbed import PostgresServer, RedisServer, start_postgres, start_redis
+from tests.chaos.proj import now
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = ("a1@hostA", "a2@hostA", "b1@hostB", "b2@hostB")
+GATE_KEY = "gate:api"
+FAULT_KINDS = (
+    "kill_main",
+    "kill_child",
+    "warm_shutdown",
+    "pg_restart",
+    "pg_outage",
+    "redis_restart",
+    "redis_outage",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration and the fault schedule
+
+
+@dataclass
+class Config:
+    seed: int
+    tasks: int
+    submit_over: float  # seconds over which the tasks are published
+    faults: list[Fault]
+    lease: float = 4.0
+    visibility_timeout: float = 6.0
+    concurrency: int = 2
+    mutex_keys: int = 20
+    gate_limit: int = 3
+    long_fraction: float = 0.04
+    drain_timeout: float = 120.0
+
+    def describe(self) -> str:
+        lines = [
+            f"chaos seed={self.seed} tasks={self.tasks} submit_over={self.submit_over:.0f}s lease={self.lease}s "
+            f"visibility_timeout={self.visibility_timeout}s workers={len(WORKERS)}x-c{self.concurrency} "
+            f"keys={self.mutex_keys} mutex + {GATE_KEY} (K={self.gate_limit})",
+            "fault schedule (seconds from the first publish):",
+        ]
+        lines += [f"  {f.at:7.1f}s  {f.kind:<14} {f.target or '':<10} {f.duration:5.1f}s" for f in self.faults]
+        return "\n".join(lines)
+
+
+@dataclass
+class Fault:
+    at: float
+    kind: str
+    target: str | None = None  # a worker name, for worker faults
+    duration: float = 0.0  # outage length, or pause before a worker is started again
+
+
+def short_config(seed: int) -> Config:
+    """The fast-suite variant (<= 90 s): a few hundred tasks, one of each fault that matters most."""
+    rng = random.Random(seed)
+    lease = 4.0
+    rest = ["kill_child", "kill_main", "redis_outage", "pg_restart"]
+    rng.shuffle(rest)
+    kinds = ["warm_shutdown", *rest]  # the warm shutdown first: the first tasks published are long ones
+    faults, at = [], 3.0
+    for kind in kinds:
+        target = rng.choice(WORKERS) if kind in ("kill_main", "kill_child", "warm_shutdown") else None
+        duration = lease + 2.0 if kind.endswith("outage") else rng.uniform(0.3, 1.5)
+        faults.append(Fault(round(at, 1), kind, target, round(duration, 1)))
+        at += rng.uniform(4.0, 6.0) + (duration if kind.endswith("outage") else 0.0)
+    return Config(
+        seed=seed, tasks=300, submit_over=at, faults=faults, lease=lease, long_fraction=0.05, drain_timeout=40.0
+    )
+
+
+def long_config(seed: int, tasks: int = 3000) -> Config:
+    """``make chaos``: a few thousand tasks over about four minutes, a fault every 8-16 s, every kind."""
+    rng = random.Random(seed)
+    lease = 4.0
+    kinds = list(FAULT_KINDS) * 3
+    rng.shuffle(kinds)
+    faults, at = [], 5.0
+    for kind in kinds:
+        target = rng.choice(WORKERS) if kind in ("kill_main", "kill_child", "warm_shutdown") else None
+        duration = rng.uniform(lease + 1.0, lease * 2.5) if kind.endswith("outage") else rng.uniform(0.2, 3.0)
+        faults.append(Fault(round(at, 1), kind, target, round(duration, 1)))
+        at += rng.uniform(8.0, 16.0) + (duration if kind.endswith("outage") else 0.0)
+    return Config(seed=seed, tasks=tasks, submit_over=at, faults=faults, lease=lease, drain_timeout=180.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Workers
+
+
+@dataclass
+class Workers:
+    env: dict[str, str]
+    logdir: Path
+    concurrency: int
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    generation: collections.Counter[str] = field(default_factory=collections.Counter)
+    sessions: list[int] = field(default_factory=list)  # every process group we started (teardown)
+    logs: list[Path] = field(default_factory=list)
+    expected_exit: set[int] = field(default_factory=set)  # main pids the harness stopped or killed
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, name: str) -> subprocess.Popen[bytes]:
+        with self.lock:
+            gen = self.generation[name]
+            self.generation[name] += 1
+            log = self.logdir / f"{name.split('@')[0]}.{gen}.log"
+            self.logs.append(log)
+            cmd = [
+                sys.executable, "-m", "celery", "-A", "tests.chaos.proj", "worker", "-P", "prefork",
+                "-c", str(self.concurrency), "-n", name, "--without-gossip", "--without-mingle",
+                "--without-heartbeat", "-l", "INFO",
+            ]  # fmt: skip
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            self.procs[name] = proc
+            self.sessions.append(proc.pid)
+            proc.log = log  # type: ignore[attr-defined]
+            return proc
+
+    def wait_ready(self, name: str, timeout: float = 60.0) -> bool:
+        proc = self.procs[name]
+        log: Path = proc.log  # type: ignore[attr-defined]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
+            if "ready." in log.read_text(errors="replace"):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def children(self, name: str) -> list[int]:
+        try:
+            return [c.pid for c in psutil.Process(self.procs[name].pid).children()]
+        except psutil.Error:
+            return []
+
+    def unexpected_deaths(self) -> list[str]:
+        with self.lock:
+            return [
+                f"{name} (pid {p.pid}) exited {p.returncode}"
+                for name, p in self.procs.items()
+                if p.poll() is not None and p.pid not in self.expected_exit
+            ]
+
+    def stop_all(self, kills: Kills) -> None:
+        with self.lock:
+            procs = list(self.procs.values())
+            self.expected_exit.update(p.pid for p in procs)
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for pgid in self.sessions:  # orphaned pool children of killed workers too
+            kills.killpg(pgid)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Deaths: kills the harness sent (exact upper bounds) and exits a pidfd watcher saw
+
+
+class Kills:
+    """Every SIGKILL the harness sends, timed after the signal was sent: a body cannot run past it."""
+
+    def __init__(self) -> None:
+        self.by_pid: dict[int, list[float]] = collections.defaultdict(list)
+        self.by_pgid: dict[int, list[float]] = collections.defaultdict(list)
+        self.lock = threading.Lock()
+
+    def kill(self, pid: int, sig: int = signal.SIGKILL) -> bool:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return False
+        t = now()
+        if sig == signal.SIGKILL:
+            with self.lock:
+                self.by_pid[pid].append(t)
+        return True
+
+    def killpg(self, pgid: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+            t = now()
+            with self.lock:
+                self.by_pgid[pgid].append(t)
+
+
+class ExitWatcher(threading.Thread):
+    """Notes when each process that ran a body exits (pidfd), within milliseconds."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(name="chaos-exit-watcher", daemon=True)
+        self.directory = directory
+        self.exits: dict[int, float] = {}
+        self.unwatched: set[int] = set()  # gone before we could watch it
+        self._fds: dict[int, int] = {}
+        self._halt = threading.Event()
+        self._seen: set[int] = set()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
+
+    def _scan(self, poller: select.poll) -> None:
+        for entry in os.scandir(self.directory):
+            if not entry.name.endswith(".log"):
+                continue
+            pid = int(entry.name[:-4])
+            if pid in self._seen:
+                continue
+            self._seen.add(pid)
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.unwatched.add(pid)
+                continue
+            self._fds[fd] = pid
+            poller.register(fd, select.POLLIN)
+
+    def run(self) -> None:
+        poller = select.poll()
+        while not self._halt.is_set():
+            self._scan(poller)
+            for fd, _ in poller.poll(5):
+                self.exits[self._fds.pop(fd)] = now()
+                poller.unregister(fd)
+                os.close(fd)
+        self._scan(poller)
+        for fd, pid in list(self._fds.items()):
+            os.close(fd)
+            self.unwatched.add(pid)  # still alive at the end, or gone unseen
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The observer's records
+
+
+@dataclass
+class Body:
+    task_id: str
+    key: str
+    pid: int
+    pgid: int
+    worker: str
+    start: float
+    end: float | None = None  # its own ``end`` line
+    last_alive: float = 0.0  # last heartbeat (killed bodies)
+    death: float | None = None  # upper bound of its process's death
+    death_exact: bool = False  # the bound is a kill the harness sent
+
+    @property
+    def end_hi(self) -> float:
+        if self.end is not None:
+            return self.end
+        return self.death if self.death is not None else self.last_alive
+
+    @property
+    def end_lo(self) -> float:
+        if self.end is not None:
+            return self.end
+        if self.death is not None and self.death_exact:
+            return self.death
+        return self.last_alive
+
+
+def read_bodies(directory: Path) -> list[Body]:
+    bodies: list[Body] = []
+    for log in directory.glob("*.log"):
+        pid = int(log.stem)
+        current: Body | None = None
+        for line in log.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) >= 6 and parts[0] == "start":
+                current = Body(parts[1], parts[2], pid, int(parts[5]), parts[4], float(parts[3]))
+                bodies.append(current)
+            elif len(parts) >= 4 and parts[0] == "end" and current is not None and current.task_id == parts[1]:
+                current.end = float(parts[3])
+                current = None
+        hb = log.with_suffix(".hb")
+        if current is not None and hb.exists():
+            fields = hb.read_text(errors="replace").split()
+            if len(fields) >= 2 and fields[0] == current.task_id:
+                with contextlib.suppress(ValueError):
+                    current.last_alive = float(fields[1])
+            current.last_alive = max(current.last_alive, current.start)
+    return bodies
+
+
+def bound_deaths(bodies: list[Body], kills: Kills, watcher: ExitWatcher) -> None:
+    for body in bodies:
+        if body.end is not None:
+            continue
+        exact = [t for t in kills.by_pid.get(body.pid, []) if t >= body.start]
+        exact += [t for t in kills.by_pgid.get(body.pgid, []) if t >= body.start]
+        watched = watcher.exits.get(body.pid)
+        if exact and (watched is None or min(exact) <= watched):
+            body.death, body.death_exact = min(exact), True
+        elif watched is not None:
+            body.death = watched
+
+
+@dataclass
+class Overlap:
+    key: str
+    at: float
+    bodies: list[Body]
+    definite: bool
+
+
+def overlaps(bodies: list[Body], limits: dict[str, int]) -> tuple[dict[str, int], list[Overlap]]:
+    """Peak bodies per key at any instant, and each moment a key went over its K (end_hi: misses nothing);
+    ``definite`` when it is over K with killed bodies ending at their lower bound too."""
+    by_key: dict[str, list[Body]] = collections.defaultdict(list)
+    for b in bodies:
+        by_key[b.key].append(b)
+    peaks: dict[str, int] = {}
+    found: list[Overlap] = []
+    for key, group in by_key.items():
+        limit = limits.get(key, 1)
+        events = sorted(
+            [(b.start, 1, i) for i, b in enumerate(group)] + [(b.end_hi, -1, i) for i, b in enumerate(group)],
+            key=lambda e: (e[0], e[1]),  # an end before a start at the same instant
+        )
+        active: set[int] = set()
+        peak = 0
+        for t, delta, i in events:
+            if delta < 0:
+                active.discard(i)
+                continue
+            active.add(i)
+            peak = max(peak, len(active))
+            if len(active) > limit:
+                members = [group[j] for j in sorted(active, key=lambda j: group[j].start)]
+                definite = sum(1 for b in members if b.end_lo > t or b is group[i]) > limit
+                found.append(Overlap(key, t, members, definite))
+        peaks[key] = peak
+    return peaks, found
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class Report:
+    config: Config
+    figures: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    fault_log: list[str] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+    logdir: Path | None = None
+
+    def text(self) -> str:
+        lines = [self.config.describe(), "faults as run (seconds from the first publish):"]
+        lines += [f"  {line}" for line in self.fault_log]
+        lines.append("figures:")
+        lines += [f"  {k}: {v}" for k, v in self.figures.items()]
+        if self.details:
+            lines.append("details:")
+            lines += [f"  {d}" for d in self.details]
+        lines.append(f"logs: {self.logdir}")
+        lines.append("verdict: " + ("OK" if not self.failures else "FAILED"))
+        lines += [f"  - {f}" for f in self.failures]
+        return "\n".join(lines)
+
+
+class Chaos:
+    def __init__(self, config: Config, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.observed = workdir / "observed"
+        self.observed.mkdir(parents=True, exist_ok=True)
+        self.logdir = workdir / "logs"
+        self.logdir.mkdir(exist_ok=True)
+        self.kills = Kills()
+        self.report = Report(config, logdir=self.logdir)
+        self.tasks: dict[str, tuple[str, float, int]] = {}  # task id -> (key, seconds, seq)
+        self.t0 = 0.0
+        self.last_fault_end = 0.0
+        self.drift: list[str] = []
+        self.reconcile_errors = 0
+        self.publish_retries = 0
+        self._stop = threading.Event()
+        self._errors: list[str] = []
+
+    # -- helpers -------------------------------------------------------------------------------------------
+
+    def rel(self, t: float | None = None) -> float:
+        return (now() if t is None else t) - self.t0
+
+    def log_fault(self, text: str) -> None:
+        line = f"{self.rel():7.1f}s  {text}"
+        self.report.fault_log.append(line)
+        print(f"[chaos] {line}", flush=True)
+
+    def running_bodies(self) -> list[Body]:
+        """Bodies running now (start, no end, heartbeat fresh), from the observer's files."""
+        t = now()
+        return [b for b in read_bodies(self.observed) if b.end is None and t - b.last_alive < 0.25]
+
+    # -- threads -------------------------------------------------------------------------------------------
+
+    def _guard(self, fn: Any) -> Any:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException:
+                self._errors.append(traceback.format_exc())
+
+        return run
+
+    def publish(self) -> None:
+        cfg = self.config
+        rng = random.Random(cfg.seed * 7919 + 1)
+        spacing = cfg.submit_over / cfg.tasks
+        for seq in range(cfg.tasks):
+            if self._stop.is_set():
+                return
+            key = GATE_KEY if rng.random() < 0.2 else f"m:{rng.randrange(cfg.mutex_keys)}"
+            r = rng.random()
+            if seq < 2:  # a body longer than the lease runs from the start (the first fault may need one)
+                key, r = f"m:{seq}", 0.0
+            if r < cfg.long_fraction:
+                seconds = rng.uniform(cfg.lease + 0.5, cfg.lease + 3.0)
+            elif r < cfg.long_fraction + 0.1:
+                seconds = rng.uniform(0.3, 1.5)
+            else:
+                seconds = rng.uniform(0.02, 0.3)
+            task_id = f"c{seq:05d}-{uuid.UUID(int=rng.getrandbits(128)).hex[:12]}"
+            self.tasks[task_id] = (key, round(seconds, 3), seq)
+            while not self._stop.is_set():
+                try:
+                    self.ns.work.apply_async((key, round(seconds, 3), seq), task_id=task_id)
+                    break
+                except Exception:  # broker down: publish the same task id again (a duplicate is normal input)
+                    self.publish_retries += 1
+                    time.sleep(0.5)
+            delay = self.t0 + (seq + 1) * spacing - now()
+            if delay > 0:
+                time.sleep(delay)
+
+    def reconcile_loop(self) -> None:
+        from celery_keyed.beat import reconcile
+
+        while not self._stop.wait(3.0):
+            try:
+                summary = reconcile(self.ns.app)
+                self.drift += summary["drift"]
+            except Exception:
+                self.reconcile_errors += 1
+
+    def run_faults(self) -> None:
+        for fault in self.config.faults:
+            delay = self.t0 + fault.at - now()
+            if delay > 0 and self._stop.wait(delay):
+                return
+            getattr(self, f"fault_{fault.kind}")(fault)
+            self.last_fault_end = now()
+
+    # -- faults --------------------------------------------------------------------------------------------
+
+    def _restart_worker(self, name: str, pause: float) -> None:
+        time.sleep(pause)
+        self.workers.start(name)
+        ok = self.workers.wait_ready(name)
+        self.log_fault(f"  {name} started again (ready={ok})")
+
+    def fault_kill_main(self, fault: Fault) -> None:
+        name = fault.target or WORKERS[0]
+        proc = self.workers.procs[name]
+        self.workers.expected_exit.add(proc.pid)
+        busy = [b.task_id for b in self.running_bodies() if b.pgid == proc.pid]
+        children = self.workers.children(name)
+        self.kills.kill(proc.pid)
+        proc.wait()
+        time.sleep(0.3)
+        alive = [pid for pid in children if psutil.pid_exists(pid)]
+        self.log_fault(
+            f"SIGKILL main of {name} pid {proc.pid} (bodies running: {busy}; pool children {children}, "
+            f"alive 0.3 s later: {alive})"
+        )
+        self._restart_worker(name, fault.duration)
+
+    def fault_kill_child(self, fault: Fault) -> None:
+        name = fault.target or WORKERS[0]
+        children = set(self.workers.children(name))
+        busy = [b for b in self.running_bodies() if b.pid in children]
+        if not busy:  # some other worker's busy child, else any child
+            busy = [b for b in self.running_bodies() if b.worker in WORKERS]
+        if busy:
+            body = random.Random(self.config.seed + int(fault.at)).choice(busy)
+            self.kills.kill(body.pid)
+            self.log_fault(f"SIGKILL pool child {body.pid} of {body.worker} running {body.task_id} ({body.key})")
+        elif children:
+            pid = sorted(children)[0]
+            self.kills.kill(pid)
+            self.log_fault(f"SIGKILL idle pool child {pid} of {name}")
+
+    def fault_warm_shutdown(self, fault: Fault) -> None:
+        deadline = now() + 15.0
+        long_body: Body | None = None
+        while now() < deadline and long_body is None:
+            for b in self.running_bodies():
+                if self.tasks.get(b.task_id, ("", 0.0, 0))[1] > self.config.lease and b.worker in self.workers.procs:
+                    long_body = b
+                    break
+            else:
+                time.sleep(0.1)
+        name = long_body.worker if long_body is not None else (fault.target or WORKERS[0])
+        proc = self.workers.procs[name]
+        self.workers.expected_exit.add(proc.pid)
+        os.kill(proc.pid, signal.SIGTERM)
+        what = (
+            f"mid {long_body.task_id} ({long_body.key}, {self.tasks[long_body.task_id][1]}s > lease)"
+            if long_body
+            else "no body longer than the lease was running"
+        )
+        self.log_fault(f"SIGTERM (warm shutdown) {name} pid {proc.pid} {what}")
+        try:
+            proc.wait(timeout=60)
+            self.log_fault(f"  {name} exited {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            self.report.failures.append(f"warm shutdown of {name} did not end within 60 s")
+            self.kills.killpg(proc.pid)
+            proc.wait()
+        self._restart_worker(name, fault.duration)
+
+    def fault_pg_restart(self, fault: Fault) -> None:
+        self.log_fault("PostgreSQL restart")
+        self.pg.restart()
+        self.log_fault("  PostgreSQL up")
+
+    def fault_pg_outage(self, fault: Fault) -> None:
+        self.log_fault(f"PostgreSQL down for {fault.duration}s")
+        self.pg.suspend()
+        time.sleep(fault.duration)
+        self.pg.resume()
+        self.log_fault("  PostgreSQL up")
+
+    def fault_redis_restart(self, fault: Fault) -> None:
+        self.log_fault("Redis restart")
+        self.redis.restart()
+        self.log_fault("  Redis up")
+
+    def fault_redis_outage(self, fault: Fault) -> None:
+        self.log_fault(f"Redis down for {fault.duration}s")
+        self.redis.suspend()
+        time.sleep(fault.duration)
+        self.redis.resume()
+        self.log_fault("  Redis up")
+
+    # -- setup, drain, checks ------------------------------------------------------------------------------
+
+    def run(self) -> Report:
+        cfg = self.config
+        print(f"[chaos] {cfg.describe()}", flush=True)
+        pg = start_postgres(use_env=False)
+        redis = start_redis(use_env=False, persistent=True)
+        assert isinstance(pg, PostgresServer) and isinstance(redis, RedisServer)
+        self.pg, self.redis = pg, redis
+        try:
+            return self._run()
+        finally:
+            pg.stop()
+            redis.stop()
+
+    def _run(self) -> Report:
+        from celery_keyed.ledger import migrate
+
+        cfg = self.config
+        engine = sa.create_engine(self.pg.url, pool_pre_ping=True)
+        migrate(engine)
+        self.engine = engine
+        env = dict(os.environ)
+        env.update(
+            KEYED_DATABASE_URL=self.pg.url,
+            CELERY_BROKER_URL=self.redis.url_for(0),
+            CELERY_RESULT_BACKEND=self.redis.url_for(1),
+            KEYED_LIMITS=json.dumps({"gate": cfg.gate_limit}),
+            KEYED_LEASE=str(cfg.lease),
+            VISIBILITY_TIMEOUT=str(cfg.visibility_timeout),
+            CHAOS_OBSERVED=str(self.observed),
+            PYTHONPATH=str(ROOT),
+            PYTHONWARNINGS="ignore",
+        )
+        from tests.chaos.proj import make_app
+
+        self.ns = make_app(env)
+        self.workers = Workers(env, self.logdir, cfg.concurrency)
+        watcher = ExitWatcher(self.observed)
+        watcher.start()
+        threads: list[threading.Thread] = []
+        try:
+            for name in WORKERS:
+                self.workers.start(name)
+            for name in WORKERS:
+                if not self.workers.wait_ready(name):
+                    raise RuntimeError(f"worker {name} did not start: {self.workers.procs[name].log}")  # type: ignore[attr-defined]
+            self.t0 = now()
+            threads = [
+                threading.Thread(target=self._guard(fn), name=f"chaos-{fn.__name__}", daemon=True)
+                for fn in (self.publish, self.run_faults)
+            ]
+            reconciler = threading.Thread(target=self._guard(self.reconcile_loop), daemon=True)
+            for t in [*threads, reconciler]:
+                t.start()
+            for t in threads:
+                t.join()
+            self.report.figures["publishing took"] = f"{cfg.submit_over:.1f}s (planned)"
+            faults_done = self.rel(self.last_fault_end)
+            drained_at = self.drain()
+            self._stop.set()
+            reconciler.join(10)
+            self.final_reconcile()
+            self.report.figures["publish retries (broker down)"] = self.publish_retries
+            self.report.figures["last fault ended at"] = f"{faults_done:.1f}s"
+            if drained_at is not None:
+                self.report.figures["last fault -> drained"] = f"{drained_at - self.last_fault_end:.1f}s"
+            deaths = self.workers.unexpected_deaths()
+        finally:
+            self._stop.set()
+            self.workers.stop_all(self.kills)
+            watcher.stop()
+        if deaths:
+            self.report.failures.append(f"workers died that the harness did not kill: {deaths}")
+        self.check(watcher)
+        for err in self._errors:
+            self.report.failures.append(f"harness thread error: {err}")
+        from celery_keyed.publisher import close_publisher
+
+        close_publisher(self.ns.app)
+        self.ns.app.close()
+        engine.dispose()
+        return self.report
+
+    def _state(self) -> dict[str, Any]:
+        ids = list(self.tasks)
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT task_id, outcome FROM keyed_tasks WHERE task_id = ANY(:ids)"), {"ids": ids}
+            ).all()
+            claims = conn.execute(sa.text("SELECT count(*) FROM keyed_claims")).scalar_one()
+            waiting = conn.execute(sa.text("SELECT count(*) FROM keyed_waiting")).scalar_one()
+        outcomes = {r.task_id: r.outcome for r in rows}
+        return {"outcomes": outcomes, "claims": claims, "waiting": waiting, "results": self.results(ids)}
+
+    def results(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+        backend = self.ns.app.backend
+        client = backend.client
+        found: dict[str, tuple[str, Any]] = {}
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            for task_id, raw in zip(chunk, client.mget([backend.get_key_for_task(t) for t in chunk]), strict=True):
+                if raw is not None:
+                    meta = backend.decode_result(raw)
+                    found[task_id] = (meta["status"], meta["result"])
+        return found
+
+    def drain(self) -> float | None:
+        deadline = now() + self.config.drain_timeout
+        state: dict[str, Any] = {}
+        while now() < deadline:
+            try:
+                state = self._state()
+            except Exception:
+                time.sleep(0.5)
+                continue
+            done = sum(1 for o in state["outcomes"].values() if o is not None)
+            if (
+                done == len(self.tasks)
+                and len(state["results"]) == len(self.tasks)
+                and state["claims"] == 0
+                and state["waiting"] == 0
+            ):
+                return now()
+            time.sleep(0.5)
+        self.report.failures.append(
+            f"not drained {self.config.drain_timeout:.0f}s after the last publish/fault: "
+            f"{sum(1 for o in state.get('outcomes', {}).values() if o is not None)}/{len(self.tasks)} booked, "
+            f"{len(state.get('results', {}))} results, {state.get('claims')} claims, {state.get('waiting')} waiting"
+        )
+        return None
+
+    def final_reconcile(self) -> None:
+        from celery_keyed.ledger.reconcile import check_counters_once
+
+        try:
+            self.drift += check_counters_once(self.engine)
+        except Exception as error:
+            self.report.failures.append(f"final counter check failed: {error!r}")
+
+    def check(self, watcher: ExitWatcher) -> None:
+        cfg, figures, failures = self.config, self.report.figures, self.report.failures
+        bodies = read_bodies(self.observed)
+        bound_deaths(bodies, self.kills, watcher)
+        limits = {GATE_KEY: cfg.gate_limit}
+        peaks, found = overlaps(bodies, limits)
+        killed = [b for b in bodies if b.end is None]
+        figures["tasks published"] = len(self.tasks)
+        figures["bodies started / ended / killed"] = f"{len(bodies)} / {len(bodies) - len(killed)} / {len(killed)}"
+        figures["killed bodies bounded by a harness kill / exit watcher / heartbeat only"] = (
+            f"{sum(1 for b in killed if b.death_exact)} / "
+            f"{sum(1 for b in killed if b.death is not None and not b.death_exact)} / "
+            f"{sum(1 for b in killed if b.death is None)}"
+        )
+        mutex_peak = max((p for k, p in peaks.items() if k != GATE_KEY), default=0)
+        figures["peak bodies per mutex key (K=1)"] = mutex_peak
+        figures[f"peak bodies of {GATE_KEY} (K={cfg.gate_limit})"] = peaks.get(GATE_KEY, 0)
+        definite = [o for o in found if o.definite]
+        figures["over-admissions (definite / ambiguous)"] = f"{len(definite)} / {len(found) - len(definite)}"
+        if definite:
+            failures.append(f"bound broken: {len(definite)} moments with more than K bodies of a key running")
+        for o in found[:20]:
+            self.report.details.append(
+                f"{'OVER-ADMISSION' if o.definite else 'ambiguous overlap'} {o.key} at {self.rel(o.at):.2f}s: "
+                + "; ".join(
+                    f"{b.task_id} on {b.worker} pid {b.pid} {self.rel(b.start):.2f}-{self.rel(b.end_hi):.2f}s"
+                    + ("" if b.end is not None else " (killed" + (", exact)" if b.death_exact else ")"))
+                    for b in o.bodies
+                )
+            )
+        per_task = collections.Counter(b.task_id for b in bodies)
+        completed_bodies = collections.Counter(b.task_id for b in bodies if b.end is not None)
+        figures["task ids run more than once / completed more than once"] = (
+            f"{sum(1 for n in per_task.values() if n > 1)} / {sum(1 for n in completed_bodies.values() if n > 1)}"
+        )
+        never = [t for t in self.tasks if t not in per_task]
+        state = self._state_after()
+        if state is None:
+            failures.append("could not read the ledger after the run")
+            return
+        outcomes, results = state["outcomes"], state["results"]
+        dist = collections.Counter(outcomes.get(t, "missing") or "open" for t in self.tasks)
+        figures["books (outcome of each task id)"] = dict(dist)
+        books = state["books"]
+        figures["Ledger.books()"] = books
+        figures["claims / waiting rows left"] = f"{state['claims']} / {state['waiting']}"
+        bad = {t: outcomes.get(t, "missing") or "open" for t in self.tasks if outcomes.get(t) != "completed"}
+        if bad:
+            failures.append(f"{len(bad)} task ids not completed in the books: {_sample(bad)}")
+        if books.get("open", 0) or state["claims"] or state["waiting"]:
+            failures.append(
+                f"open books after drain: {books.get('open', 0)} open, {state['claims']} claims, "
+                f"{state['waiting']} waiting"
+            )
+        if books.get("arrivals", 0) != len(self.tasks):
+            failures.append(f"books count {books.get('arrivals')} arrivals for {len(self.tasks)} published task ids")
+        mismatched = {}
+        for task_id, (_key, _seconds, seq) in self.tasks.items():
+            status, value = results.get(task_id, ("missing", None))
+            expected = "SUCCESS" if outcomes.get(task_id) == "completed" else "FAILURE"
+            if status != expected or (status == "SUCCESS" and value != seq):
+                mismatched[task_id] = f"{status} {value!r} (books: {outcomes.get(task_id)})"
+        figures["results matching the books"] = f"{len(self.tasks) - len(mismatched)}/{len(self.tasks)}"
+        if mismatched:
+            failures.append(f"{len(mismatched)} results do not match the books: {_sample(mismatched)}")
+        ran_not_booked = [t for t in self.tasks if t in completed_bodies and outcomes.get(t) != "completed"]
+        if ran_not_booked:
+            self.report.details.append(f"ran to the end but not completed in the books: {ran_not_booked[:10]}")
+        if never:
+            self.report.details.append(f"never started a body: {len(never)} task ids, e.g. {never[:10]}")
+        for task_id in list(bad)[:5]:
+            status, value = results.get(task_id, ("missing", None))
+            runs = [b for b in bodies if b.task_id == task_id]
+            self.report.details.append(
+                f"{task_id} ({self.tasks[task_id][0]}): result {status} {str(value)[:160]!r}; bodies: "
+                + "; ".join(
+                    f"{b.worker} pid {b.pid} {self.rel(b.start):.2f}-{self.rel(b.end_hi):.2f}s"
+                    + (" ended" if b.end is not None else " killed")
+                    for b in runs
+                )
+                + f"; explain: {state['explain'].get(task_id)}"
+            )
+        drift_events = state["drift_events"]
+        figures["reconcile drift (runs / keyed_events)"] = f"{len(self.drift)} / {len(drift_events)}"
+        figures["reconcile runs failed (ledger down)"] = self.reconcile_errors
+        if self.drift or drift_events:
+            failures.append(f"reconcile drift: {(self.drift + drift_events)[:10]}")
+        figures["reclaimed leases (keyed_events)"] = state["reclaimed"]
+        figures["worker log lines"] = self.scan_logs()
+        figures["code under test"] = code_under_test()
+
+    def _state_after(self) -> dict[str, Any] | None:
+        from celery_keyed.ledger import Ledger
+
+        try:
+            state = self._state()
+            ledger = Ledger(self.engine, lease=self.config.lease)
+            state["books"] = ledger.books()
+            with self.engine.connect() as conn:
+                state["drift_events"] = [
+                    f"{r.key}: {r.detail}"
+                    for r in conn.execute(sa.text("SELECT key, detail FROM keyed_events WHERE kind = 'drift'"))
+                ]
+                state["reclaimed"] = conn.execute(
+                    sa.text("SELECT count(*) FROM keyed_events WHERE kind = 'reclaimed'")
+                ).scalar_one()
+            bad = [t for t in self.tasks if state["outcomes"].get(t) != "completed"][:5]
+            state["explain"] = {}
+            for t in bad:
+                try:
+                    state["explain"][t] = ledger.explain(t)
+                except Exception as error:
+                    state["explain"][t] = repr(error)
+            return state
+        except Exception:
+            self.report.details.append(traceback.format_exc())
+            return None
+
+    def scan_logs(self) -> dict[str, int]:
+        patterns = {
+            "Unrecoverable error": "Unrecoverable error",
+            "Traceback": "Traceback",
+            "drift": "drift",
+            "reclaimed the slot": "reclaimed the slot",
+            "self-fence (terminating)": "terminating",
+            "WorkerLostError": "WorkerLostError",
+            "ledger unreachable": "the ledger is unreachable",
+        }
+        counts = dict.fromkeys(patterns, 0)
+        for log in self.workers.logs:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            for label, pattern in patterns.items():
+                counts[label] += text.count(pattern)
+        return counts
+
+
+def code_under_test() -> str:
+    """HEAD, and a digest of the gate's files when they differ from it (the workers run the working tree)."""
+    import hashlib
+
+    def git(*args: str) -> str:
+        result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return result.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    changed = git("diff", "--name-only", "HEAD", "--", "celery_keyed").split()
+    changed += git("ls-files", "--others", "--exclude-standard", "--", "celery_keyed").split()
+    if not changed:
+        return f"{head} (clean)"
+    digest = hashlib.sha256(git("diff", "HEAD", "--", "celery_keyed").encode()).hexdigest()[:10]
+    files = " ".join(changed)
+    return f"{head} + uncommitted changes to {files} (diff {digest})"
+
+
+def _sample(mapping: dict[str, Any], n: int = 8) -> str:
+    items = list(mapping.items())
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(f"{k}: {v}" for k, v in items[:n]) + more
+
+
+def run(config: Config, workdir: Path | None = None) -> Report:
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="celery-keyed-chaos-"))
+    report = Chaos(config, workdir).run()
+    print(report.text(), flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--long", action="store_true", help="the make chaos variant (default: the short one)")
+    parser.add_argument("--tasks", type=int, default=None)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
+    config = long_config(seed) if args.long else short_config(seed)
+    if args.tasks:
+        config.tasks = args.tasks
+    report = run(config, args.workdir)
+    return 0 if not report.failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
