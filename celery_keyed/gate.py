@@ -31,7 +31,7 @@ from celery.worker.strategy import default as default_strategy
 
 from celery_keyed import exceptions, metrics
 from celery_keyed.engine import create_ledger_engine
-from celery_keyed.ledger import Arrival, Ledger, Outcome, Promotion, Token, Verdict, new_holder
+from celery_keyed.ledger import Arrival, Ledger, Outcome, Promotion, Token, Verdict, bounds, new_holder
 from celery_keyed.ledger.books import books_mark_notified, books_reject_unkeyable, books_unnotified
 from celery_keyed.ledger.claims import HeldClaim
 from celery_keyed.ledger.errors import InvalidKey
@@ -63,6 +63,21 @@ _current: GateService | None = None
 _CONTENDED_FOR = 5.0
 
 
+#: Errors that mean "the ledger cannot be reached now" (the breaker opens, the request is held, D9), as opposed
+#: to the ledger refusing a message's data (a recorded rejection, D16).
+_UNREACHABLE: tuple[type[BaseException], ...] = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
+
+#: The ledger's integer columns (attempt numbers, priorities: integer; group sequence numbers: bigint).
+_INT_MAX = bounds.INT_MAX
+_BIGINT_MAX = bounds.BIGINT_MAX
+
+
+def _unkeyable(exc: BaseException) -> str:
+    """The recorded detail of a message whose keys could not be computed or admitted (D16)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"keys could not be computed or admitted: {type(exc).__name__}{': ' + text[:300] if text else ''}"
+
+
 def current_gate() -> GateService | None:
     """The gate of this worker process, or None outside a worker with ``install(app)``."""
     return _current
@@ -89,6 +104,17 @@ class _Running:
 
 
 @dataclass
+class _Prebound:
+    """A promotion bound to this worker in its releaser's transaction (D4), whose request waits for a pool
+    process. Its claim is renewed like a running one (D13); it is confirmed by a guarded statement when it
+    starts (D14), and given back when it has waited too long (the line must not stay pinned to a busy pool)."""
+
+    fence: int
+    key: str | None
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class _Release:
     """A release handed by the consumer loop to the releaser thread (everything read on the loop)."""
 
@@ -103,6 +129,7 @@ class _Release:
     uncertain: bool
     hold: Any
     released_at: float
+    after: Callable[[], None] | None = None  # the broker ack, deferred until the release commits (D15)
 
 
 class GateService:
@@ -121,11 +148,12 @@ class GateService:
         )
         self._lock = threading.Lock()
         self._running: dict[Token, _Running] = {}
-        self._pending_releases: deque[tuple[Token, int, Outcome]] = deque()
+        self._pending_releases: deque[_Release] = deque()
         self._pending_revokes: deque[str] = deque()  # revokes not yet stored (ledger unreachable)
         self._held: deque[Any] = deque()  # requests waiting for the ledger to come back (D9)
-        self._prebound: dict[Token, int] = {}  # promotions bound to us at promotion time, by token → fence
+        self._prebound: dict[Token, _Prebound] = {}  # promotions bound to us at promotion time (D4); under _lock
         self._to_loop: deque[Promotion] = deque()  # promotions found off the loop, to start on it (D4)
+        self._loop_calls: deque[Callable[[], None]] = deque()  # work for the loop thread (deferred broker acks)
         self._contended: dict[str, float] = {}  # key -> when it last parked or promoted (monotonic)
         self._breaker_open = False
         self._cancelled_queues: list[str] = []  # keyed-only queues not consumed while the breaker is open (D9)
@@ -133,7 +161,10 @@ class GateService:
         self._reachable_since = time.monotonic()
         self._last_reclaim = 0.0
         self._last_renewal = time.monotonic()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the consumer-bound threads (sweeper, releaser) stop
+        self._closed = False  # shutdown began: no local handoff; the heartbeat ends with the last tracked claim
+        self._heartbeat_exit = threading.Event()  # end the heartbeat now (tests, interpreter exit)
+        self._heartbeat: threading.Thread | None = None
         self._releases: deque[_Release] = deque()  # for the releaser thread
         self._release_ready = threading.Event()
         self._release_lock = threading.Lock()
@@ -153,10 +184,16 @@ class GateService:
             self.ledger.configure(self.settings.limits)
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
-        self._last_renewal = time.monotonic()
         self._stop.clear()
+        self._closed = False
+        if self._heartbeat is None or not self._heartbeat.is_alive():
+            # D13: the heartbeat belongs to the process, not to the consumer: it goes on through consumer
+            # restarts (broker reconnects) and warm shutdown, as long as a body it tracks may run.
+            self._last_renewal = time.monotonic()
+            self._heartbeat_exit.clear()
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="keyed-heartbeat", daemon=True)
+            self._heartbeat.start()
         for target, name in (
-            (self._heartbeat_loop, "keyed-heartbeat"),
             (self._sweep_loop, "keyed-sweeper"),
             (self._release_loop, "keyed-releaser"),
         ):
@@ -175,9 +212,11 @@ class GateService:
                 self._timers.append(timer.call_repeatedly(0.01, self._drain_to_loop))
 
     def stop(self) -> None:
-        """Stop the threads. Running attempts keep their claims (their outcome hooks release them); safe to
-        call twice (it runs from signal handlers). The releaser finishes the releases handed to it; later ones
-        run in the caller's thread."""
+        """Stop what belongs to the consumer: the sweeper, the releaser, the loop's timers and wakeup. Celery
+        calls it on every broker reconnect and at warm shutdown while the pool still runs tasks, so the
+        heartbeat (renewal and self-fencing) goes on (D13), and running attempts keep their claims (their outcome
+        hooks release them). Safe to call twice (it runs from signal handlers). The releaser finishes the
+        releases handed to it; later ones run in the caller's thread."""
         with self._release_lock:
             self._releaser_accepting = False
         self._stop.set()
@@ -192,10 +231,17 @@ class GateService:
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()
+        self._run_loop_calls()  # acks the releaser deferred until its commits (stop runs on the loop thread)
 
     def shutdown(self) -> None:
+        """Worker shutdown (warm: the pool may still run keyed tasks). Promotions bound here that have not
+        started go back in line for other workers, later promotions are published instead of run here (this
+        worker takes no new work), and the heartbeat goes on renewing the running attempts until the last one
+        has ended (D13). Safe to call twice."""
         global _current
+        self._closed = True
         self.stop()
+        self._give_back_prebound(lambda p: True, "the worker is shutting down")
         self._flush_pending_releases()
         if _current is self:
             _current = None
@@ -204,6 +250,14 @@ class GateService:
             for fd in waker[1:]:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+    def close(self) -> None:
+        """Shut down and end the heartbeat now, whatever it still tracks (tests; a process that owns no
+        running body any more)."""
+        self.shutdown()
+        self._heartbeat_exit.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
         self.engine.dispose()
 
     def _warn_prefix_capture(self) -> None:
@@ -239,11 +293,17 @@ class GateService:
 
     def execute(self, request: Any, submit: Callable[[], Any]) -> Any:
         """Admit ``request`` now that a pool process can start it: run it, or park / drop it and free the
-        pool slot (raising ``TaskRevokedError`` makes Celery release its pool semaphore, nothing else)."""
+        pool slot (raising ``TaskRevokedError`` makes Celery release its pool semaphore, nothing else).
+
+        Every start is bound by one guarded statement now (D14): an ordinary admission, the bind of a
+        promotion's nonce, or the confirmation of a promotion bound here earlier (D4) whose claim must still be
+        this worker's with the same fence. Whatever the message holds, nothing raises into the consumer loop
+        (D16): what cannot be computed or admitted is a recorded rejection with a ``KeyedRejected`` result."""
         try:
             arrival = self.arrival_for(request)
-        except InvalidKey as exc:
-            self._finish_without_running(request, "rejected", f"malformed keys: {exc}", record_in_ledger=True)
+        except Exception as exc:  # D16: anything computed from the message (keys, headers, integers)
+            detail = f"malformed keys: {exc}" if isinstance(exc, InvalidKey) else _unkeyable(exc)
+            self._finish_without_running(request, "rejected", detail, record_in_ledger=True)
             metrics.admission("rejected")
             raise TaskRevokedError(request.id) from None
         if arrival is None:  # this call carries no key after all: Celery's own path
@@ -252,12 +312,12 @@ class GateService:
             # Celery's own check, made before admission: a revoked request takes no slot. (Celery would discard
             # it right after we claimed one, leaving the claim unused until the never-started sweep.) A promotion
             # meant for it is taken and given back as revoked, so that it does not go back in line.
-            fence = self._prebound.get(arrival.token)
-            if fence is None and not self._breaker_open:
-                with contextlib.suppress(sa.exc.OperationalError):
+            if arrival.token not in self._prebound and not self._breaker_open:
+                with contextlib.suppress(*_UNREACHABLE):
                     fence = self._bind_promoted(request, arrival)
-                if fence is not None:
-                    self._prebound[arrival.token] = fence
+                    if fence is not None:
+                        with self._lock:
+                            self._prebound[arrival.token] = _Prebound(fence, arrival.key)
             self._revoked_before_start(arrival.token, arrival.key)
             request.revoked()  # Celery's bookkeeping: ack, REVOKED result, task_revoked signal
             raise TaskRevokedError(request.id)
@@ -265,13 +325,18 @@ class GateService:
             self._hold(request)
             raise TaskRevokedError(request.id)
         try:
-            fence = self._prebound.pop(arrival.token, None)
+            fence = self._start_prebound(arrival.token)
             if fence is None:
                 fence = self._bind_promoted(request, arrival)
             admission = None if fence is not None else self.ledger.admit(arrival)
-        except sa.exc.OperationalError as exc:
+        except _UNREACHABLE as exc:
             self._open_breaker(exc)
             self._hold(request)
+            raise TaskRevokedError(request.id) from None
+        except Exception as exc:  # D16: the ledger refused the message's data (a value out of range...)
+            logger.exception("celery-keyed: could not admit %s[%s]", request.name, request.id)
+            self._finish_without_running(request, "rejected", _unkeyable(exc), record_in_ledger=True)
+            metrics.admission("rejected")
             raise TaskRevokedError(request.id) from None
         metrics.started(arrival.token, None if admission is None else admission.verdict)
         request.keyed_arrival_key = arrival.key
@@ -292,15 +357,42 @@ class GateService:
             self._running[arrival.token] = _Running(request, arrival.token, fence)
         return submit()
 
+    def _start_prebound(self, token: Token) -> int | None:
+        """D14: a promotion bound to this worker earlier (D4) starts only if its claim is still this worker's,
+        with the same fence (one guarded statement, which also renews the lease). None: not bound here, or its
+        claim lapsed while it waited (then it is admitted as usual: the ledger has put it back in line, so this
+        copy is a duplicate)."""
+        with self._lock:
+            prebound = self._prebound.pop(token, None)
+        if prebound is None:
+            return None
+        try:
+            confirmed = self.ledger.confirm(token, prebound.fence)
+        except _UNREACHABLE:
+            with self._lock:
+                self._prebound.setdefault(token, prebound)  # held with the request; confirmed when resubmitted
+            raise
+        if not confirmed:
+            logger.warning(
+                "celery-keyed: the claim of promoted %s attempt %d lapsed before a pool process could start it; "
+                "admitting it as usual",
+                token.task_id,
+                token.attempt,
+            )
+            return None
+        return prebound.fence
+
     def arrival_for(self, request: Any) -> Arrival | None:
         """The ledger's view of a request: its token, keys (from headers, else computed from the arguments:
         ``send_task`` sends none), deadline and stored message. Malformed keys raise ``InvalidKey``."""
-        headers = request._request_dict
+        # A gate header that is present but null is treated as absent (a foreign producer's ``None``): the keys
+        # are then computed from the arguments, never skipped.
+        headers = {k: v for k, v in request._request_dict.items() if v is not None}
         task = request.task
         key = headers.get(HEADER_KEY)
         group = headers.get(HEADER_GROUP)
         supersede = headers.get(HEADER_SUPERSEDE)
-        if key is None and group is None and HEADER_KEY not in headers:
+        if key is None and group is None:
             args, kwargs = tuple(request.args), dict(request.kwargs)
             key = evaluate_keys(key_spec(task, "concurrency_key"), task, args, kwargs)
             group = evaluate_key(key_spec(task, "group_key"), task, args, kwargs, option="group_key")
@@ -317,12 +409,14 @@ class GateService:
         keys = [key] if isinstance(key, str) else list(key or [])
         cost = check_cost(headers.get(HEADER_COST, getattr(task, "concurrency_cost", 1)), task)
         seq = headers.get(HEADER_GROUP_SEQ)
-        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int)):
-            raise InvalidKey(f"header {HEADER_GROUP_SEQ} must be an integer, got {seq!r}")
+        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= _BIGINT_MAX):
+            raise InvalidKey(f"header {HEADER_GROUP_SEQ} must be an integer from 0 to {_BIGINT_MAX}, got {seq!r}")
         retries = headers.get("retries") or 0
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise InvalidKey(f"header retries must be a non-negative integer, got {retries!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= _INT_MAX:
+            raise InvalidKey(f"header retries must be an integer from 0 to {_INT_MAX}, got {retries!r}")
         priority = (request.delivery_info or {}).get("priority") or 0
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -_INT_MAX <= priority <= _INT_MAX:
+            raise InvalidKey(f"message priority must be an integer, got {priority!r}")
         return Arrival(
             task_id=request.id,
             attempt=retries,
@@ -374,16 +468,25 @@ class GateService:
     def _finish_without_running(
         self, request: Any, outcome: str, detail: str, *, record_in_ledger: bool = False
     ) -> None:
+        """Record (when asked), store the failure result, ack. Never raises: it runs on the consumer loop for
+        hostile messages too (D16). A result that could not be stored is stored later from the books (the
+        row stays unnotified and the sweeper retries it)."""
         if record_in_ledger:
             with contextlib.suppress(sa.exc.SQLAlchemyError), self.engine.begin() as conn:
                 books_reject_unkeyable(conn, request.id, task_name=request.name, detail=detail)
         logger.warning("celery-keyed: %s[%s] %s: %s", request.name, request.id, outcome, detail)
-        exc = exceptions.BY_OUTCOME[outcome](detail)
-        request.task.backend.mark_as_failure(request.id, exc, request=request._context, store_result=True)
+        stored = False
+        try:
+            exc = exceptions.BY_OUTCOME[outcome](detail)
+            request.task.backend.mark_as_failure(request.id, exc, request=request._context, store_result=True)
+            stored = True
+        except Exception:
+            logger.exception("celery-keyed: could not store the %s result of %s", outcome, request.id)
         request.acknowledge()
         worker_state.task_ready(request)
-        with contextlib.suppress(sa.exc.SQLAlchemyError):
-            self.ledger.transaction(lambda conn: books_mark_notified(conn, [request.id]))
+        if stored:
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                self.ledger.transaction(lambda conn: books_mark_notified(conn, [request.id]))
 
     # -- release (consumer loop thread, then the releaser thread) ---------------------------------------
 
@@ -396,8 +499,11 @@ class GateService:
         release only keeps the bound stricter for a moment). Its promotions to run here come back to the loop
         (``_to_loop``, with a wakeup) already bound to this worker (D4). Without a running releaser (not
         started, or stopped at shutdown) the release runs in the caller's thread."""
+        ack = request.keyed_take_deferred_ack() if hasattr(request, "keyed_take_deferred_ack") else None
         claim = request.keyed_claim
         if claim is None:
+            if ack is not None:
+                ack()
             return
         request.keyed_claim = None
         token, fence = claim
@@ -407,7 +513,15 @@ class GateService:
         contended = key is not None and time.monotonic() - self._contended.get(key, -1e9) < _CONTENDED_FOR
         hold = getattr(request.task, "uncertain_hold", None) if uncertain else None
         self._hand_over(
-            token, fence, outcome, key=key, name=request.name, contended=contended, uncertain=uncertain, hold=hold
+            token,
+            fence,
+            outcome,
+            key=key,
+            name=request.name,
+            contended=contended,
+            uncertain=uncertain,
+            hold=hold,
+            after=ack,
         )
 
     def _hand_over(
@@ -421,8 +535,13 @@ class GateService:
         contended: bool,
         uncertain: bool = False,
         hold: Any = None,
+        after: Callable[[], None] | None = None,
+        on_loop: bool = True,
     ) -> None:
-        """Give the release to the releaser thread, or run it here when none runs."""
+        """Give the release to the releaser thread, or run it here when none runs (``on_loop``: the caller is
+        the consumer loop's thread, which may start a promotion itself). ``after``: the broker ack
+        of an ``acks_late`` task, run once the release has committed (D15: a finished body's outcome is in the
+        books before its message leaves the broker; a crash in between redelivers a copy the ledger drops)."""
         local_queues, local_tasks = self._local_handoff()
         job = _Release(
             token=token,
@@ -436,13 +555,17 @@ class GateService:
             uncertain=uncertain,
             hold=hold,
             released_at=metrics.clock(),
+            after=after,
         )
         with self._release_lock:
             if self._releaser_accepting:
                 self._releases.append(job)
                 self._release_ready.set()
                 return
-        self._release_now(job, local=True)
+        local = on_loop and not self._closed
+        if not local:  # nobody here can start a promotion bound to us: every promotion is published (D5)
+            job.local_queues = job.local_tasks = None
+        self._release_now(job, local=local)
 
     def _release_loop(self) -> None:
         """The releaser thread: runs the releases the loop hands it, in order; on stop, the ones already
@@ -474,10 +597,19 @@ class GateService:
                 uncertain=job.uncertain,
                 hold=job.hold,
             )
-        except sa.exc.OperationalError as exc:
-            self._open_breaker(exc)
-            self._pending_releases.append((job.token, job.fence, job.outcome))  # a slot held longer is safe (D9)
+        except sa.exc.DBAPIError as exc:
+            if isinstance(exc, _UNREACHABLE):
+                self._open_breaker(exc)
+            else:
+                logger.exception("celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt)
+            # Kept and retried by the heartbeat: a slot held longer is safe (D9); the ack waits with it (D15).
+            self._pending_releases.append(job)
             return
+        except Exception:
+            logger.exception("celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt)
+            self._after_release(job, local=local)
+            return
+        self._after_release(job, local=local)
         if report.promotions and job.key is not None:
             self._contended[job.key] = time.monotonic()
         for task_id, final in report.finished:
@@ -486,28 +618,57 @@ class GateService:
         metrics.promoted(report.promotions, job.released_at)
         self.dispatch(report.promotions, local=local)
 
+    def _after_release(self, job: _Release, *, local: bool) -> None:
+        """Run the release's deferred ack: here when on the loop thread, else on the loop (kombu's channel is
+        not thread-safe)."""
+        if job.after is None:
+            return
+        after, job.after = job.after, None
+        if local:
+            after()
+        else:
+            self._call_on_loop(after)
+
+    def _call_on_loop(self, call: Callable[[], None]) -> None:
+        """Any thread: run ``call`` on the consumer loop soon (woken through the pipe, or the polling timer);
+        at once when no loop runs for us (the consumer is stopped: the caller is then Celery's own thread)."""
+        if self._waker is None and not self._timers:
+            call()
+            return
+        self._loop_calls.append(call)
+        self._wake_loop()
+
+    def _run_loop_calls(self) -> None:
+        while self._loop_calls:
+            call = self._loop_calls.popleft()
+            try:
+                call()
+            except Exception:
+                logger.exception("celery-keyed: deferred work on the consumer loop failed")
+
     def _flush_pending_releases(self) -> None:
         """Retry the releases that failed while the ledger was unreachable (heartbeat thread)."""
         while self._pending_releases:
-            token, fence, outcome = self._pending_releases[0]
+            job = self._pending_releases[0]
             try:
-                report = self.ledger.release(token, fence, outcome)
+                report = self.ledger.release(job.token, job.fence, job.outcome)
             except sa.exc.DBAPIError as exc:
                 logger.info(
                     "celery-keyed: release of %s attempt %d still pending (%s)",
-                    token.task_id,
-                    token.attempt,
+                    job.token.task_id,
+                    job.token.attempt,
                     type(exc).__name__,
                 )
                 return
             self._pending_releases.popleft()
             logger.info(
                 "celery-keyed: pending release of %s attempt %d done (%s); %d promoted",
-                token.task_id,
-                token.attempt,
+                job.token.task_id,
+                job.token.attempt,
                 "released" if report.released else "already released",
                 len(report.promotions),
             )
+            self._after_release(job, local=False)
             self.dispatch(report.promotions, local=False)
 
     # -- revokes (consumer loop thread: Celery's revoke control command) --------------------------------
@@ -553,6 +714,12 @@ class GateService:
         queue (D4), else republished with their nonce (D5). ``local``: we are on the consumer loop thread;
         off the loop, promotions to run here are queued for the loop (a timer drains them)."""
         for promotion in promotions:
+            if self._closed:  # shutting down: this worker starts nothing new (its promotions carry nonces)
+                self._republish_now(promotion)
+                continue
+            if promotion.nonce is not None and not self._pool_has_room():
+                self._republish_now(promotion)  # a busy pool would keep it waiting: any worker may take it
+                continue
             if not local and self.settings.local_handoff and self._consumes(promotion) and self._timers:
                 self._to_loop.append(promotion)
                 self._wake_loop()
@@ -569,10 +736,20 @@ class GateService:
         """Queues (names and routing keys) and tasks this worker consumes, for promotions bound to it at once
         (D4, no bind round trip); None when local handoff is off."""
         task_consumer = getattr(self.consumer, "task_consumer", None)
-        if not self.settings.local_handoff or task_consumer is None:
+        if not self.settings.local_handoff or task_consumer is None or self._closed or not self._pool_has_room():
             return None, None
         queues = getattr(task_consumer, "queues", ())
         return [q.name for q in queues] + [q.routing_key for q in queues], list(self.consumer.strategies)
+
+    def _pool_has_room(self) -> bool:
+        """Whether a pool process is free for one more request now: fewer requests received and not finished
+        than pool processes. A promotion bound here while the pool is busy would hold its slot and keep its
+        line waiting on this worker while others idle; it is published for any worker instead."""
+        pool = getattr(self.consumer, "pool", None)
+        size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
+        if not isinstance(size, int) or size <= 0:
+            return True
+        return len(worker_state.reserved_requests) < size
 
     def _attach_waker(self, hub: Any) -> None:
         """Let the threads wake the consumer loop the moment they hand it work (a pipe the hub reads): no
@@ -606,6 +783,7 @@ class GateService:
     def _drain_to_loop(self) -> None:
         """Consumer loop (woken by a thread, or on a timer): start the promotions the threads found; follow the
         breaker with the keyed-only queues."""
+        self._run_loop_calls()
         while self._to_loop:
             self.dispatch([self._to_loop.popleft()], local=True)
         self._sync_keyed_queues()
@@ -622,13 +800,15 @@ class GateService:
     def _run_here(self, promotion: Promotion) -> None:
         record = promotion.message
         if promotion.nonce is None:  # already bound to this worker in the promotion's transaction
-            self._prebound[promotion.token] = promotion.fence
+            with self._lock:
+                self._prebound[promotion.token] = _Prebound(promotion.fence, promotion.key)
         message = restore_message(record, nonce=None if promotion.nonce is None else str(promotion.nonce))
         strategy = self.consumer.strategies[record["task"]]
         try:
             strategy(message, None, _already_acked, _already_acked, set())
         except Exception:
-            self._prebound.pop(promotion.token, None)
+            with self._lock:
+                self._prebound.pop(promotion.token, None)
             raise
         if promotion.token in self._prebound and promotion.task_id in worker_state.revoked:
             self._revoked_before_start(promotion.token, promotion.key)  # Celery's strategy discarded it
@@ -636,17 +816,37 @@ class GateService:
     def _revoked_before_start(self, token: Token, key: str | None) -> None:
         """A promotion bound to this worker (D4) whose request Celery discarded as revoked: give its slot back
         with outcome ``revoked``."""
-        fence = self._prebound.pop(token, None)
-        if fence is not None:
-            self._hand_over(token, fence, Outcome.REVOKED, key=key, name="", contended=True)
+        with self._lock:
+            prebound = self._prebound.pop(token, None)
+        if prebound is not None:
+            self._hand_over(token, prebound.fence, Outcome.REVOKED, key=key, name="", contended=True)
+
+    def _give_back_prebound(self, stale: Callable[[_Prebound], bool], why: str, *, on_loop: bool = True) -> None:
+        """Promotions bound here (D4) whose request has not started go back in line (outcome "worker lost": the
+        ledger restores them from their stored message and gives the slot to the next in line, which may be
+        another worker). The request, if it reaches a pool process later, is then a duplicate (D14, D8)."""
+        with self._lock:
+            taken = [(token, p) for token, p in self._prebound.items() if stale(p)]
+            for token, _ in taken:
+                del self._prebound[token]
+        for token, p in taken:
+            logger.warning(
+                "celery-keyed: promoted %s attempt %d goes back in line: %s", token.task_id, token.attempt, why
+            )
+            self._hand_over(token, p.fence, Outcome.WORKER_LOST, key=p.key, name="", contended=True, on_loop=on_loop)
 
     def _republish_now(self, promotion: Promotion) -> None:
         if promotion.nonce is None:
-            # Bound to this worker but it cannot start it here: its claim lapses with its lease (nothing renews
-            # it) and the attempt goes back in line from its stored message.
-            logger.error(
-                "celery-keyed: could not start promoted %s here; it goes back in line after the lease",
-                promotion.task_id,
+            # Bound to this worker but it cannot start it here: it goes back in line from its stored message.
+            logger.warning("celery-keyed: could not start promoted %s here; it goes back in line", promotion.task_id)
+            self._hand_over(
+                promotion.token,
+                promotion.fence,
+                Outcome.WORKER_LOST,
+                key=promotion.key,
+                name="",
+                contended=True,
+                on_loop=False,
             )
             return
         try:
@@ -658,18 +858,28 @@ class GateService:
     # -- heartbeat thread (D7) -------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_interval):
-            self.heartbeat_once()
+        """D13: runs from the first consumer start until the worker has shut down and no claim it tracks is
+        left (running attempts, promotions bound here, releases not yet committed)."""
+        while not self._heartbeat_exit.wait(self.settings.heartbeat_interval):
+            if self._closed and not (self._running or self._prebound or self._pending_releases):
+                return
+            try:
+                self.heartbeat_once()
+            except Exception:
+                logger.exception("celery-keyed: heartbeat failed")
 
     def heartbeat_once(self) -> None:
-        """Renew the leases of the attempts this process runs; notice lost slots; self-fence when the ledger
-        has been unreachable for too long; retry releases that failed; probe the breaker."""
+        """Renew the leases of the attempts this process runs and of the promotions bound to it that wait for
+        a pool process; notice lost slots; self-fence when the ledger has been unreachable for too long; give
+        back promotions that waited too long; retry releases that failed; probe the breaker."""
         with self._lock:
             running = list(self._running.values())
+            prebound = dict(self._prebound)
         held = {HeldClaim(r.token.task_id, r.token.attempt, r.fence): r for r in running}
+        waiting = {HeldClaim(t.task_id, t.attempt, p.fence): (t, p) for t, p in prebound.items()}
         try:
-            if held:
-                renewed = self.ledger.renew(held.keys())
+            if held or waiting:
+                renewed = self.ledger.renew([*held, *waiting])
             else:  # nothing to renew: still find out whether the ledger is reachable (the breaker's probe)
                 renewed = set()
                 with self.engine.connect() as conn:
@@ -689,6 +899,16 @@ class GateService:
             r.request.keyed_claim = None
         if lost:
             self._self_fence(lost, "its slot was reclaimed (lease expired)")
+        with self._lock:
+            for claim, (token, p) in waiting.items():
+                if claim not in renewed and self._prebound.get(token) is p:
+                    del self._prebound[token]  # lapsed: its request, if it starts, is admitted as usual (D14)
+        # A promotion bound here that no pool process took within a heartbeat: its line must not wait on this
+        # worker's busy pool while others idle.
+        now = time.monotonic()
+        self._give_back_prebound(
+            lambda p: now - p.since >= self.settings.heartbeat_interval, "no pool process took it", on_loop=False
+        )
         self._release_never_started(running)
         self._flush_pending_releases()
         self._flush_pending_revokes()
@@ -714,12 +934,15 @@ class GateService:
                 self._running.pop(r.token, None)
             if claim is None:
                 continue
-            try:
-                report = self.ledger.release(claim[0], claim[1], Outcome.WORKER_LOST)
-            except sa.exc.OperationalError:
-                self._pending_releases.append((claim[0], claim[1], Outcome.WORKER_LOST))
-                continue
-            self.dispatch(report.promotions, local=False)
+            self._hand_over(
+                claim[0],
+                claim[1],
+                Outcome.WORKER_LOST,
+                key=request.keyed_arrival_key,
+                name=request.name,
+                contended=True,
+                on_loop=False,
+            )
 
     def _self_fence(self, running: list[_Running], why: str) -> None:
         """D7: an attempt that may have lost its slot must not go on running. On the prefork pool it is

@@ -27,6 +27,8 @@ class KeyedRequest(Request):
         self.keyed_claim: Any = None  # (Token, fence) while this request holds a slot
         self.keyed_arrival_key: str | None = None  # its concurrency key, once admission computed it
         self.keyed_started = False
+        self.keyed_defer_ack = False  # inside an outcome hook: an ack waits for the release (D15)
+        self.keyed_deferred_ack: Any = None  # the ack Celery asked for meanwhile
         from celery_keyed.gate import current_gate
 
         gate = current_gate()
@@ -41,24 +43,44 @@ class KeyedRequest(Request):
         original_timeout = cls.on_timeout
         original_accepted = cls.on_accepted
         original_cancel = cls.cancel
+        original_acknowledge = cls.acknowledge
 
         def execute_using_pool(pool: Any, **kw: Any) -> Any:
             return gate.execute(self, lambda: original_execute(self, pool, **kw))
 
+        def acknowledge() -> Any:
+            # D15: an acks_late task is acked by its outcome hook; while it holds a claim, that ack waits until
+            # the release has committed, so a worker that dies in between leaves the message to be redelivered
+            # (and dropped by the ledger as finished) instead of an acked task whose outcome was never booked.
+            if self.keyed_defer_ack and self.keyed_claim is not None:
+                self.keyed_deferred_ack = lambda: original_acknowledge(self)
+                return None
+            return original_acknowledge(self)
+
+        def deferring_acks(hook: Any) -> Any:
+            outer = self.keyed_defer_ack
+            self.keyed_defer_ack = True
+            try:
+                return hook()
+            finally:
+                self.keyed_defer_ack = outer
+
         def on_success(failed__retval__runtime: Any, **kw: Any) -> Any:
-            result = original_success(self, failed__retval__runtime, **kw)
+            result = deferring_acks(lambda: original_success(self, failed__retval__runtime, **kw))
             if not failed__retval__runtime[0]:  # a failure went through on_failure (our wrapper)
                 gate.release(self, Outcome.COMPLETED)
             return result
 
         def on_failure(exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
             try:
-                return original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+                return deferring_acks(
+                    lambda: original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+                )
             finally:
                 gate.release(self, failure_outcome(self, exc_info), uncertain=is_uncertain(exc_info))
 
         def on_timeout(soft: bool, timeout: float) -> Any:
-            result = original_timeout(self, soft, timeout)
+            result = deferring_acks(lambda: original_timeout(self, soft, timeout))
             if not soft:  # a hard limit killed the attempt (on_failure fires too: release is idempotent)
                 gate.release(self, hard_timeout_outcome(self), uncertain=True)
             return result
@@ -80,8 +102,14 @@ class KeyedRequest(Request):
             ("on_timeout", on_timeout),
             ("on_accepted", on_accepted),
             ("cancel", cancel),
+            ("acknowledge", acknowledge),
         ):
             setattr(self, name, wrapper)
+
+    def keyed_take_deferred_ack(self) -> Any:
+        """The ack an outcome hook deferred until the release commits (D15), once; None when there is none."""
+        ack, self.keyed_deferred_ack = self.keyed_deferred_ack, None
+        return ack
 
 
 def failure_outcome(request: Any, exc_info: Any) -> Outcome:

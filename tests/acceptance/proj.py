@@ -140,9 +140,10 @@ def _define_tasks(app: Any, ns: Any) -> None:
     ns.hold, ns.ordered, ns.flaky, ns.unkeyed, ns.ping = hold, ordered, flaky, unkeyed, ping
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
-    from tests.acceptance import composition_tasks
+    from tests.acceptance import composition_tasks, fault_tasks
 
     composition_tasks.define(app, ns)
+    fault_tasks.define(app, ns)
 
 
 if "CELERY_BROKER_URL" in os.environ and "KEYED_DATABASE_URL" in os.environ:

@@ -129,7 +129,7 @@ def test_a_release_on_the_releaser_thread_hands_its_local_promotion_to_the_woken
         stop.set()
         gate._wake_loop()
         loop_thread.join(timeout=5)
-        gate.shutdown()
+        gate.close()
         hub.close()
 
 
@@ -183,4 +183,4 @@ def test_a_local_promotion_celery_discards_as_revoked_gives_its_slot_back(databa
         assert Token("gone", 0) not in gate._prebound
     finally:
         worker_state.revoked.discard("gone")
-        gate.shutdown()
+        gate.close()

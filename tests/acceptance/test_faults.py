@@ -1,0 +1,224 @@
+"""The bound and the books through ordinary faults, with real prefork workers (issue 9): a warm shutdown mid-task
+(a deploy), a broker outage longer than the lease, a locally handed-off promotion behind a busy pool, null key
+headers, poison messages, and an acked task whose release could not commit before its worker died.
+
+Each test checks the task bodies' own record (the ``observed`` table), not the ledger's books, for overlaps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_keyed import KeyedRejected
+from celery_keyed.ledger import migrate
+from celery_keyed.testbed import PostgresServer, RedisServer, start_postgres, start_redis
+from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
+
+LEASE = 3.0  # heartbeat every 0.5 s; a lapsed lease is reclaimed by the other worker's reaper within ~1 s
+
+
+def _interval(cluster: Cluster, task_id: str) -> tuple[float, float]:
+    spans = [(s, e) for t, s, e in cluster.intervals() if t == task_id]
+    assert len(spans) == 1, f"{task_id} ran {len(spans)} times: {spans}"
+    return spans[0]
+
+
+def _books(cluster: Cluster, task_id: str) -> str | None:
+    return cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=task_id)
+
+
+def test_warm_shutdown_mid_task_keeps_the_slot_and_hands_the_line_on(cluster: Cluster, producer) -> None:
+    """A deploy: SIGTERM a worker while its keyed task runs for several leases. Celery lets the task finish; its
+    slot must stay held (the heartbeat goes on after the consumer stopped, D13), and the task parked behind it
+    must start on another worker once it ends — not be handed to the worker that is shutting down (item 6)."""
+    cluster.env.update(KEYED_LEASE=str(LEASE))
+    w1 = cluster.start_worker("w1", concurrency=2)
+    first = producer.hold.delay("acct:deploy", 4 * LEASE, note="first")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    second = producer.hold.delay("acct:deploy", 0.1, note="second")  # parked by w1 behind the first
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
+    cluster.start_worker("w2", concurrency=2)
+
+    os.kill(w1.pid, signal.SIGTERM)  # warm shutdown of the main process only: the pool finishes the task
+    assert first.get(timeout=60) == "first"
+    assert second.get(timeout=60) == "second"
+    w1.wait(timeout=30)
+
+    first_span, second_span = _interval(cluster, first.id), _interval(cluster, second.id)
+    assert second_span[0] >= first_span[1], f"the second started at {second_span[0]} while the first ran {first_span}"
+    assert peak_overlap(cluster.intervals("acct:deploy")) == 1
+    assert "celery-keyed: terminating" not in cluster.logs["w1"].read_text()  # no self-fencing of the first
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
+    assert (_books(cluster, first.id), _books(cluster, second.id)) == ("completed", "completed")
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis of this test's own (persistent, like a production broker), so it can be stopped."""
+    server = start_redis(use_env=False, persistent=True)
+    assert isinstance(server, RedisServer)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def outage_cluster(database_url: str, own_redis: RedisServer, tmp_path: Path) -> Iterator[Cluster]:
+    yield from make_cluster(database_url, own_redis.url_for(0), tmp_path, {})
+
+
+@pytest.fixture
+def outage_producer(outage_cluster: Cluster) -> Iterator[Any]:
+    yield from _producer_for(outage_cluster)
+
+
+def _producer_for(cluster: Cluster) -> Iterator[Any]:
+    from celery_keyed.publisher import close_publisher
+    from tests.acceptance.proj import make_app
+
+    ns = make_app(cluster.env)
+    yield ns
+    close_publisher(ns.app)
+    ns.app.close()
+
+
+def test_a_broker_outage_longer_than_the_lease_keeps_the_slot(
+    outage_cluster: Cluster, own_redis: RedisServer, outage_producer: Any
+) -> None:
+    """Redis stopped for two leases while a keyed task runs: the consumers restart, but the heartbeat goes on
+    (D13), so no other worker's reaper reclaims the slot; the running task's redelivered copy is a duplicate."""
+    cluster, producer = outage_cluster, outage_producer
+    cluster.env.update(KEYED_LEASE=str(LEASE))
+    cluster.start_worker("w1", concurrency=2)
+    cluster.start_worker("w2", concurrency=2)
+    first = producer.hold.delay("acct:outage", 5 * LEASE, note="first")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    second = producer.hold.delay("acct:outage", 0.1, note="second")
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
+
+    own_redis.suspend()
+    time.sleep(2.5 * LEASE)
+    own_redis.resume()
+
+    assert first.get(timeout=90) == "first"
+    assert second.get(timeout=90) == "second"
+    first_span, second_span = _interval(cluster, first.id), _interval(cluster, second.id)
+    assert second_span[0] >= first_span[1], f"the second started at {second_span[0]} while the first ran {first_span}"
+    assert peak_overlap(cluster.intervals("acct:outage")) == 1
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
+    assert (_books(cluster, first.id), _books(cluster, second.id)) == ("completed", "completed")
+
+
+def test_a_local_handoff_does_not_wait_behind_a_busy_pool(cluster: Cluster, producer) -> None:
+    """W1 has one pool process and prefetches two: A (acct:x) runs, C (acct:y, long) waits in its memory; B
+    is parked through W2. When A ends, W1's pool is taken by C: B must not be bound to W1 (it would hold the
+    slot while W2 idles, then start with a stale claim); it runs on W2 while C still runs (D14)."""
+    cluster.env.update(KEYED_LEASE=str(LEASE))
+    cluster.start_worker("w1", concurrency=1, extra=["--prefetch-multiplier", "2"])
+    a = producer.hold.delay("acct:x", 2.0, note="A")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    c = producer.hold.delay("acct:y", 5 * LEASE, note="C")
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 1)  # C is in W1's memory, without a claim (D3)
+    cluster.start_worker("w2", concurrency=2)
+    b = producer.hold.delay("acct:x", 0.1, note="B")
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
+
+    assert b.get(timeout=60) == "B"
+    assert a.get(timeout=60) == "A"
+    c_ended = cluster.scalar("SELECT count(*) FROM observed WHERE task_id = :id AND kind = 'end'", id=c.id)
+    assert c_ended == 0, "B waited for W1's pool, busy with C"
+    assert c.get(timeout=60) == "C"
+    assert peak_overlap(cluster.intervals("acct:x")) == 1
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
+
+
+def test_a_null_key_header_is_still_gated(cluster: Cluster, producer) -> None:
+    """``headers={"keyed_key": None}`` from a foreign producer: the keys are computed from the arguments."""
+    cluster.start_worker("w1", concurrency=4)
+    results = [
+        producer.app.send_task(
+            "acceptance.hold", args=["acct:null", 0.4], headers={"keyed_key": None, "keyed_group": None}
+        )
+        for _ in range(3)
+    ]
+    assert [r.get(timeout=60) for r in results] == ["", "", ""]
+    assert peak_overlap(cluster.intervals("acct:null")) == 1
+    assert cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE key = 'acct:null' AND outcome = 'completed'") == 3
+
+
+def test_poison_messages_are_recorded_rejections_and_the_worker_keeps_serving(cluster: Cluster, producer) -> None:
+    """Keys that cannot be computed from a message's arguments, or headers out of the ledger's range, end as a
+    recorded rejection with a ``KeyedRejected`` result; no worker dies (D16)."""
+    cluster.start_worker("w1", concurrency=2)
+    send = producer.app.send_task
+    poison = {
+        "missing argument": send("acceptance.charge", args=[]),
+        "bad format": send("acceptance.fmt", args=["abc"]),
+        "key raises": send("acceptance.divide", args=[0]),
+        "retries out of range": send("acceptance.hold", args=["acct:p", 0.0], headers={"retries": 2**31}),
+        "sequence out of range": send("acceptance.ordered", args=["order:p", 1], headers={"keyed_group_seq": 2**63}),
+        "cost not a number": send("acceptance.hold", args=["acct:q", 0.0], headers={"keyed_cost": "x"}),
+    }
+    for what, result in poison.items():
+        with pytest.raises(KeyedRejected):
+            result.get(timeout=60, propagate=True)
+        assert _books(cluster, result.id) == "rejected", what
+    assert producer.ping.delay("alive").get(timeout=30) == "alive"
+    assert producer.hold.delay("acct:p", 0.0, note="fine").get(timeout=30) == "fine"
+    assert cluster.workers["w1"].poll() is None
+    assert "Unrecoverable error" not in cluster.logs["w1"].read_text()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    server = start_postgres(use_env=False)
+    assert isinstance(server, PostgresServer)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_outage_cluster(own_postgres: PostgresServer, redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    engine = sa.create_engine(own_postgres.url)
+    migrate(engine)
+    engine.dispose()
+    yield from make_cluster(own_postgres.url, redis_url, tmp_path, {})
+
+
+@pytest.fixture
+def pg_outage_producer(pg_outage_cluster: Cluster) -> Iterator[Any]:
+    yield from _producer_for(pg_outage_cluster)
+
+
+def test_a_finished_task_whose_release_could_not_commit_is_not_lost_with_its_worker(
+    pg_outage_cluster: Cluster, own_postgres: PostgresServer, pg_outage_producer: Any
+) -> None:
+    """An acks_late task ends while Postgres is down (its release waits in memory), then its worker is
+    SIGKILLed. The ack waits for the release (D15), so the broker still holds the message: it is delivered
+    again and the task ends in the books with one outcome — not acked, lost and open for ever."""
+    cluster, producer = pg_outage_cluster, pg_outage_producer
+    cluster.env.update(KEYED_LEASE=str(LEASE), VISIBILITY_TIMEOUT="4")
+    cluster.start_worker("w1", concurrency=2)
+    napping = producer.nap.delay("nap:1", 2.0)
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 1)
+    cluster.engine.dispose()
+    own_postgres.suspend()
+    try:
+        assert napping.get(timeout=30) == "napped"  # the body ended; its release cannot commit
+        time.sleep(1.0)
+        cluster.kill_worker("w1")
+    finally:
+        own_postgres.resume()
+    cluster.start_worker("w2", concurrency=2)
+    cluster.wait_for("SELECT outcome FROM keyed_tasks WHERE task_id = :id", "completed", timeout=90, id=napping.id)
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 0, timeout=60)
