@@ -160,11 +160,13 @@ class GateService:
         self._waker: tuple[Any, int, int] | None = None  # (hub, read fd, write fd): threads wake the loop
         self._reachable_since = time.monotonic()
         self._last_reclaim = 0.0
+        self._last_gone_check = time.monotonic()
         self._last_renewal = time.monotonic()
         self._stop = threading.Event()  # the consumer-bound threads (sweeper, releaser) stop
         self._closed = False  # shutdown began: no local handoff; the heartbeat ends with the last tracked claim
         self._heartbeat_exit = threading.Event()  # end the heartbeat now (tests, interpreter exit)
         self._heartbeat: threading.Thread | None = None
+        self._pids: list[int] = []  # this process and its pool processes, as last recorded in the ledger
         self._releases: deque[_Release] = deque()  # for the releaser thread
         self._release_ready = threading.Event()
         self._release_lock = threading.Lock()
@@ -178,12 +180,21 @@ class GateService:
         global _current
         _current = self
         metrics.serve(self.settings)  # keyed_metrics_port: once per process
+        gone = None
         try:
-            self.ledger.register_holder()
+            self._pids = self._process_ids()
+            self.ledger.register_holder(pids=self._pids)
             self._warn_prefix_capture()
             self.ledger.configure(self.settings.limits)
+            gone = self.ledger.reclaim_gone_predecessors()
         except sa.exc.OperationalError as exc:
             self._open_breaker(exc)
+        if gone is not None and gone.reclaimed:
+            logger.warning(
+                "celery-keyed: gave back %d claims of earlier worker starts on this machine whose processes are gone",
+                len(gone.reclaimed),
+            )
+            self.dispatch(gone.promotions, local=False)
         self._stop.clear()
         self._closed = False
         if self._heartbeat is None or not self._heartbeat.is_alive():
@@ -892,6 +903,11 @@ class GateService:
             return
         self._last_renewal = time.monotonic()
         self._close_breaker()
+        pids = self._process_ids()
+        if pids != self._pids:  # a pool process was replaced: a successor must know every pid to check (item 8)
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                self.ledger.record_pids(pids)
+                self._pids = pids
         lost = [r for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
         for r in lost:  # reclaimed: our release would be fenced anyway; stop tracking it
             with self._lock:
@@ -965,6 +981,14 @@ class GateService:
                     why,
                 )
 
+    def _process_ids(self) -> list[int]:
+        """This process and the pool processes that may run its keyed bodies (prefork), sorted."""
+        pids = {os.getpid()}
+        pool = getattr(self.consumer, "pool", None)
+        with contextlib.suppress(Exception):
+            pids.update(int(p) for p in (pool.info or {}).get("processes") or ())  # type: ignore[union-attr]
+        return sorted(pids)
+
     def _can_terminate(self) -> bool:
         pool = getattr(self.consumer, "pool", None)
         return pool is not None and type(pool).__module__.startswith("celery.concurrency.prefork")
@@ -991,6 +1015,10 @@ class GateService:
         )
         self.dispatch(report.promotions, local=False)
         now = time.monotonic()
+        if now - self._last_gone_check >= self.settings.lease / 4:
+            # Workers of this machine known dead (every process gone): no need to wait for their leases.
+            self._last_gone_check = now
+            self.dispatch(self.ledger.reclaim_gone_predecessors().promotions, local=False)
         if now - self._reachable_since >= self.settings.lease and now - self._last_reclaim >= self.settings.lease / 4:
             self._last_reclaim = now
             reclaimed = reclaim_once(self.engine, lease=self.settings.lease, dispatch=self.settings.dispatch_timeout)

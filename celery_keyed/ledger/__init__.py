@@ -32,7 +32,13 @@ from celery_keyed.ledger.claims import HeldClaim, claims_renew
 from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState
 from celery_keyed.ledger.explain import Explanation, explain
 from celery_keyed.ledger.groups import groups_register
-from celery_keyed.ledger.holders import holders_register, new_holder
+from celery_keyed.ledger.holders import (
+    holders_gone,
+    holders_register,
+    holders_set_pids,
+    machine_identity,
+    new_holder,
+)
 from celery_keyed.ledger.keyspec import key_name, normalize_key
 from celery_keyed.ledger.migrations import migrate, schema_required
 from celery_keyed.ledger.names import NameConfig, configure_names, parse_limits
@@ -129,11 +135,27 @@ class Ledger:
                 time.sleep(0.001 * (2**attempt))
         raise AssertionError("unreachable")
 
-    def register_holder(self, *, now: datetime | None = None) -> None:
-        """Record this process as a holder (the worker's first ledger call at start). A database without the
-        ledger's tables raises :class:`SchemaMissing`, which says to run ``celery keyed migrate``."""
+    def register_holder(self, *, pids: list[int] | None = None, now: datetime | None = None) -> None:
+        """Record this process as a holder (the worker's first ledger call at start); ``pids``: the processes
+        that may run its bodies (main and pool). A database without the ledger's tables raises
+        :class:`SchemaMissing`, which says to run ``celery keyed migrate``."""
+        machine = machine_identity()
         with schema_required(self.engine):
-            self.transaction(lambda conn: holders_register(conn, self.holder, now=now))
+            self.transaction(lambda conn: holders_register(conn, self.holder, machine=machine, pids=pids, now=now))
+
+    def record_pids(self, pids: list[int], *, now: datetime | None = None) -> None:
+        self.transaction(lambda conn: holders_set_pids(conn, self.holder, pids, now=now))
+
+    def reclaim_gone_predecessors(self, *, now: datetime | None = None) -> Report:
+        """Give back at once the running claims of earlier worker starts on this machine whose processes are
+        all gone (a worker SIGKILLed and restarted), instead of after their leases. Holders elsewhere, or whose
+        processes cannot be checked, are left to the reaper."""
+        machine = machine_identity()
+        if machine is None:
+            return Report()
+        with self.engine.connect() as conn:
+            gone = holders_gone(conn, self.holder, machine)
+        return reconcile.reclaim_gone_holders_once(self.engine, gone, now=now, dispatch=self.dispatch)
 
     def configure(self, limits: Mapping[str, NameConfig], *, now: datetime | None = None) -> list[Promotion]:
         with schema_required(self.engine):

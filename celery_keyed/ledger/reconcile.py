@@ -50,6 +50,23 @@ CLAIMS_DELETE_EXPIRED_ONE = sa.text(
     RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked, cost, extra_keys, extra_shards
     """
 )
+# claims_of_gone_holders / claims_delete_of_gone_holder: the running claims of holders known to be dead (their
+# machine is ours and none of their processes exists: no body of theirs can run), given back at once instead of
+# after the lease. The DELETE is guarded by holder and fence: a claim renewed or released meanwhile is left.
+CLAIMS_OF_GONE_HOLDERS = sa.text(
+    """
+    SELECT task_id, attempt, fence FROM keyed_claims
+     WHERE holder = ANY(CAST(:holders AS text[])) AND state = 'running' LIMIT :batch
+    """
+)
+CLAIMS_DELETE_OF_GONE_HOLDER = sa.text(
+    """
+    DELETE FROM keyed_claims
+     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
+       AND holder = ANY(CAST(:holders AS text[]))
+    RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked, cost, extra_keys, extra_shards
+    """
+)
 CLAIMS_STALE_PROMOTED_CANDIDATES = sa.text(
     f"""
     SELECT task_id, attempt, fence FROM keyed_claims
@@ -289,6 +306,43 @@ def reclaim_once(
             report.promotions += admission._promote_each_key(conn, freed, dispatch=dispatch, now=now)
             if row.group_key is not None:
                 report.promotions += admission.promote_group(conn, row.group_key, dispatch=dispatch, now=now)
+    return report
+
+
+def reclaim_gone_holders_once(
+    engine: sa.Engine,
+    holders: list[str],
+    *,
+    now: datetime | None = None,
+    dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+) -> Report:
+    """Give back the running claims of ``holders``, worker process starts known to be dead (the caller checked
+    that none of their processes exists), as "worker lost": the same book-keeping as the reaper's, without
+    waiting for their leases to expire."""
+    report = Report()
+    if not holders:
+        return report
+    with engine.connect() as conn:
+        candidates = conn.execute(CLAIMS_OF_GONE_HOLDERS, {"holders": holders, "batch": 10 * _BATCH}).all()
+    for c in candidates:
+        with engine.begin() as conn:
+            params = {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, "holders": holders}
+            row = conn.execute(CLAIMS_DELETE_OF_GONE_HOLDER, params).first()
+            if row is None:
+                continue
+            events_record(
+                conn,
+                "reclaimed",
+                key=row.key or row.group_key,
+                task_id=row.task_id,
+                detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder} (its processes are gone)",
+                now=now,
+            )
+            released = admission._after_claim_removed(
+                conn, row, Outcome.WORKER_LOST, detail="its worker is gone", dispatch=dispatch, now=now
+            )
+            report.promotions += released.promotions
+            report.reclaimed.append(Token(row.task_id, row.attempt))
     return report
 
 

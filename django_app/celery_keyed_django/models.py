@@ -152,6 +152,8 @@ class Holder(models.Model):
     pid = models.IntegerField()
     started_at = models.DateTimeField()
     seen_at = models.DateTimeField()
+    machine = models.TextField(null=True)
+    pids = ArrayField(models.IntegerField(), null=True)
 
     class Meta:
         managed = False

@@ -222,3 +222,30 @@ def test_a_finished_task_whose_release_could_not_commit_is_not_lost_with_its_wor
     cluster.start_worker("w2", concurrency=2)
     cluster.wait_for("SELECT outcome FROM keyed_tasks WHERE task_id = :id", "completed", timeout=90, id=napping.id)
     cluster.wait_for("SELECT count(*) FROM keyed_claims", 0, timeout=60)
+
+
+def test_a_restarted_worker_gives_back_its_dead_predecessors_slots_at_once(cluster: Cluster, producer) -> None:
+    """SIGKILL a worker (main and pool processes) holding a key, restart it on the same machine: the slot comes
+    back as soon as the new start sees that none of the old processes exists, not after the lease (60 s here)."""
+    cluster.env.update(KEYED_LEASE="60", VISIBILITY_TIMEOUT="5")
+    cluster.start_worker("w1", concurrency=2)
+    first = producer.hold.delay("acct:crash", 6.0, note="first")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    second = producer.hold.delay("acct:crash", 0.1, note="second")
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
+    cluster.kill_worker("w1")  # the whole process group: no body of it runs any more
+    killed_at = cluster.scalar("SELECT extract(epoch FROM clock_timestamp())")
+    cluster.start_worker("w1", concurrency=2)
+    assert second.get(timeout=30) == "second"  # well inside the 60 s lease
+    detail = cluster.scalar("SELECT detail FROM keyed_events WHERE kind = 'reclaimed' AND task_id = :id", id=first.id)
+    assert detail is not None and "processes are gone" in detail
+    assert first.get(timeout=90) == "first"  # acks_late: redelivered, and run again once it holds the slot
+    second_span = _interval(cluster, second.id)
+    rerun_start = cluster.scalar(
+        "SELECT extract(epoch FROM max(at)) FROM observed WHERE task_id = :id AND kind = 'start'", id=first.id
+    )
+    rerun_end = cluster.scalar(
+        "SELECT extract(epoch FROM max(at)) FROM observed WHERE task_id = :id AND kind = 'end'", id=first.id
+    )
+    assert second_span[0] >= float(killed_at)
+    assert float(rerun_start) >= second_span[1] or second_span[0] >= float(rerun_end)  # K = 1 after the crash

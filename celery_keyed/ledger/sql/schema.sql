@@ -86,13 +86,19 @@ CREATE TABLE keyed_keys (
 CREATE INDEX keyed_keys_name_idx ON keyed_keys (name);
 
 -- Holders: one row per worker process start (hostname + pid + start nonce, D6).
+-- machine: the boot and process namespace its pids belong to; pids: its main and pool processes (heartbeat).
+-- A holder whose machine is ours and whose pids are all gone is dead for sure: a restarted worker gives its
+-- claims back at once instead of waiting a lease for the reaper.
 CREATE TABLE keyed_holders (
     holder text PRIMARY KEY,
     hostname text NOT NULL,
     pid integer NOT NULL,
     started_at timestamptz NOT NULL,
-    seen_at timestamptz NOT NULL
+    seen_at timestamptz NOT NULL,
+    machine text,
+    pids integer[]
 );
+CREATE INDEX keyed_holders_machine_idx ON keyed_holders (machine) WHERE machine IS NOT NULL;
 
 -- Tasks: the books (D11). One row per task id that arrived; outcome is set exactly once, by a guarded
 -- UPDATE ... WHERE outcome IS NULL. finished_attempt: attempts numbered <= it are over (D8).
