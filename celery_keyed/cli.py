@@ -69,7 +69,7 @@ class Operator:
     def dispatch(self, promotions: list[Promotion]) -> None:
         """Publish promoted attempts with their admission nonce (as the beat task does). The ledger change is
         committed already: a promotion that cannot be published stays in the ledger and goes back in line after
-        ``keyed_dispatch_timeout`` (D5), so a broker error is a warning, not a failure of the command."""
+        ``keyed_dispatch_timeout``, so a broker error is a warning, not a failure of the command."""
         from celery_keyed.messages import republish
 
         failed = 0
@@ -529,8 +529,10 @@ def clear_limit(operator: Operator, name: str, reason: str, author: str | None, 
 @click.option(
     "--reclaim",
     is_flag=True,
-    help="Also reclaim expired leases now. Only when no worker was cut off from the ledger within the last lease: "
-    "the beat task reclaims only after it has reached the ledger for a full lease (D7).",
+    help="Also reclaim expired leases now (free the slots of claims whose worker stopped renewing them). Use it only "
+    "when no worker was cut off from the ledger within the last lease: such a worker may still be running its task "
+    "and cannot renew, so its slot would go to a second task. The beat task reclaims only after it has itself "
+    "reached the ledger for a full lease, which gives every worker that time to renew or to stop its task.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @pass_operator
