@@ -377,8 +377,12 @@ def test_a_revoked_request_waiting_in_the_worker_takes_no_slot(cluster: Cluster,
     comes, Celery discards it, and the gate must not have claimed a slot for it first (the slot would stay
     taken, unrenewed and unused, until the never-started sweep, blocking the key)."""
     cluster.start_worker("w1", concurrency=2)
-    result = producer.flaky.delay("acct:rr", 0.05, 2.0)  # attempt 0 retries with a 2 s countdown
+    result = producer.flaky.delay("acct:rr", 0.05, 5.0)  # attempt 0 retries with a 5 s countdown
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'retry'", 1)
+    # Attempt 0's release runs on the releaser thread just after its body ends, and may lag on a loaded machine
+    # (a late release only keeps the bound stricter for a moment): wait for it, so that a claim seen after the
+    # discard can only be one taken for the revoked attempt 1 — the defect this test is about.
+    cluster.wait_for("SELECT count(*) FROM keyed_claims WHERE task_id = :id", 0, id=result.id)
     producer.app.control.revoke(result.id)
     discarded = f"Discarding revoked task: acceptance.flaky[{result.id}]"
     deadline = time.monotonic() + 30
