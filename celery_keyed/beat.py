@@ -49,6 +49,7 @@ def reconcile(app: Any) -> dict[str, Any]:
         raise
     for promotion in report.promotions:
         republish(app, promotion.message, nonce=str(promotion.nonce))
+    settled = settle_from_results(app, ledger, age=settings.lease)
     metrics.drift_repaired(report.drift)
     if report.drift:
         logger.error("celery-keyed reconcile repaired drift (a bug, please report): %s", report.drift)
@@ -61,6 +62,43 @@ def reconcile(app: Any) -> dict[str, Any]:
         "drift": report.drift,
         "dropped_keys": report.dropped_keys,
         "pruned": report.pruned,
+        "settled": settled,
     }
     logger.info("celery-keyed reconcile: %s", summary)
     return summary
+
+
+#: Result states that say a body ended for good, and the outcome each is booked as.
+_FINAL_STATES = {"SUCCESS": "completed", "FAILURE": "failed"}
+
+
+def settle_from_results(app: Any, ledger: Ledger, *, age: float, limit: int = 100) -> int:
+    """D15: an open task with no attempt left in the ledger (no claim, no waiting row) whose result backend
+    holds a final result ended its body, but its release never committed (its worker died after the result was
+    stored, or after an early ack): book that outcome, so the task does not stay open for ever. Tasks without a
+    stored result (``ignore_result``, no backend, or a body that never ended) are left as they are. How many
+    were settled."""
+    from celery.backends.base import DisabledBackend
+
+    if isinstance(app.backend, DisabledBackend):
+        return 0
+    settled = 0
+    for task_id in ledger.open_idle(age=age, limit=limit):
+        try:
+            state = app.AsyncResult(task_id).state
+        except Exception:
+            logger.warning("celery-keyed reconcile: could not read the result of %s", task_id, exc_info=True)
+            break
+        outcome = _FINAL_STATES.get(state)
+        if outcome is None:
+            continue
+        done, promotions = ledger.settle(
+            task_id, outcome, detail=f"booked from its {state} result: its worker was lost before the release"
+        )
+        for promotion in promotions:
+            republish(app, promotion.message, nonce=str(promotion.nonce))
+        if done:
+            settled += 1
+            logger.warning("celery-keyed reconcile: %s booked %s from its stored result", task_id, outcome)
+    return settled
+

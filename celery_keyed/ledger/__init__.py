@@ -27,7 +27,7 @@ from celery_keyed.ledger.admission import (
     revoke,
 )
 from celery_keyed.ledger.attempts import Admission, Arrival, Outcome, Promotion, ReleaseReport, Token, Verdict
-from celery_keyed.ledger.books import books_balance
+from celery_keyed.ledger.books import books_balance, books_open_idle
 from celery_keyed.ledger.claims import HeldClaim, claims_renew
 from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState
 from celery_keyed.ledger.explain import Explanation, explain
@@ -250,6 +250,22 @@ class Ledger:
         with self.autocommit.connect() as conn:
             held = HeldClaim(token.task_id, token.attempt, fence)
             return bool(claims_renew(conn, self.holder, [held], lease=self.lease, now=now))
+
+    def open_idle(self, *, age: float, limit: int = 100, now: datetime | None = None) -> list[str]:
+        """Open tasks with no claim and no waiting row that arrived over ``age`` seconds ago (D15)."""
+        with self.engine.connect() as conn:
+            return books_open_idle(conn, age=age, limit=limit, now=now)
+
+    def settle(
+        self, task_id: str, outcome: str, *, detail: str, now: datetime | None = None
+    ) -> tuple[bool, list[Promotion]]:
+        """Record the final outcome of an open task with no attempt left in the ledger, from its stored result
+        (its body ended but its release never committed, D15): ``completed`` or ``failed``."""
+        if outcome not in (Outcome.COMPLETED.value, Outcome.FAILED.value):
+            raise ValueError(f"a task is settled as completed or failed, not {outcome!r}")
+        return self.transaction(
+            lambda conn: admission.settle(conn, task_id, outcome, detail=detail, dispatch=self.dispatch, now=now)
+        )
 
     def revoke(self, task_id: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: revoke(conn, task_id, dispatch=self.dispatch, now=now))

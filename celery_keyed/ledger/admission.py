@@ -1232,6 +1232,31 @@ def _finish_never_ran(
     return promote_group(conn, member.group_key, dispatch=dispatch, now=now)
 
 
+def settle(
+    conn: sa.Connection,
+    task_id: str,
+    outcome: str,
+    *,
+    detail: str,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: Any = None,
+) -> tuple[bool, list[Promotion]]:
+    """Record the final ``outcome`` of a task that has no attempt in the ledger any more (its result says its
+    body ended, but its release never committed: D15); its group moves on. (False, []) when the task is not
+    open and idle any more (an attempt arrived meanwhile, or its outcome is recorded)."""
+    conn.execute(LOCK_TASK, {"task_id": task_id})  # lock order: the task's row first, then look (D1)
+    params = {"task_id": task_id, "outcome": outcome, "detail": detail, "now": now}
+    row = conn.execute(books.BOOKS_SETTLE, params).first()
+    if row is None:
+        return False, []
+    if row.group_key is None:
+        return True, []
+    groups.groups_lock(conn, row.group_key)
+    groups.members_finish(conn, task_id)
+    _unblock_head(conn, row.group_key)
+    return True, promote_group(conn, row.group_key, dispatch=dispatch, now=now)
+
+
 def _unblock_head(conn: sa.Connection, group_key: str) -> None:
     head, _ = groups.groups_head(conn, group_key)
     if head is not None:

@@ -170,3 +170,38 @@ def books_mark_notified(conn: sa.Connection, task_ids: list[str]) -> None:
 
 def books_reject_unkeyable(conn: sa.Connection, task_id: str, *, task_name: str, detail: str, now: Any = None) -> None:
     conn.execute(BOOKS_REJECT_UNKEYABLE, {"task_id": task_id, "task_name": task_name, "detail": detail, "now": now})
+
+
+# books_open_idle: open tasks with no attempt in the ledger (no claim, no waiting row) that arrived over
+# :age seconds ago — between attempts, or lost after their message was acked (D15). Reconcile reads their result
+# to settle those whose body ended (books_settle).
+BOOKS_OPEN_IDLE = sa.text(
+    f"""
+    SELECT t.task_id FROM keyed_tasks t
+     WHERE t.outcome IS NULL AND t.arrived_at < {NOW} - make_interval(secs => :age)
+       AND NOT EXISTS (SELECT 1 FROM keyed_claims c WHERE c.task_id = t.task_id)
+       AND NOT EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = t.task_id)
+     ORDER BY t.arrived_at LIMIT :limit
+    """
+)
+
+# books_settle: the outcome of a task whose body ended but whose release never committed (its worker died after
+# the result was stored, D15). Guarded like books_finish, and only while the task has no claim and no waiting row
+# (the caller locks the task's row first: an arrival of the task locks it too, so neither misses the other).
+BOOKS_SETTLE = sa.text(
+    f"""
+    UPDATE keyed_tasks t
+       SET outcome = CASE WHEN t.group_key IS NOT NULL AND :outcome = 'failed' THEN 'dead_lettered'
+                          ELSE :outcome END,  -- a group head's final failure is a dead-letter (D11)
+           finished_at = {NOW}, detail = :detail
+     WHERE t.task_id = :task_id AND t.outcome IS NULL
+       AND NOT EXISTS (SELECT 1 FROM keyed_claims c WHERE c.task_id = t.task_id)
+       AND NOT EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = t.task_id)
+    RETURNING t.task_id, t.group_key, t.outcome
+    """
+)
+
+
+def books_open_idle(conn: sa.Connection, *, age: float, limit: int = 100, now: Any = None) -> list[str]:
+    return list(conn.execute(BOOKS_OPEN_IDLE, {"age": age, "limit": limit, "now": now}).scalars())
+
