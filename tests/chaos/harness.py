@@ -204,6 +204,22 @@ class Workers:
                 if p.poll() is not None and p.pid not in self.expected_exit
             ]
 
+    def supervise(self, died: list[str], stop: threading.Event, rel: Any) -> None:
+        """Like systemd's Restart=: a worker that exits without the harness stopping it is noted and started
+        again (with the same name) so the run goes on at full strength."""
+        while not stop.wait(0.5):
+            with self.lock:
+                dead = [
+                    (name, p)
+                    for name, p in self.procs.items()
+                    if p.poll() is not None and p.pid not in self.expected_exit
+                ]
+                for _name, p in dead:
+                    self.expected_exit.add(p.pid)
+            for name, p in dead:
+                died.append(f"{name} (pid {p.pid}) exited {p.returncode} at {rel():.1f}s, log {p.log}")  # type: ignore[attr-defined]
+                self.start(name)
+
     def stop_all(self, kills: Kills) -> None:
         with self.lock:
             procs = list(self.procs.values())
@@ -451,6 +467,7 @@ class Chaos:
         self.publish_retries = 0
         self._stop = threading.Event()
         self._errors: list[str] = []
+        self.died: list[str] = []
 
     # -- helpers -------------------------------------------------------------------------------------------
 
@@ -671,7 +688,10 @@ class Chaos:
                 for fn in (self.publish, self.run_faults)
             ]
             reconciler = threading.Thread(target=self._guard(self.reconcile_loop), daemon=True)
-            for t in [*threads, reconciler]:
+            supervisor = threading.Thread(
+                target=self._guard(lambda: self.workers.supervise(self.died, self._stop, self.rel)), daemon=True
+            )
+            for t in [*threads, reconciler, supervisor]:
                 t.start()
             for t in threads:
                 t.join()
@@ -680,6 +700,7 @@ class Chaos:
             drained_at = self.drain()
             self._stop.set()
             reconciler.join(10)
+            supervisor.join(10)
             self.final_reconcile()
             self.report.figures["publish retries (broker down)"] = self.publish_retries
             self.report.figures["last fault ended at"] = f"{faults_done:.1f}s"
@@ -690,6 +711,8 @@ class Chaos:
             self._stop.set()
             self.workers.stop_all(self.kills)
             watcher.stop()
+        deaths = self.died + deaths
+        self.report.figures["workers that died by themselves (restarted)"] = len(self.died)
         if deaths:
             self.report.failures.append(f"workers died that the harness did not kill: {deaths}")
         self.check(watcher)

@@ -1,0 +1,214 @@
+"""Hostile input from a foreign producer (D16, issue 9 items 4, 7, 9): ``send_task`` from a process that does not
+have the task module, with arguments and headers a careful producer would never send, through a real prefork
+worker. The worker stays alive and keeps serving; every message ends with a recorded outcome in the books or
+a body that ran, and with a result in the backend (a rejection is a ``KeyedRejected`` failure, D11)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.acceptance.conftest import ROOT, Cluster, make_cluster, peak_overlap
+
+LIMITS = {"lim": 2}
+WAIT = 60.0
+
+
+@pytest.fixture
+def hostile_cluster(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    yield from make_cluster(database_url, redis_url, tmp_path, LIMITS)
+
+
+@pytest.fixture
+def foreign(hostile_cluster: Cluster) -> Iterator[Celery]:
+    """A producer that knows the task names only: no task module, no celery-keyed."""
+    app = Celery("foreign", broker=hostile_cluster.broker_url, backend=hostile_cluster.broker_url, set_as_current=False)
+    app.conf.task_publish_retry = False
+    yield app
+    app.close()
+
+
+def start_worker(cluster: Cluster, name: str = "w1", concurrency: int = 4) -> Any:
+    """A worker of tests.acceptance.hostile_proj (Cluster.start_worker runs tests.acceptance.proj)."""
+    import subprocess
+
+    log = cluster.tmp / f"{name}.log"
+    cluster.logs[name] = log
+    cmd = [
+        sys.executable, "-m", "celery", "-A", "tests.acceptance.hostile_proj", "worker", "-P", "prefork",
+        "-c", str(concurrency), "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-l", "INFO",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=cluster.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    cluster.workers[name] = proc
+    cluster.wait_ready(name)
+    return proc
+
+
+def send(app: Celery, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> str:
+    task_id = options.pop("task_id", None) or f"h-{uuid.uuid4().hex[:16]}"
+    app.send_task(name, args=args, kwargs=kwargs, task_id=task_id, **options)
+    return task_id
+
+
+def settle(cluster: Cluster, app: Celery, ids: list[str], timeout: float = WAIT) -> dict[str, dict[str, Any]]:
+    """Wait until every message has ended (a terminal outcome in the books, or a body that ran to its end)
+    and has a result; return what each got. Fails (with the worker's log) if the worker died or time ran out."""
+    deadline = time.monotonic() + timeout
+    state: dict[str, dict[str, Any]] = {}
+    while True:
+        proc = cluster.workers["w1"]
+        if proc.poll() is not None:
+            raise AssertionError(f"the worker died ({proc.returncode}):\n{_log(cluster)}")
+        books = {
+            r.task_id: r.outcome
+            for r in cluster.rows("SELECT task_id, outcome FROM keyed_tasks WHERE task_id = ANY(:ids)", ids=ids)
+        }
+        ran = {r.task_id for r in cluster.rows("SELECT task_id FROM observed WHERE kind = 'end'")}
+        state = {}
+        for task_id in ids:
+            result = app.AsyncResult(task_id)
+            state[task_id] = {
+                "books": books.get(task_id, "no row"),
+                "ran": task_id in ran,
+                "result": result.state,
+                "error": type(result.result).__name__ if result.state == "FAILURE" else None,
+            }
+        pending = {
+            t: s
+            for t, s in state.items()
+            if not ((s["books"] not in ("no row", None)) or s["ran"]) or s["result"] not in ("SUCCESS", "FAILURE")
+        }
+        if not pending:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(pending)} messages never ended: {list(pending.items())[:10]}\n{_log(cluster)}")
+        time.sleep(0.2)
+
+
+def _log(cluster: Cluster) -> str:
+    return cluster.logs["w1"].read_text(errors="replace")[-6000:]
+
+
+def assert_still_serving(cluster: Cluster, app: Celery) -> None:
+    canary = send(app, "hostile.echo", args=[f"canary:{uuid.uuid4().hex[:6]}"])
+    state = settle(cluster, app, [canary])[canary]
+    assert state["ran"] and state["result"] == "SUCCESS" and state["books"] == "completed", state
+    assert "Unrecoverable error" not in _log(cluster)
+
+
+# -- The known poison messages (issue 9 items 4, 7, 9) ---------------------------------------------------------
+
+
+POISON = {
+    "key callable missing its argument": ("hostile.tenant", [], {}, {}),
+    "format spec on a string": ("hostile.fmt", ["abc"], {}, {}),
+    "key callable raising ZeroDivisionError": ("hostile.boom", [1], {}, {}),
+    "retries = 2**31": ("hostile.limited", ["r"], {}, {"retries": 2**31}),
+    "keyed_group_seq = 2**63": ("hostile.grouped", ["g", 1], {}, {"headers": {"keyed_group_seq": 2**63}}),
+    "keyed_group_seq = -2**63 - 1": ("hostile.grouped", ["g2", 1], {}, {"headers": {"keyed_group_seq": -(2**63) - 1}}),
+    "keyed_cost = 2**40": ("hostile.limited", ["c"], {}, {"headers": {"keyed_cost": 2**40}}),
+}
+
+#: Messages whose keys cannot be computed at all: a recorded rejection with a KeyedRejected result (D16).
+MUST_REJECT = {"key callable missing its argument", "format spec on a string", "key callable raising ZeroDivisionError"}
+
+
+def test_poison_messages_get_an_outcome_and_the_worker_survives(hostile_cluster: Cluster, foreign: Celery) -> None:
+    cluster = hostile_cluster
+    start_worker(cluster)
+    ids = {}
+    for label, (name, args, kwargs, options) in POISON.items():
+        ids[label] = send(foreign, name, args=args, kwargs=kwargs, **options)
+    state = settle(cluster, foreign, list(ids.values()))
+    for label in MUST_REJECT:
+        got = state[ids[label]]
+        assert got["books"] == "rejected" and got["result"] == "FAILURE" and got["error"] == "KeyedRejected", (
+            label,
+            got,
+        )
+        assert not got["ran"], (label, got)
+    assert_still_serving(cluster, foreign)
+
+
+def test_a_null_key_header_is_still_gated(hostile_cluster: Cluster, foreign: Celery) -> None:
+    """``keyed_key: None`` (present but null) must not bypass the gate: the key is computed from the arguments
+    (found: 4 ran at once under a limit of 2, and the ledger never saw them)."""
+    cluster = hostile_cluster
+    start_worker(cluster, concurrency=4)
+    ids = [send(foreign, "hostile.limited", args=["n", 1.0], headers={"keyed_key": None}) for _ in range(4)]
+    state = settle(cluster, foreign, ids)
+    assert all(s["books"] == "completed" and s["result"] == "SUCCESS" for s in state.values()), state
+    assert peak_overlap(cluster.intervals("lim:n")) <= LIMITS["lim"]
+
+
+# -- Generated input ---------------------------------------------------------------------------------------
+
+
+GATE_HEADERS = [
+    "keyed_key", "keyed_group", "keyed_group_seq", "keyed_supersede", "keyed_nonce", "keyed_cost", "keyed_fair",
+    "keyed_fence", "retries",
+]  # fmt: skip
+TASKS = ["hostile.tenant", "hostile.fmt", "hostile.boom", "hostile.echo", "hostile.limited", "hostile.grouped"]
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([2**31, 2**31 - 1, -(2**31) - 1, 2**63, 2**63 - 1, -(2**63) - 1, 10**12, 0, -1]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.inf, -math.inf, 1e300, -0.0]),
+    st.text(max_size=12),
+    st.sampled_from(["", ":", "lim:", ":x", "a" * 300, "lim:" + "x" * 600, "\x00", "é:ü", "{n}", "fmt:{"]),
+)
+values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=5), scalars, max_size=3))
+messages = st.tuples(
+    st.sampled_from(TASKS),
+    st.lists(values, max_size=3),
+    st.dictionaries(
+        st.sampled_from(["key", "n", "tenant_id", "which", "seconds", "group", "seq", "x"]), values, max_size=2
+    ),
+    st.dictionaries(st.sampled_from(GATE_HEADERS), values, max_size=4),
+)
+
+
+@pytest.mark.timeout(240)
+def test_generated_headers_and_arguments_never_kill_the_worker(hostile_cluster: Cluster, foreign: Celery) -> None:
+    cluster = hostile_cluster
+    start_worker(cluster)
+    sent: list[str] = []
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(messages)
+    def publish(message: tuple[str, list[Any], dict[str, Any], dict[str, Any]]) -> None:
+        name, args, kwargs, headers = message
+        retries = headers.pop("retries", None)
+        options: dict[str, Any] = {"headers": headers}
+        if retries is not None:
+            options["retries"] = retries
+        # The producer's own serializer may refuse a message: it never reaches a worker then.
+        with contextlib.suppress(Exception):
+            sent.append(send(foreign, name, args=args, kwargs=kwargs, **options))
+
+    publish()
+    assert len(sent) > 40
+    state = settle(cluster, foreign, sent, timeout=120)
+    for task_id, got in state.items():
+        if got["books"] == "rejected":
+            assert got["result"] == "FAILURE" and got["error"] == "KeyedRejected", (task_id, got)
+        assert got["books"] != "no row" or got["ran"], (task_id, got)  # keyed: the ledger saw it
+    assert_still_serving(cluster, foreign)
