@@ -602,6 +602,8 @@ class Chaos:
             else "no body longer than the lease was running"
         )
         self.log_fault(f"SIGTERM (warm shutdown) {name} pid {proc.pid} {what}")
+        if long_body is not None:  # a task of the same key waits: an admission while the body runs is a breach
+            self.probe(long_body.key)
         try:
             proc.wait(timeout=60)
             self.log_fault(f"  {name} exited {proc.returncode}")
@@ -610,6 +612,15 @@ class Chaos:
             self.kills.killpg(proc.pid)
             proc.wait()
         self._restart_worker(name, fault.duration)
+
+    def probe(self, key: str, n: int = 2) -> None:
+        """Publish ``n`` short tasks of ``key`` now (counted like every other task)."""
+        for _ in range(n):
+            task_id = f"p{len(self.tasks):05d}-{uuid.uuid4().hex[:12]}"
+            self.tasks[task_id] = (key, 0.05, 100000 + len(self.tasks))
+            with contextlib.suppress(Exception):
+                self.ns.work.apply_async((key, 0.05, self.tasks[task_id][2]), task_id=task_id)
+        self.log_fault(f"  published {n} probe tasks of {key}")
 
     def fault_pg_restart(self, fault: Fault) -> None:
         self.log_fault("PostgreSQL restart")
