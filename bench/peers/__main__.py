@@ -1,0 +1,5 @@
+import sys
+
+from bench.peers.harness import main
+
+sys.exit(main())
