@@ -21,6 +21,7 @@ POOL_SIZE_MAX = 1000
 #: Defaults of every setting (name without the ``keyed_`` prefix → value).
 DEFAULTS: dict[str, Any] = {
     "database_url": None,  # SQLAlchemy URL of the ledger; env KEYED_DATABASE_URL when unset
+    "database": None,  # Django only: alias in settings.DATABASES of the ledger's database, instead of a URL
     "concurrency_limits": {},  # by name: an int (the limit) or {limit, shards, max_waiting, max_wait, overflow}
     "lease": 60.0,  # seconds a claim lives without renewal (D7)
     "heartbeat_interval": None,  # seconds between renewals; default lease / 6
@@ -80,11 +81,15 @@ def read_settings(conf: Any) -> KeyedSettings:
         value = conf.get(f"keyed_{name}")
         return DEFAULTS[name] if value is None else value
 
-    url = get("database_url") or os.environ.get("KEYED_DATABASE_URL")
+    url = get("database_url")
+    if not url and get("database"):
+        url = django_database_url(str(get("database")))
+    url = url or os.environ.get("KEYED_DATABASE_URL")
     if not url:
         raise InvalidConfig(
-            "celery-keyed needs a ledger: set app.conf.keyed_database_url (or CELERY_KEYED_DATABASE_URL in Django,"
-            " or the KEYED_DATABASE_URL environment variable) to a postgresql+psycopg:// URL"
+            "celery-keyed needs a ledger: set app.conf.keyed_database_url (in Django: CELERY_KEYED_DATABASE_URL, or"
+            " CELERY_KEYED_DATABASE naming an alias of DATABASES), or the KEYED_DATABASE_URL environment variable,"
+            " to a postgresql+psycopg:// URL"
         )
     url = str(url)
     if url.startswith("postgresql://") or url.startswith("postgres://"):
@@ -125,6 +130,44 @@ def read_settings(conf: Any) -> KeyedSettings:
         pool_size=_pool_size(get("pool_size")),
         queues=_queue_names(get("queues")),
     )
+
+
+def django_database_url(alias: str, databases: dict[str, Any] | None = None) -> str:
+    """The SQLAlchemy URL of Django's ``DATABASES[alias]`` (``keyed_database``, i.e. ``CELERY_KEYED_DATABASE``), so a
+    Django project names its database once. ``databases`` defaults to ``django.conf.settings.DATABASES``."""
+    if databases is None:
+        try:
+            from django.conf import settings as django_settings
+
+            databases = dict(django_settings.DATABASES)
+        except Exception as exc:  # Django missing, or its settings not configured in this process
+            raise InvalidConfig(
+                f"keyed_database = {alias!r} names a Django database, but Django's settings cannot be read here "
+                f"({exc}); configure Django first or set keyed_database_url"
+            ) from None
+    if alias not in databases:
+        raise InvalidConfig(f"keyed_database = {alias!r} is not an alias in Django's DATABASES ({sorted(databases)})")
+    entry = databases[alias]
+    engine = str(entry.get("ENGINE", ""))
+    if "postgresql" not in engine and "postgis" not in engine:
+        raise InvalidConfig(
+            f"keyed_database = {alias!r}: the ledger needs PostgreSQL, but DATABASES[{alias!r}] uses {engine!r}"
+        )
+    import sqlalchemy as sa
+
+    options = entry.get("OPTIONS") or {}
+    query = {k: str(v) for k, v in options.items() if isinstance(v, str | int) and not isinstance(v, bool)}
+    port = entry.get("PORT")
+    url = sa.engine.URL.create(
+        "postgresql+psycopg",
+        username=entry.get("USER") or None,
+        password=entry.get("PASSWORD") or None,
+        host=entry.get("HOST") or None,
+        port=int(port) if port not in (None, "") else None,
+        database=entry.get("NAME") or None,
+        query=query,
+    )
+    return url.render_as_string(hide_password=False)
 
 
 def _port(value: Any) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce, Now
@@ -81,6 +82,37 @@ def explain_link(task_id: str) -> str:
                        "<code>{}</code></a>", _url("explain", query={"task_id": task_id}), task_id, short)
 
 
+def log_action(request: HttpRequest, objects: list[Any], flag: int, message: str) -> None:
+    """Record an operator's action in Django's own admin log (the object's History, "Recent actions"), besides
+    the ledger's audit trail; one entry per object."""
+    if objects and request.user.is_authenticated:
+        LogEntry.objects.log_actions(request.user.pk, objects, flag, change_message=message,
+                                     single_object=len(objects) == 1)
+
+
+def _task_name() -> Subquery:
+    """The task's name, from the books (one indexed lookup per shown row)."""
+    return Subquery(TaskRecord.objects.filter(task_id=OuterRef("task_id")).values("task_name")[:1])
+
+
+def arguments_text(message: dict[str, Any] | None, limit: int = 120) -> str:
+    """A stored message's arguments as Celery shows them (its ``argsrepr`` / ``kwargsrepr`` headers, which a task
+    can set to hide secrets), shortened to ``limit`` characters."""
+    headers = (message or {}).get("headers") or {}
+    args, kwargs = headers.get("argsrepr"), headers.get("kwargsrepr")
+    if args is None and kwargs is None:
+        return "—"
+    parts = [str(args)] if args not in (None, "()", "[]") else []
+    if kwargs not in (None, "{}"):
+        parts.append(str(kwargs))
+    text = ", ".join(parts) or "no arguments"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+#: Seconds between reloads of the live pages (keys, claims, waiting tasks); paused while rows are selected.
+AUTO_REFRESH_SECONDS = 10
+
+
 def configured_names() -> set[str]:
     """Names configured in settings or synced to the ledger by a worker (keyed_names)."""
     return ledger_access.configured_names() | set(Name.objects.values_list("name", flat=True))
@@ -96,6 +128,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     page_help = ""
     empty_state = "Nothing here."
     list_title = ""
+    auto_refresh = False  # live pages reload every AUTO_REFRESH_SECONDS (not while rows are selected)
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -107,7 +140,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        context = {"page_help": self.page_help, "empty_state": self.empty_state, **(extra_context or {})}
+        context = {"page_help": self.page_help, "empty_state": self.empty_state,
+                   "auto_refresh": AUTO_REFRESH_SECONDS if self.auto_refresh else None, **(extra_context or {})}
         if self.list_title:
             context.setdefault("title", self.list_title)
         return super().changelist_view(request, extra_context=context)
@@ -267,7 +301,11 @@ class OverrideAdmin(admin.ModelAdmin):
         started = ledger_access.dispatch(promotions)
         request._keyed_said = True
         state = "paused" if obj.slot_limit == 0 else f"limited to {obj.slot_limit} per key"
-        messages.success(request, f"{obj.name} is now {state} (from its next claim on). Reason recorded: {obj.reason}")
+        # The name as written (a name is case-sensitive: never capitalised), after a capital of our own.
+        messages.success(request, f"Name “{obj.name}” is now {state} (from its next claim on). "
+                                  f"Reason recorded: {obj.reason}")
+        log_action(request, [obj], CHANGE if change else ADDITION,
+                   f"Limit set to {_limit_text(obj.slot_limit)}: {obj.reason}")
         if promotions:
             messages.info(request, _promotions_text(promotions, started))
         if obj.name not in configured_names():
@@ -285,7 +323,7 @@ class OverrideAdmin(admin.ModelAdmin):
         super().message_user(request, message, *args, **kwargs)
 
     def log_addition(self, request: HttpRequest, obj: Any, message: Any) -> Any:
-        return None  # the ledger's audit trail (keyed_override_log) is the record, written in save_model
+        return None  # save_model writes the admin log entry, in the operator's words (and the ledger's audit row)
 
     def log_change(self, request: HttpRequest, obj: Any, message: Any) -> Any:
         return None
@@ -307,8 +345,9 @@ class OverrideAdmin(admin.ModelAdmin):
             )
             started = ledger_access.dispatch(promotions)
             limit = override.configured_limit if override.configured_limit is not None else 1
-            messages.success(request, f"Override of {override.name} cleared: its keys run at the configured limit "
+            messages.success(request, f"Override of “{override.name}” cleared: its keys run at the configured limit "
                                       f"({limit}) again.")
+            log_action(request, [override], DELETION, f"Override cleared: {form.cleaned_data['reason']}")
             if promotions:
                 messages.info(request, _promotions_text(promotions, started))
             return HttpResponseRedirect(_url("override_changelist"))
@@ -332,9 +371,10 @@ def _limit_text(limit: int | None) -> str:
 def _promotions_text(promotions: list[Any], started: int) -> str:
     n = len(promotions)
     text = f"{n} waiting task{'s' if n != 1 else ''} got a slot at once"
+    them = "them" if n != 1 else "it"
     if started < n:
-        return text + "; a worker starts them within the dispatch timeout (no Celery app here to publish them)."
-    return text + " and were sent to the workers."
+        return text + f"; a worker starts {them} within the dispatch timeout (no Celery app here to publish {them})."
+    return text + (" and were sent to the workers." if n != 1 else " and was sent to the workers.")
 
 
 @admin.register(OverrideLog)
@@ -470,6 +510,7 @@ class KeyAdmin(ReadOnlyAdmin):
         "how long the oldest has waited. Idle keys are dropped after keyed_idle_key_ttl."
     )
     empty_state = "No keys yet: a key appears here when its first keyed task arrives at a worker."
+    auto_refresh = True
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Key]:
         in_flight = Slot.objects.filter(key=OuterRef("key")).values("key").annotate(total=Sum("used")).values("total")
@@ -532,8 +573,8 @@ class KeyAdmin(ReadOnlyAdmin):
 
 @admin.register(Claim)
 class ClaimAdmin(ReadOnlyAdmin):
-    list_display = ("task_link", "attempt", "holds_display", "state", "fence", "holder", "held_display",
-                    "lease_display")
+    list_display = ("task_link", "task_name_display", "arguments_display", "attempt", "holds_display", "state",
+                    "fence", "holder", "held_display", "lease_display")
     list_display_links = None
     list_filter = ("state",)
     search_fields = ("=task_id", "=key", "=group_key", "holder")
@@ -546,9 +587,21 @@ class ClaimAdmin(ReadOnlyAdmin):
         "is still alive, that is a recorded breach of the limit."
     )
     empty_state = "No claims: no keyed task is running right now."
+    auto_refresh = True
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{APP}.force_release")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Claim]:
+        return super().get_queryset(request).annotate(task_name=_task_name())
+
+    @admin.display(description="Task name")
+    def task_name_display(self, obj: Claim) -> str:
+        return getattr(obj, "task_name", None) or "—"
+
+    @admin.display(description="Arguments")
+    def arguments_display(self, obj: Claim) -> str:
+        return arguments_text(obj.parked)  # the stored message of an attempt that waited (else not kept)
 
     @admin.display(description="Task", ordering="task_id")
     def task_link(self, obj: Claim) -> str:
@@ -620,6 +673,7 @@ class ClaimAdmin(ReadOnlyAdmin):
         started = ledger_access.dispatch(promotions)
         if released:
             messages.success(request, f"Released {released} claim{'s' if released != 1 else ''}.")
+            log_action(request, claims, CHANGE, f"Force-released: {reason}")
         if breaches:
             messages.warning(request, f"{breaches} of them had a live worker: recorded as a breach of the limit "
                                       "(ledger event “forced_release”); that task is booked revoked.")
@@ -656,8 +710,8 @@ class WaitingStateFilter(admin.SimpleListFilter):
 
 @admin.register(Waiting)
 class WaitingAdmin(ReadOnlyAdmin):
-    list_display = ("task_link", "attempt", "key", "group_display", "priority", "waited_display", "due_display",
-                    "deadline_display", "state_display", "queue")
+    list_display = ("task_link", "task_name_display", "arguments_display", "attempt", "key", "group_display",
+                    "priority", "waited_display", "due_display", "deadline_display", "state_display", "queue")
     list_display_links = None
     list_filter = (WaitingStateFilter,)
     search_fields = ("=task_id", "=key", "=group_key")
@@ -669,9 +723,18 @@ class WaitingAdmin(ReadOnlyAdmin):
         "a key). Cancel revokes a task through the ledger: it leaves the line and its result is stored as revoked."
     )
     empty_state = "Nobody is waiting: every keyed task that arrived got a slot."
+    auto_refresh = True
 
     def has_cancel_waiting_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{APP}.cancel_waiting")
+
+    @admin.display(description="Task name")
+    def task_name_display(self, obj: Waiting) -> str:
+        return str((obj.message or {}).get("task") or "—")
+
+    @admin.display(description="Arguments")
+    def arguments_display(self, obj: Waiting) -> str:
+        return arguments_text(obj.message)
 
     @admin.display(description="Task", ordering="task_id")
     def task_link(self, obj: Waiting) -> str:
@@ -722,6 +785,8 @@ class WaitingAdmin(ReadOnlyAdmin):
             started = ledger_access.dispatch(promotions)
             messages.success(request, f"Cancelled {len(task_ids)} waiting task{'s' if len(task_ids) != 1 else ''}: "
                                       f"booked revoked ({form.cleaned_data['reason']}).")
+            log_action(request, [r for r in rows if not r.shadow], CHANGE,
+                       f"Cancelled (revoked): {form.cleaned_data['reason']}")
             if any(r.shadow for r in rows):
                 messages.info(request, "Duplicates (shadows) were left alone: they follow their running attempt.")
             if promotions:
@@ -827,17 +892,121 @@ class TaskRecordAdmin(ReadOnlyAdmin):
         explanation = None
         if form.is_valid():
             explanation = ledger_access.get_ledger().explain(form.cleaned_data["task_id"].strip())
+        facts = explanation.facts or {} if explanation else {}
         context = {
             **self.admin_site.each_context(request),
             "title": "Explain a task",
             "opts": self.model._meta,
             "form": form,
             "explanation": explanation,
-            "facts": [(k.replace("_", " ").capitalize(), v) for k, v in sorted((explanation.facts or {}).items())]
-            if explanation
-            else [],
+            "state": STATE_WORDS.get(explanation.state, explanation.state) if explanation else "",
+            "facts": fact_rows(facts),
+            "holders": slot_holders(facts.get("key"), exclude=explanation.task_id) if explanation
+            and explanation.state in {"waiting", "paused"} else [],
         }
         return TemplateResponse(request, f"admin/{APP}/explain.html", context)
+
+
+#: The explain page's states, in words.
+STATE_WORDS = {
+    "unknown": "unknown to the ledger",
+    "registered": "registered in its group, not received yet",
+    "running": "running",
+    "promoted": "given a slot, being dispatched",
+    "waiting": "waiting for a slot",
+    "paused": "waiting: its name is paused",
+    "blocked": "waiting for its group",
+    "not_before": "waiting: not due yet",
+    "shadow": "a duplicate delivery",
+    "between_attempts": "between attempts",
+    "uncertain": "over, slot held (uncertain hold)",
+    "finished": "finished",
+}
+
+#: The explain page's facts, in words (key → label); facts not listed get their name with spaces.
+FACT_LABELS = {
+    "attempt": "Attempt",
+    "key": "Key",
+    "keys": "All its keys",
+    "cost": "Slots it takes of each key",
+    "group_key": "Group",
+    "group_seq": "Number in its group",
+    "seq": "Number in its group",
+    "shadow": "Duplicate delivery (kept in case its running attempt is lost)",
+    "group_blocked": "Waiting for its group's head",
+    "deadline": "Latest start",
+    "priority": "Priority",
+    "not_before": "Not before",
+    "not_due": "Not due yet",
+    "ahead": "Tasks waiting ahead of it",
+    "in_flight": "Tasks in flight under the key",
+    "k": "Limit of the key (slots)",
+    "blocked_by": "Group head it waits for",
+    "shard": "Counter shard",
+    "state": "Claim state",
+    "fence": "Fence (grows on every claim of the slot)",
+    "holder": "Worker holding it",
+    "dispatch_deadline": "Must be picked up by",
+    "lease_left": "Lease left",
+    "extra_keys": "Its other keys",
+    "held_outcome": "Outcome of the attempt",
+    "received": "Received by a worker",
+    "task_name": "Task name",
+    "arrived_at": "Arrived",
+    "outcome": "Outcome",
+    "finished_attempt": "Finished attempt",
+    "finished_at": "Finished",
+    "detail": "Detail",
+    "duplicates": "Duplicate deliveries seen",
+    "notified": "Result stored",
+}
+
+
+def fact_value(name: str, value: Any) -> Any:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if name == "lease_left" and value is not None:
+        seconds = float(value)
+        if seconds < 0:
+            return f"lapsed {age(timedelta(seconds=-seconds))} ago"
+        return age(timedelta(seconds=seconds))
+    if name == "k" and value == 0:
+        return "0 (paused)"
+    if isinstance(value, list | tuple):
+        return ", ".join(str(v) for v in value) or None
+    if name == "finished_attempt" and value == -1:
+        return None
+    return value
+
+
+def fact_rows(facts: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The facts behind an explanation as (label, value) rows, known facts first in a reading order."""
+    order = list(FACT_LABELS)
+    names = sorted(facts, key=lambda n: (order.index(n) if n in order else len(order), n))
+    return [(FACT_LABELS.get(n, n.replace("_", " ").capitalize()), fact_value(n, facts[n])) for n in names]
+
+
+def slot_holders(key: str | None, *, exclude: str) -> list[dict[str, Any]]:
+    """Who holds the slots of ``key`` now: each claim's task (with its name from the books), worker, time held and
+    lease left — what a waiting task waits for."""
+    if not key:
+        return []
+    claims = (Claim.objects.filter(Q(key=key) | Q(extra_keys__contains=[key])).exclude(task_id=exclude)
+              .annotate(task_name=_task_name()).order_by("claimed_at")[:20])
+    now = timezone.now()
+    return [
+        {
+            "task_id": claim.task_id,
+            "link": explain_link(claim.task_id),
+            "task_name": getattr(claim, "task_name", None) or "—",
+            "state": {"running": "running", "promoted": "given the slot, being dispatched",
+                      "uncertain": "over, slot held (uncertain hold)"}.get(claim.state, claim.state),
+            "holder": claim.holder or "—",
+            "held": since(claim.claimed_at),
+            "lease": fact_value("lease_left", (claim.lease_expires_at - now).total_seconds()),
+        }
+        for claim in claims
+    ]
 
 
 @admin.register(Event)

@@ -10,3 +10,6 @@ class CeleryKeyedConfig(AppConfig):
     label = "celery_keyed_django"
     verbose_name = "Keyed concurrency"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from celery_keyed_django import checks  # noqa: F401  (registers the system checks)

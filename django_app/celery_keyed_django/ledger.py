@@ -3,7 +3,10 @@
 
 Settings (Django ``settings.py``, the names Celery users already use with ``namespace="CELERY"``):
 
-- ``CELERY_KEYED_DJANGO_DATABASE``: alias of the database that holds the ledger (default ``"default"``);
+- ``CELERY_KEYED_DATABASE``: alias of the database that holds the ledger (default ``"default"``; the older name
+  ``CELERY_KEYED_DJANGO_DATABASE`` still works). The workers read the same setting (``keyed_database`` with
+  ``namespace="CELERY"``) and build their ledger URL from that entry of ``DATABASES``, so
+  ``CELERY_KEYED_DATABASE_URL`` need not repeat it;
 - ``CELERY_KEYED_CELERY_APP``: the Celery app (or its dotted path, ``"proj.celery:app"``) used to republish
   promotions; default: Celery's current app when ``celery_keyed.install()`` ran on it. Without one, promoted
   attempts are started by a worker's sweeper once their dispatch deadline passes;
@@ -41,7 +44,8 @@ _DJANGO_ONLY_PARAMS = ("cursor_factory", "context", "prepare_threshold")
 
 def database_alias() -> str:
     """The Django database alias that holds the ledger's tables."""
-    return str(getattr(settings, "CELERY_KEYED_DJANGO_DATABASE", "default"))
+    alias = getattr(settings, "CELERY_KEYED_DATABASE", None) or getattr(settings, "CELERY_KEYED_DJANGO_DATABASE", None)
+    return str(alias or "default")
 
 
 def connection_params(wrapper: BaseDatabaseWrapper) -> dict[str, Any]:

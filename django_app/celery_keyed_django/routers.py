@@ -1,6 +1,6 @@
 """A database router for a ledger that is not in Django's ``default`` database.
 
-With ``CELERY_KEYED_DJANGO_DATABASE = "ledger"``, add ``"celery_keyed_django.routers.LedgerRouter"`` to
+With ``CELERY_KEYED_DATABASE = "ledger"``, add ``"celery_keyed_django.routers.LedgerRouter"`` to
 ``DATABASE_ROUTERS``: the app's models are read from that database and its migrations (which apply the core's
 schema) run there only.
 """

@@ -129,7 +129,7 @@ def test_override_pause_change_clear_through_the_ledger_with_audit(
     ledger.configure({"acct": NameConfig("acct", 1)})
     response = post_override(admin_client, "acct", 0, "Stripe is down")
     assert response.status_code == 200
-    assert any("acct is now paused" in m for m in messages_of(response))
+    assert any("Name “acct” is now paused" in m for m in messages_of(response))
     assert scalar(ledger_engine, "SELECT slot_limit FROM keyed_overrides WHERE name = 'acct'") == 0
     # Paused: a new arrival waits.
     assert ledger.admit(arrival("t1")).verdict is Verdict.PARKED

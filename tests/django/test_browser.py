@@ -108,7 +108,7 @@ def test_pause_and_resume_a_name_from_the_admin(
         browser.find_element(By.NAME, "slot_limit").send_keys("0")
         browser.find_element(By.NAME, "reason").send_keys("Upstream API incident INC-42: hold all account syncs")
         browser.find_element(By.NAME, "_save").click()
-        assert "acct is now paused" in browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text.lower()
+        assert "name “acct” is now paused" in browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text.lower()
         shoot(browser, "overrides")
 
         # Paused: the worker parks acct tasks and starts none; another name is unaffected.
