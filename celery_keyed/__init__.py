@@ -26,6 +26,8 @@ from celery_keyed.exceptions import (
 )
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from celery_keyed.task import KeyedTask, keyed_task
 
 __version__ = "0.1.0.dev0"
@@ -58,7 +60,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'celery_keyed' has no attribute {name!r}")
 
 
-def install(app: Any) -> None:
+def install(app: Celery) -> None:
     """Install the gate on ``app``: the consumer bootstep (which also makes the worker's revoke command reach
     the ledger), the reconciler beat task and its schedule. Call it once, where the app is defined (before
     workers or beat start). A running task that is revoked is released by its request's failure hook."""
