@@ -20,19 +20,20 @@ ENV_KEYS = "BENCH_PEERS_KEYS"  # PgQueuer: path of a JSON {key: K} fixed when th
 ENV_WORKER = "BENCH_PEERS_WORKER"  # the worker's name
 READY = "bench:peers:ready"  # worker names, pushed when a worker (process) is ready
 
-_clients: dict[tuple[int, int], Any] = {}
+_clients: dict[tuple[int, int, str], Any] = {}
 _lock = threading.Lock()
 
 
 def client(url: str | None = None) -> Any:
     """One Redis client per process and thread (pool processes are forked: never share the parent's socket)."""
-    ident = (os.getpid(), threading.get_ident())
+    url = url or os.environ[ENV_OBSERVER]
+    ident = (os.getpid(), threading.get_ident(), url)
     found = _clients.get(ident)
     if found is None:
         import redis
 
         with _lock:
-            found = _clients[ident] = redis.Redis.from_url(url or os.environ[ENV_OBSERVER])
+            found = _clients[ident] = redis.Redis.from_url(url)
     return found
 
 

@@ -4,7 +4,9 @@ harness starts its workers per workload. Our own code.
 
 Workers: ``python -m bench.peers.sys_pgqueuer worker`` (one QueueManager per worker, ``batch_size=2``,
 ``max_concurrent_tasks=4``: 4 jobs at once, the sync body in a thread); publisher: ``... publish < spec.json``
-(one enqueue per task); ``... schema`` installs PgQueuer's schema once.
+(one enqueue per task); ``... schema`` installs PgQueuer's schema once. On asyncpg, PgQueuer's own first
+driver (with its psycopg driver we measured handoffs of about 1 s: its notification watcher waits on the
+connection with a 1 s timeout); on psycopg only when asyncpg is not installed.
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ import sys
 import time
 from typing import Any
 
-import psycopg
 from pgqueuer import QueueManager
-from pgqueuer.db import PsycopgDriver
 from pgqueuer.queries import Queries
 
 from bench.peers import observer as obs
@@ -28,8 +28,20 @@ def _conninfo() -> str:
     return os.environ[obs.ENV_DATABASE].replace("postgresql+psycopg://", "postgresql://")
 
 
-async def _connect() -> psycopg.AsyncConnection[Any]:
-    return await psycopg.AsyncConnection.connect(_conninfo(), autocommit=True)
+async def _connect() -> tuple[Any, Any]:
+    """(driver, connection)."""
+    try:
+        import asyncpg
+    except ImportError:
+        import psycopg
+        from pgqueuer.db import PsycopgDriver
+
+        conn = await psycopg.AsyncConnection.connect(_conninfo(), autocommit=True)
+        return PsycopgDriver(conn), conn
+    from pgqueuer.db import AsyncpgDriver
+
+    conn = await asyncpg.connect(_conninfo())
+    return AsyncpgDriver(conn), conn
 
 
 def _register(qm: QueueManager, key: str, limit: int) -> None:
@@ -42,8 +54,8 @@ def _register(qm: QueueManager, key: str, limit: int) -> None:
 async def _worker() -> None:
     with open(os.environ[obs.ENV_KEYS]) as f:
         keys: dict[str, int] = json.load(f)
-    conn = await _connect()
-    qm = QueueManager(Queries(PsycopgDriver(conn)))
+    driver, _conn = await _connect()
+    qm = QueueManager(Queries(driver))
     for key, limit in keys.items():
         _register(qm, key, limit)
     obs.ready(os.environ.get(obs.ENV_WORKER, "?"))
@@ -51,16 +63,16 @@ async def _worker() -> None:
 
 
 async def _publish(spec: dict[str, Any]) -> None:
-    conn = await _connect()
-    queries = Queries(PsycopgDriver(conn))
+    driver, conn = await _connect()
+    queries = Queries(driver)
     for key, task_id, seconds, _limit in spec["tasks"]:
         await queries.enqueue(key, json.dumps([spec["run"], task_id, seconds]).encode())
     await conn.close()
 
 
 async def _schema() -> None:
-    conn = await _connect()
-    await Queries(PsycopgDriver(conn)).install()
+    driver, conn = await _connect()
+    await Queries(driver).install()
     await conn.close()
 
 
