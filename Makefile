@@ -45,6 +45,14 @@ bench: venv
 bench-gate: venv
 	$(VPY) -m bench.gate $(if $(QUICK),--quick)
 
+# celery-keyed side by side with the peers Celery users use today (issue 11): plain Celery, the cookbook lock,
+# celery-once, procrastinate, Dramatiq, PgQueuer, all on the same PostgreSQL and Redis, 8 slots each (~20 min;
+# QUICK=1 for a short run, DOCS=1 to write the table into docs/benchmarks.md). The peers are installed into
+# .bench-venv/ (bench/requirements-peers.txt) on first use. Holds $$HOME/.celery-keyed-bench.lock (flock).
+.PHONY: bench-peers
+bench-peers: venv
+	$(VPY) -m bench.peers $(if $(QUICK),--quick) $(if $(DOCS),--write-docs) $(PEERS_ARGS)
+
 # The example project (Django + Celery) on a throwaway Postgres + Redis: Django migrate, two real workers and beat,
 # the eight-arrival fixture and a mixed multi-tenant workload, then the timelines, the books, a verdict (exit 0 =
 # every expectation held) and demo-out/inflight.png. SERVE=1 then keeps Django admin up (login demo / demo) until

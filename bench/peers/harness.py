@@ -67,7 +67,7 @@ class System:
     family: str  # celery | dramatiq | procrastinate | pgqueuer
     imports: str = ""  # what must import in its venv
     k1_only: bool = False  # cannot express K > 1
-    slow: bool = False  # defaults that wait seconds between tries: W1 and W3 only unless --all-workloads
+    slow: bool = False  # defaults that wait seconds between tries: W1 and W3, once, unless --all-workloads
     note: str = ""
 
 
@@ -219,6 +219,27 @@ def analyse(res: Result, wl: Workload, rows: list[list[str]]) -> None:
 
 # -- processes ----------------------------------------------------------------------------------------------------
 
+#: A frozen copy of celery_keyed/ at HEAD (``git archive``): other engineers edit the working tree while a
+#: benchmark runs, and a half-saved module must not break a run. Empty with --working-tree.
+FROZEN: list[Path] = []
+
+
+def freeze(into: Path) -> str:
+    """Copy celery_keyed/ as committed at HEAD into ``into``; every process of the run imports it first."""
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", "celery_keyed"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    FROZEN[:] = [into]
+    sys.path.insert(0, str(into))
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def workdir() -> Path:
+    """The processes' working directory: ``python -m`` puts it first on sys.path, before PYTHONPATH."""
+    return FROZEN[0] if FROZEN else ROOT
+
+
 
 def python_of(system: System) -> str:
     return str(PEERS_VENV / "bin" / "python") if system.venv == "peers" else sys.executable
@@ -276,7 +297,7 @@ class Bench:
             obs.ENV_KEYS: keys_file,
             "BENCH_PEERS_QUEUE": queue,
             "dramatiq_queue_prefetch": "1",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join([*([str(FROZEN[0])] if FROZEN else []), str(ROOT)]),
             "PYTHONWARNINGS": "ignore",
         })
         return env
@@ -304,7 +325,7 @@ class Bench:
                 name = f"{system.name}-{queue}-{i}"
                 log = self.logs / f"{name}.log"
                 with open(log, "wb") as out:
-                    proc = subprocess.Popen(self.worker_cmd(system, queue, name), cwd=ROOT,
+                    proc = subprocess.Popen(self.worker_cmd(system, queue, name), cwd=workdir(),
                                             env=self.env(system, queue, name, keys_file), stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
                 procs.append(Proc(proc, name, log))
@@ -336,7 +357,7 @@ class Bench:
         lpush0 = self.lpush_calls()
         log = self.logs / f"publish-{tag}.log"
         with open(log, "wb") as err:
-            pub = subprocess.Popen([python_of(system), "-m", system.module, "publish"], cwd=ROOT,
+            pub = subprocess.Popen([python_of(system), "-m", system.module, "publish"], cwd=workdir(),
                                    env=self.env(system, queue), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=err, start_new_session=True)
             assert pub.stdin is not None
@@ -457,7 +478,7 @@ def servers(families: set[str]) -> Iterator[tuple[dict[str, str], str, str, str]
                     system = next(s for s in SYSTEMS if s.family == family)
                     env = dict(os.environ, PYTHONPATH=str(ROOT), **{obs.ENV_DATABASE: urls[family],
                                                                      obs.ENV_BROKER: rd.url})
-                    subprocess.run([python_of(system), "-m", system.module, "schema"], cwd=ROOT, env=env,
+                    subprocess.run([python_of(system), "-m", system.module, "schema"], cwd=workdir(), env=env,
                                    check=True, capture_output=True)
             import redis
 
@@ -516,8 +537,9 @@ def versions() -> str:
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "celery_keyed"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
-    return (f"Python {platform.python_version()}; " + ", ".join(f"{k} {v}" for k, v in found.items())
-            + f"; celery-keyed at {commit}{' + uncommitted changes in celery_keyed/' if dirty else ''}")
+    where = (f"a frozen copy of celery_keyed/ at {commit} (git archive)" if FROZEN else
+             f"the working tree at {commit}{' + uncommitted changes in celery_keyed/' if dirty else ''}")
+    return f"Python {platform.python_version()}; " + ", ".join(f"{k} {v}" for k, v in found.items()) + f"; {where}"
 
 
 # -- the report ---------------------------------------------------------------------------------------------------
@@ -562,7 +584,7 @@ def report(results: list[Result], workloads: list[Workload], systems: list[Syste
                 continue
             if not rs:
                 why = ("n/a: K = 1 only" if s.k1_only and wl.limit > 1 else
-                       "not run (slow defaults: W1, W3 only)" if s.slow else "not run")
+                       "not run (slow defaults: W1, W3, one run)" if s.slow else "not run")
                 lines.append(f"| {s.label} | {why} |" + " |" * (9 if wl.throughput else 10))
                 continue
             errors = [r.error for r in rs if r.error]
@@ -615,31 +637,36 @@ def write_docs(section: str) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="1 run of a subset (W1, W2, W6 at 1,000 tasks; the slow defaults on W1 only)")
+                        help="1 run of a subset: W1, W2, W6 at 1,000 tasks (the slow defaults: W1)")
     parser.add_argument("--repeats", type=int, help="runs of each system x workload (default 3, quick 1)")
     parser.add_argument("--systems", help="comma-separated, of: " + ", ".join(BY_NAME))
     parser.add_argument("--workloads", help="comma-separated, of: " + ", ".join(WORKLOADS))
     parser.add_argument("--all-workloads", action="store_true", help="also run the slow defaults on every workload")
     parser.add_argument("--scale", type=float, default=1.0, help="tasks per key x this (a smoke run: 0.1)")
     parser.add_argument("--seconds", type=float, help="task duration instead of 50 ms (not W6's trivial tasks)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="stop a run after max(this, 8 x ideal) s and report it unfinished (default 60)")
+    parser.add_argument("--timeout", type=float,
+                        help="stop a run after max(this, 8 x ideal) s and report it unfinished (default 60, quick 30)")
+    parser.add_argument("--lock-wait", type=float,
+                        help="give up after this many seconds waiting for the benchmark lock (exit 75)")
     parser.add_argument("--no-install", action="store_true", help="never create .bench-venv: skip the peers")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
     parser.add_argument("--smoke", action="store_true",
                         help="label the figures 'smoke, machine shared: not evidence' (implied by --quick, "
                              "by --scale < 1 and by a load average >= 1 at the start)")
+    parser.add_argument("--working-tree", action="store_true",
+                        help="run celery_keyed/ from the working tree (default: a frozen copy of HEAD)")
     parser.add_argument("--no-lock", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def locked(argv: list[str]) -> None:
+def locked(argv: list[str], lock_wait: float | None) -> None:
     """Re-execute this command under ``flock $HOME/.celery-keyed-bench.lock``: one benchmark at a time."""
     if os.environ.get(ENV_LOCKED):
         return
     LOCK.touch(exist_ok=True)
     print(f"waiting for {LOCK} (flock) ...", flush=True)
-    os.execvpe("flock", ["flock", str(LOCK), sys.executable, "-m", "bench.peers", *argv],
+    wait = ["-w", str(lock_wait), "-E", "75"] if lock_wait is not None else []
+    os.execvpe("flock", ["flock", *wait, str(LOCK), sys.executable, "-m", "bench.peers", *argv],
                dict(os.environ, **{ENV_LOCKED: "1"}))
 
 
@@ -647,8 +674,9 @@ def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse(raw)
     if not args.no_lock:
-        locked(raw)
+        locked(raw, args.lock_wait)
     repeats = args.repeats or (1 if args.quick else 3)
+    timeout = args.timeout or (30.0 if args.quick else 60.0)
     names = args.systems.split(",") if args.systems else list(BY_NAME)
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
@@ -681,9 +709,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     load_start = os.getloadavg()
     results: list[Result] = []
-    with servers(families) as (urls, broker_url, observer_url, described), tempfile.TemporaryDirectory(
-        prefix="bench-peers-"
-    ) as logs:
+    with contextlib.ExitStack() as stack:
+        logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-peers-"))
+        if not args.working_tree:
+            frozen = Path(logs) / "frozen"
+            frozen.mkdir()
+            print(f"celery-keyed: a frozen copy of celery_keyed/ at {freeze(frozen)} (git archive HEAD)", flush=True)
+        urls, broker_url, observer_url, described = stack.enter_context(servers(families))
         bench = Bench(urls, broker_url, observer_url, redis.Redis.from_url(observer_url),
                       redis.Redis.from_url(broker_url), Path(logs))
         print(f"servers: {described}; {machine()}; load average {load_start[0]:.2f} at start", flush=True)
@@ -692,13 +724,13 @@ def main(argv: list[str] | None = None) -> int:
             if repeat % 2:
                 order.reverse()
             for system in order:
+                slow = system.slow and not args.all_workloads  # W1 and W3 in the first repeat only
                 mine = [wl for wl in workloads if not (system.k1_only and wl.limit > 1)
-                        and not (system.slow and not args.all_workloads and wl.name not in ("W1", "W3"))
-                        and not (system.slow and args.quick and wl.name != "W1")]
+                        and not (slow and (repeat > 0 or wl.name not in ("W1", "W3")))]
                 if not mine:
                     continue
                 print(f"\nrepeat {repeat + 1}/{repeats}: {system.label}", flush=True)
-                results += run_system(bench, system, mine, repeat, args.timeout)
+                results += run_system(bench, system, mine, repeat, timeout)
         load_end = os.getloadavg()
 
     total = time.monotonic() - started
