@@ -296,10 +296,10 @@ def bench_database() -> Iterator[tuple[str, str]]:
 
 def _statement_names() -> dict[int, str]:
     """id(TextClause) → "module.CONSTANT" for every named statement of the ledger."""
-    from celery_keyed.ledger import admission, books, claims, keys, slots, waiting
+    from celery_keyed.ledger import books, claims, fast_paths, keys, slots, waiting
 
     names: dict[int, str] = {id(RAW_TAKE): "RAW_TAKE", id(RAW_GIVE): "RAW_GIVE"}
-    for module in (admission, books, claims, keys, slots, waiting):
+    for module in (fast_paths, books, claims, keys, slots, waiting):
         for attr, value in vars(module).items():
             if isinstance(value, sa.TextClause):
                 names[id(value)] = f"{module.__name__.rsplit('.', 1)[1]}.{attr}"

@@ -1,7 +1,14 @@
 """The slot ledger: pure Postgres (SQLAlchemy Core + psycopg 3). It imports neither Celery nor Django.
 
-Each module owns one table or concept and its guarded statements; ``admission`` composes them into the
-transactions (admit-or-park, release-and-promote, bind); ``reconcile`` holds the background repairs.
+Each table module (names, overrides, slots, keys, claims, waiting, groups, books, holders, events) owns one table
+and its guarded statements; ``fast_paths`` holds the one-statement claims and releases that span tables. The
+transactions compose them, each layer importing only those below it (no cycle):
+
+    tables, fast_paths < promote < outcomes < admit, release < revoke < reconcile < Ledger (this module)
+
+``promote`` gives free slots to waiters; ``outcomes`` records a task's final outcome and moves its group on;
+``admit`` is admit-or-park and bind; ``release`` the release-and-promote; ``revoke`` the stored revoke;
+``reconcile`` the background repairs.
 ``Ledger`` wraps an engine and runs each operation in its own transaction, retrying on a detected deadlock
 or serialization failure (both are safe to retry: nothing was committed).
 """
@@ -17,15 +24,7 @@ from typing import TypeVar
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
-from celery_keyed.ledger import admission, overrides, reconcile
-from celery_keyed.ledger.admission import (
-    DEFAULT_DISPATCH_TIMEOUT,
-    bind,
-    promote_group,
-    promote_key,
-    release,
-    revoke,
-)
+from celery_keyed.ledger import admit, outcomes, overrides, promote, reconcile, release, revoke
 from celery_keyed.ledger.attempts import Admission, Arrival, Outcome, Promotion, ReleaseReport, Token, Verdict
 from celery_keyed.ledger.books import books_balance, books_open_idle
 from celery_keyed.ledger.claims import HeldClaim, claims_renew
@@ -43,6 +42,7 @@ from celery_keyed.ledger.keyspec import key_name, normalize_key
 from celery_keyed.ledger.migrations import migrate, schema_required
 from celery_keyed.ledger.names import NameConfig, configure_names, parse_limits
 from celery_keyed.ledger.overrides import clear_override, set_override
+from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, LocalHandoff
 from celery_keyed.ledger.reconcile import (
     DEFAULT_RESERVE_TIMEOUT,
     Report,
@@ -70,8 +70,6 @@ __all__ = [
     "Token",
     "Verdict",
     "WrongState",
-    "admit",
-    "bind",
     "books_balance",
     "claims_renew",
     "clear_override",
@@ -83,16 +81,10 @@ __all__ = [
     "new_holder",
     "normalize_key",
     "parse_limits",
-    "promote_group",
-    "promote_key",
     "reconcile_once",
-    "release",
-    "revoke",
     "set_override",
     "sweep_once",
 ]
-
-admit = admission.admit
 
 T = TypeVar("T")
 
@@ -163,17 +155,19 @@ class Ledger:
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         with self.autocommit.connect() as conn:
-            fast, fresh = admission.admit_autocommit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
+            fast, fresh = admit.admit_autocommit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
         if fast is not None:
             return fast
         return self.transaction(
-            lambda conn: admission.admit(
+            lambda conn: admit.admit(
                 conn, arrival, holder=self.holder, lease=self.lease, fresh=fresh, dispatch=self.dispatch, now=now
             )
         )
 
     def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:
-        return self.transaction(lambda conn: bind(conn, token, nonce, holder=self.holder, lease=self.lease, now=now))
+        return self.transaction(
+            lambda conn: admit.bind(conn, token, nonce, holder=self.holder, lease=self.lease, now=now)
+        )
 
     def release(
         self,
@@ -194,15 +188,15 @@ class Ledger:
         so the freed slot is never visible to anyone else (a sweeper would take it and republish).
         ``local_queues`` / ``local_tasks``: the caller runs promotions of these itself (D4); they come back
         already bound to this holder (``Promotion.nonce is None``). ``uncertain`` / ``hold``: the attempt ended by
-        a hard time limit or a lost worker; an uncertain hold keeps its slots (see ``admission.release``)."""
+        a hard time limit or a lost worker; an uncertain hold keeps its slots (see ``release.release``)."""
         local = None
         if local_queues is not None:
-            local = admission.LocalHandoff(
+            local = LocalHandoff(
                 holder=self.holder, lease=self.lease, queues=frozenset(local_queues), tasks=frozenset(local_tasks or ())
             )
 
         def in_transaction(conn: sa.Connection) -> ReleaseReport:
-            return release(
+            return release.release(
                 conn,
                 token,
                 fence,
@@ -218,14 +212,14 @@ class Ledger:
         if contended or uncertain:
             return self.transaction(in_transaction)
         with self.autocommit.connect() as conn:
-            fast = admission.release_autocommit(conn, token, fence, outcome, detail=detail, now=now)
+            fast = release.release_autocommit(conn, token, fence, outcome, detail=detail, now=now)
         if fast is None:
             return self.transaction(in_transaction)
         report, rest = fast
         if rest is not None:
             waited, key, has_shadow = rest
             report.promotions += self.transaction(
-                lambda conn: admission.after_release_autocommit(
+                lambda conn: release.after_release_autocommit(
                     conn, token, waited, key, has_shadow, outcome, dispatch=self.dispatch, local=local, now=now
                 )
             )
@@ -236,7 +230,7 @@ class Ledger:
     ) -> tuple[bool, list[Promotion]]:
         """Give back a running attempt's concurrency slots before its outcome (``release_concurrency``)."""
         return self.transaction(
-            lambda conn: admission.release_early(conn, token, fence, dispatch=self.dispatch, now=now)
+            lambda conn: release.release_early(conn, token, fence, dispatch=self.dispatch, now=now)
         )
 
     def renew(self, held: Iterable[HeldClaim], *, now: datetime | None = None) -> set[HeldClaim]:
@@ -264,11 +258,11 @@ class Ledger:
         if outcome not in (Outcome.COMPLETED.value, Outcome.FAILED.value):
             raise ValueError(f"a task is settled as completed or failed, not {outcome!r}")
         return self.transaction(
-            lambda conn: admission.settle(conn, task_id, outcome, detail=detail, dispatch=self.dispatch, now=now)
+            lambda conn: outcomes.settle(conn, task_id, outcome, detail=detail, dispatch=self.dispatch, now=now)
         )
 
     def revoke(self, task_id: str, *, now: datetime | None = None) -> list[Promotion]:
-        return self.transaction(lambda conn: revoke(conn, task_id, dispatch=self.dispatch, now=now))
+        return self.transaction(lambda conn: revoke.revoke(conn, task_id, dispatch=self.dispatch, now=now))
 
     def set_override(
         self,
@@ -297,7 +291,7 @@ class Ledger:
             )
 
     def promote_key(self, key: str, *, now: datetime | None = None) -> list[Promotion]:
-        return self.transaction(lambda conn: promote_key(conn, key, dispatch=self.dispatch, now=now))
+        return self.transaction(lambda conn: promote.promote_key(conn, key, dispatch=self.dispatch, now=now))
 
     def sweep(
         self,

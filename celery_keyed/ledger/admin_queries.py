@@ -1,7 +1,7 @@
 """Operators' actions and reads that no worker needs (the Django admin, the CLI): a forced release of a claim,
 and the per-key overview of the live view. Pure SQLAlchemy Core, like the rest of the ledger.
 
-A forced release goes through the ledger's own fenced release (``admission.release``): only the claim held with
+A forced release goes through the ledger's own fenced release (``release.release``): only the claim held with
 exactly this fence is released, so a stale page (the attempt finished, or was reclaimed and claimed again with a
 new fence) changes nothing. When the holder is still alive — its lease is current, so its worker is renewing it
 and the attempt is probably still executing — freeing its slot lets another attempt start beside it: a deliberate
@@ -17,18 +17,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger.admission import DEFAULT_DISPATCH_TIMEOUT, release
 from celery_keyed.ledger.attempts import Outcome, Promotion, Token
-from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.claims import CLAIMS_GET_FENCED
 from celery_keyed.ledger.events import events_record
-
-# claims_get_fenced: the claim held with this fence, and whether its holder still renews its lease.
-CLAIMS_GET_FENCED = sa.text(
-    f"""
-    SELECT task_id, attempt, key, group_key, state, fence, holder, lease_expires_at > {NOW} AS live
-      FROM keyed_claims WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
-    """
-)
+from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT
+from celery_keyed.ledger.release import release
 
 
 @dataclass

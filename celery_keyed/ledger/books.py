@@ -32,6 +32,28 @@ BOOKS_ARRIVE = sa.text(
     """
 )
 
+# books_arrive_or_lock: record the arrival of a task id, or lock its existing row, so that two deliveries of one
+# task are admitted one after the other (the second sees the first's claim or park: D8). xmax = 0 ⇔ inserted.
+BOOKS_ARRIVE_OR_LOCK = sa.text(
+    f"""
+    INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
+    VALUES (:task_id, :task_name, :key, :group_key, {NOW})
+    ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
+    RETURNING (xmax = 0) AS new, outcome, finished_attempt,
+              COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
+    """
+)
+
+# books_lock_task: the task's row, first in the lock order: serialises the deliveries, releases, revokes and
+# settlements of one task (D1, D8); answers its outcome and last finished attempt.
+BOOKS_LOCK_TASK = sa.text("SELECT outcome, finished_attempt FROM keyed_tasks WHERE task_id = :task_id FOR UPDATE")
+
+# books_attempt_is_over: whether an attempt of a task is over (its task finished, or a later attempt ran): its
+# shadows are dropped, not made live (D8).
+BOOKS_ATTEMPT_IS_OVER = sa.text(
+    "SELECT outcome IS NOT NULL OR finished_attempt >= :attempt FROM keyed_tasks WHERE task_id = :task_id"
+)
+
 # books_finish: the one final outcome of a task; no row = already recorded (the loser does nothing).
 BOOKS_FINISH = sa.text(
     f"""
@@ -78,6 +100,16 @@ BOOKS_UNNOTIFIED = sa.text(
     """
 )
 BOOKS_MARK_NOTIFIED = sa.text("UPDATE keyed_tasks SET notified = true WHERE task_id = ANY(:task_ids)")
+
+# books_record_lost: a registered group number never received gets its one outcome, lost (D10); a task id that
+# arrived meanwhile keeps its own row (ON CONFLICT DO NOTHING).
+BOOKS_RECORD_LOST = sa.text(
+    f"""
+    INSERT INTO keyed_tasks (task_id, group_key, arrived_at, outcome, finished_at, detail)
+    VALUES (:task_id, :group_key, :registered_at, 'lost', {NOW}, 'registered group number never received')
+    ON CONFLICT (task_id) DO NOTHING
+    """
+)
 
 # books_balance: counts by outcome (NULL = still waiting or running), with the task ids pruned after the retention
 # (one statement, one snapshot: a prune deletes and counts in one transaction, so no task id is seen twice or missed).

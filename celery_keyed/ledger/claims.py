@@ -145,6 +145,91 @@ CLAIMS_GET = sa.text(
     """
 )
 
+# claims_get_fenced: the claim held with this fence, and whether its holder still renews its lease (a forced
+# release by an operator of a live holder is a recorded breach of the bound, §3.1).
+CLAIMS_GET_FENCED = sa.text(
+    f"""
+    SELECT task_id, attempt, key, group_key, state, fence, holder, lease_expires_at > {NOW} AS live
+      FROM keyed_claims WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
+    """
+)
+
+
+# claims_token_state: what the ledger holds for an attempt token (D8): a claim (running / promoted / uncertain) or a
+# parked row (a shadow or not). Read under the task's row lock, so a concurrent delivery cannot slip between.
+CLAIMS_TOKEN_STATE = sa.text(
+    """
+    SELECT 'claim' AS kind, state AS detail FROM keyed_claims WHERE task_id = :task_id AND attempt = :attempt
+    UNION ALL
+    SELECT 'waiting', CASE WHEN shadow THEN 'shadow' ELSE 'parked' END
+      FROM keyed_waiting WHERE task_id = :task_id AND attempt = :attempt
+    """
+)
+
+# claims_of_task / claims_delete_unbound_of_task: a task's claims, and its promotions nobody bound yet (revoke takes
+# those back: an unbound promotion has not started, so its slots go to the next waiters, D5/D11).
+CLAIMS_OF_TASK = sa.text("SELECT attempt, state FROM keyed_claims WHERE task_id = :task_id")
+CLAIMS_DELETE_UNBOUND_OF_TASK = sa.text(
+    """
+    DELETE FROM keyed_claims WHERE task_id = :task_id AND state = 'promoted'
+    RETURNING task_id, attempt, key, shard, group_key, fence, parked, cost, extra_keys, extra_shards
+    """
+)
+
+# claims_expired_candidates: running claims whose lease expired, provided the database server itself has been up
+# for a full lease (D7: a Postgres restart must not mass-reclaim the slots of tasks that kept running).
+CLAIMS_EXPIRED_CANDIDATES = sa.text(
+    f"""
+    SELECT task_id, attempt, fence FROM keyed_claims
+     WHERE state = 'running' AND lease_expires_at < {NOW}
+       AND pg_postmaster_start_time() <= {NOW} - make_interval(secs => :lease)
+     ORDER BY lease_expires_at LIMIT :batch
+    """
+)
+# claims_delete_expired_one: the reaper's side of the race for one claim row (release exactly once, D7); no row =
+# the worker won (it released or renewed).
+CLAIMS_DELETE_EXPIRED_ONE = sa.text(
+    f"""
+    DELETE FROM keyed_claims
+     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
+       AND state = 'running' AND lease_expires_at < {NOW}
+    RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked, cost, extra_keys, extra_shards
+    """
+)
+# claims_of_gone_holders / claims_delete_of_gone_holder: the running claims of holders known to be dead (their
+# machine is ours and none of their processes exists: no body of theirs can run), given back at once instead of
+# after the lease. The DELETE is guarded by holder and fence: a claim renewed or released meanwhile is left.
+CLAIMS_OF_GONE_HOLDERS = sa.text(
+    """
+    SELECT task_id, attempt, fence FROM keyed_claims
+     WHERE holder = ANY(CAST(:holders AS text[])) AND state = 'running' LIMIT :batch
+    """
+)
+CLAIMS_DELETE_OF_GONE_HOLDER = sa.text(
+    """
+    DELETE FROM keyed_claims
+     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
+       AND holder = ANY(CAST(:holders AS text[]))
+    RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked, cost, extra_keys, extra_shards
+    """
+)
+# claims_stale_promoted_candidates / claims_delete_stale_promoted_one: promotions nobody bound before their dispatch
+# deadline; the reaper voids the nonce (the DELETE) before the slot is reused (D5). No row = it was bound meanwhile.
+CLAIMS_STALE_PROMOTED_CANDIDATES = sa.text(
+    f"""
+    SELECT task_id, attempt, fence FROM keyed_claims
+     WHERE state = 'promoted' AND dispatch_deadline < {NOW} ORDER BY dispatch_deadline LIMIT :batch
+    """
+)
+CLAIMS_DELETE_STALE_PROMOTED_ONE = sa.text(
+    f"""
+    DELETE FROM keyed_claims
+     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
+       AND state = 'promoted' AND dispatch_deadline < {NOW}
+    RETURNING task_id, attempt, key, shard, group_key, fence, parked, cost, extra_keys, extra_shards
+    """
+)
+
 
 @dataclass(frozen=True)
 class HeldClaim:

@@ -40,6 +40,43 @@ KEYS_REMOVE_WAITING = sa.text(
 
 KEYS_SET_WAITING = sa.text("UPDATE keyed_keys SET waiting = :waiting WHERE key = :key")
 
+# keys_of_name_waiting: keys of a name with parked attempts, in lock order (an override or a limit change promotes
+# each, D2).
+KEYS_OF_NAME_WAITING = sa.text("SELECT key FROM keyed_keys WHERE name = :name AND waiting > 0 ORDER BY key")
+
+# keys_get_waiting: whether a key has parked attempts, read after the slot row's lock is held (a new snapshot: an
+# attempt parked by a transaction that held that lock before us is seen, D2).
+KEYS_GET_WAITING = sa.text("SELECT waiting FROM keyed_keys WHERE key = :key")
+
+# keys_lock_nowait: the head row of a key for a step that holds locks later in the lock order (never waits: no
+# row = busy, and the lock holder or the sweep does the work, D2).
+KEYS_LOCK_NOWAIT = sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE SKIP LOCKED")
+
+# keys_lock_existing: lock a key's head row if it exists (reconcile, after the key's slot rows: lock order), so the
+# waiting count can be compared with the parked rows in a later statement (D1).
+KEYS_LOCK_EXISTING = sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE")
+
+# keys_idle: keys with nothing held or parked and no activity for :idle seconds (candidates; re-checked locked).
+KEYS_IDLE = sa.text(
+    f"""
+    SELECT k.key FROM keyed_keys k
+     WHERE k.waiting = 0 AND k.active_at < {NOW} - make_interval(secs => :idle)
+       AND NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = k.key AND s.used > 0)
+     LIMIT :batch
+    """
+)
+
+# keys_lock_idle: lock a key's head row only while it is still idle (nothing parked, no activity for :idle).
+KEYS_LOCK_IDLE = sa.text(
+    f"""
+    SELECT waiting FROM keyed_keys WHERE key = :key AND waiting = 0
+       AND active_at < {NOW} - make_interval(secs => :idle) FOR UPDATE
+    """
+)
+
+# keys_drop_idle: delete the head row of a key with nothing parked (the caller holds its slot rows and head row).
+KEYS_DROP_IDLE = sa.text("DELETE FROM keyed_keys WHERE key = :key AND waiting = 0")
+
 
 def keys_lock(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> int:
     """Create (if missing) and lock the head row of ``key``; its waiting count."""

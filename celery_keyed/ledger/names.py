@@ -141,6 +141,24 @@ NAMES_GET = sa.text(
 # names_effective_limit: the limit the next claim of a key of this name will use.
 NAMES_EFFECTIVE_LIMIT = sa.text(f"SELECT keyed_effective_limit(:name, {NOW})")
 
+# names_largest_share: the most slots one claim can take on a key of each name (a shard's share of the
+# configured limit; an override may lower it for a while, but the configuration is what can ever be had): an
+# attempt that costs more is rejected instead of waiting for ever (D16).
+NAMES_LARGEST_SHARE = sa.text(
+    """
+    SELECT n.name, LEAST(COALESCE(keyed_shard_share(c.slot_limit, c.shards, 0), 1),
+                         CASE WHEN c.rate IS NOT NULL THEN CAST(floor(COALESCE(c.burst, 1)) AS integer) END) AS share
+      FROM unnest(CAST(:names AS text[])) AS n(name) LEFT JOIN keyed_names c ON c.name = n.name
+    """
+)
+
+# names_rated: which of these names have a token bucket (a promotion takes their tokens too: gate and rate both
+# pass, or neither is debited, §3.10).
+NAMES_RATED = sa.text("SELECT name FROM keyed_names WHERE name = ANY(:names) AND rate IS NOT NULL")
+
+# names_overflow: what a full waiting room of this name does with a new arrival (reject or supersede, §3.6).
+NAMES_OVERFLOW = sa.text("SELECT overflow FROM keyed_names WHERE name = :name")
+
 
 def names_upsert(conn: sa.Connection, config: NameConfig, *, now: Any = None) -> None:
     """Store ``config``. Raising a limit creates room: the caller runs ``promote_name`` in the same
@@ -191,9 +209,7 @@ def configure_names(
     conn: sa.Connection, configs: Mapping[str, NameConfig], *, dispatch: float = 30.0, now: Any = None
 ) -> list[Any]:
     """Store every config (a worker does this at start) and promote waiters a raised limit lets in (D2)."""
-    from celery_keyed.ledger.overrides import (
-        promote_name,
-    )  # overrides builds on admission, which builds on us
+    from celery_keyed.ledger.overrides import promote_name  # overrides builds on promote, which reads names
 
     promotions: list[Any] = []
     for name in sorted(configs):

@@ -14,12 +14,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger.admission import DEFAULT_DISPATCH_TIMEOUT, promote_key
+from celery_keyed.ledger import keys
 from celery_keyed.ledger.attempts import Promotion
 from celery_keyed.ledger.bounds import SLOT_LIMIT_MAX
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.ledger.keyspec import validate_name
+from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_key
 
 # overrides_lock: the current override of a name, locked, for the audit's "old" value. (A CTE in the upsert
 # cannot read it: the row the statement itself updates is invisible to its own FOR UPDATE, so it read NULL.)
@@ -55,8 +56,10 @@ OVERRIDE_LOG_INSERT = sa.text(
     """
 )
 
-# keys_of_name_waiting: keys of a name with parked attempts, in lock order.
-KEYS_OF_NAME_WAITING = sa.text("SELECT key FROM keyed_keys WHERE name = :name AND waiting > 0 ORDER BY key")
+# overrides_get: the override of a name as stored (``celery keyed`` shows it).
+OVERRIDES_GET = sa.text(
+    "SELECT name, slot_limit, reason, author, expires_at, set_at FROM keyed_overrides WHERE name = :name"
+)
 
 
 def set_override(
@@ -151,13 +154,10 @@ def promote_name(
 ) -> list[Promotion]:
     """Promote waiters of every key of ``name`` that has room now (D2: run wherever room may appear)."""
     promotions: list[Promotion] = []
-    for key in conn.execute(KEYS_OF_NAME_WAITING, {"name": name}).scalars().all():
+    for key in conn.execute(keys.KEYS_OF_NAME_WAITING, {"name": name}).scalars().all():
         promotions += promote_key(conn, key, dispatch=dispatch, now=now)
     return promotions
 
 
 def override_get(conn: sa.Connection, name: str) -> sa.Row[Any] | None:
-    return conn.execute(
-        sa.text("SELECT name, slot_limit, reason, author, expires_at, set_at FROM keyed_overrides WHERE name = :n"),
-        {"n": name},
-    ).first()
+    return conn.execute(OVERRIDES_GET, {"name": name}).first()

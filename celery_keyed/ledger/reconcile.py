@@ -12,12 +12,23 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import admission, books, groups, keys, overrides, slots, waiting
+from celery_keyed.ledger import books, claims, groups, keys, overrides, slots, waiting
 from celery_keyed.ledger.attempts import Outcome, Promotion, Token
-from celery_keyed.ledger.claims import CLAIMS_DELETE_UNCERTAIN_DUE, Holding
-from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.claims import Holding
 from celery_keyed.ledger.events import events_record
 from celery_keyed.ledger.keyspec import key_name
+from celery_keyed.ledger.outcomes import finish_never_ran
+from celery_keyed.ledger.promote import (
+    DEFAULT_DISPATCH_TIMEOUT,
+    give_back,
+    give_back_reserved,
+    promote_each_key,
+    promote_freed,
+    promote_group,
+    promote_key,
+    promote_multi,
+)
+from celery_keyed.ledger.release import after_claim_removed
 
 logger = logging.getLogger("celery_keyed.ledger")
 
@@ -30,67 +41,6 @@ DEFAULT_RESERVE_TIMEOUT = 60.0
 #: run stays bounded (a backlog, e.g. after enabling retention on old books, drains over several runs).
 PRUNE_BATCH = 1000
 PRUNE_BATCHES = 20
-
-# reclaim candidates: running claims whose lease expired, provided the database server itself has been up for
-# a full lease (D7: a Postgres restart must not mass-reclaim the slots of tasks that kept running).
-CLAIMS_EXPIRED_CANDIDATES = sa.text(
-    f"""
-    SELECT task_id, attempt, fence FROM keyed_claims
-     WHERE state = 'running' AND lease_expires_at < {NOW}
-       AND pg_postmaster_start_time() <= {NOW} - make_interval(secs => :lease)
-     ORDER BY lease_expires_at LIMIT :batch
-    """
-)
-# claims_delete_expired_one: the reaper's side of the race for one claim row; no row = the worker won.
-CLAIMS_DELETE_EXPIRED_ONE = sa.text(
-    f"""
-    DELETE FROM keyed_claims
-     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
-       AND state = 'running' AND lease_expires_at < {NOW}
-    RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked, cost, extra_keys, extra_shards
-    """
-)
-# claims_of_gone_holders / claims_delete_of_gone_holder: the running claims of holders known to be dead (their
-# machine is ours and none of their processes exists: no body of theirs can run), given back at once instead of
-# after the lease. The DELETE is guarded by holder and fence: a claim renewed or released meanwhile is left.
-CLAIMS_OF_GONE_HOLDERS = sa.text(
-    """
-    SELECT task_id, attempt, fence FROM keyed_claims
-     WHERE holder = ANY(CAST(:holders AS text[])) AND state = 'running' LIMIT :batch
-    """
-)
-CLAIMS_DELETE_OF_GONE_HOLDER = sa.text(
-    """
-    DELETE FROM keyed_claims
-     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
-       AND holder = ANY(CAST(:holders AS text[]))
-    RETURNING task_id, attempt, key, shard, group_key, fence, holder, parked, cost, extra_keys, extra_shards
-    """
-)
-CLAIMS_STALE_PROMOTED_CANDIDATES = sa.text(
-    f"""
-    SELECT task_id, attempt, fence FROM keyed_claims
-     WHERE state = 'promoted' AND dispatch_deadline < {NOW} ORDER BY dispatch_deadline LIMIT :batch
-    """
-)
-CLAIMS_DELETE_STALE_PROMOTED_ONE = sa.text(
-    f"""
-    DELETE FROM keyed_claims
-     WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence
-       AND state = 'promoted' AND dispatch_deadline < {NOW}
-    RETURNING task_id, attempt, key, shard, group_key, fence, parked, cost, extra_keys, extra_shards
-    """
-)
-SLOT_KEYS = sa.text("SELECT DISTINCT key FROM keyed_slots WHERE key > :after ORDER BY key LIMIT :batch")
-IDLE_KEYS = sa.text(
-    f"""
-    SELECT k.key FROM keyed_keys k
-     WHERE k.waiting = 0 AND k.active_at < {NOW} - make_interval(secs => :idle)
-       AND NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = k.key AND s.used > 0)
-     LIMIT :batch
-    """
-)
-
 
 @dataclass
 class Report:
@@ -121,7 +71,7 @@ def sweep_once(
     *,
     now: datetime | None = None,
     group_arrival_timeout: float = 300.0,
-    dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
 ) -> Report:
     """Everything time makes happen (D2): not-before times that passed, waiters past their latest start,
@@ -135,12 +85,12 @@ def sweep_once(
     while True:
         with engine.begin() as conn:
             rows = conn.execute(waiting.WAITING_DELETE_EXPIRED, {"batch": 1, "now": now}).all()
-            freed = [fr for r in rows for fr in admission.give_back_reserved(conn, r, now=now)]
+            freed = [fr for r in rows for fr in give_back_reserved(conn, r, now=now)]
             for r in rows:
                 if r.key is not None:
                     keys.keys_remove_waiting(conn, r.key, now=now)
                 if not r.shadow:
-                    report.promotions += admission._finish_never_ran(
+                    report.promotions += finish_never_ran(
                         conn,
                         Token(r.task_id, r.attempt),
                         "expired",
@@ -150,7 +100,7 @@ def sweep_once(
                     )
                     report.finished.append((r.task_id, "expired"))
                     report.expired += 1
-            report.promotions += admission.promote_freed(conn, freed, dispatch=dispatch, now=now)
+            report.promotions += promote_freed(conn, freed, dispatch=dispatch, now=now)
         if not rows:
             break
     while True:
@@ -158,8 +108,8 @@ def sweep_once(
             lapsed = conn.execute(
                 waiting.WAITING_RESERVATIONS_LAPSED, {"timeout": reserve_timeout, "batch": 1, "now": now}
             ).all()
-            freed = [fr for r in lapsed for fr in admission.give_back_reserved(conn, r, now=now)]
-            report.promotions += admission.promote_freed(conn, freed, dispatch=dispatch, now=now)
+            freed = [fr for r in lapsed for fr in give_back_reserved(conn, r, now=now)]
+            report.promotions += promote_freed(conn, freed, dispatch=dispatch, now=now)
         if not lapsed:
             break
     with engine.begin() as conn:
@@ -168,15 +118,11 @@ def sweep_once(
         orphans = conn.execute(waiting.WAITING_ORPHAN_SHADOWS, {"batch": _BATCH}).all()
     for o in orphans:
         with engine.begin() as conn:
-            conn.execute(admission.LOCK_TASK, {"task_id": o.task_id})
+            conn.execute(books.BOOKS_LOCK_TASK, {"task_id": o.task_id})
             if o.key is not None:
                 keys.keys_lock(conn, o.key, key_name(o.key), now=now)
-            over = conn.execute(
-                sa.text("""SELECT outcome IS NOT NULL OR finished_attempt >= :attempt FROM keyed_tasks
-                            WHERE task_id = :task_id"""),
-                {"task_id": o.task_id, "attempt": o.attempt},
-            ).scalar()
-            still = conn.execute(admission.TOKEN_STATE, {"task_id": o.task_id, "attempt": o.attempt}).all()
+            over = conn.execute(books.BOOKS_ATTEMPT_IS_OVER, {"task_id": o.task_id, "attempt": o.attempt}).scalar()
+            still = conn.execute(claims.CLAIMS_TOKEN_STATE, {"task_id": o.task_id, "attempt": o.attempt}).all()
             if any(r.kind == "claim" for r in still):
                 continue  # claimed again meanwhile: still a shadow of a live attempt
             params = {"task_id": o.task_id, "attempt": o.attempt}
@@ -193,11 +139,7 @@ def sweep_once(
             ).all()
             for m in lost:
                 conn.execute(
-                    sa.text(f"""
-                        INSERT INTO keyed_tasks (task_id, group_key, arrived_at, outcome, finished_at, detail)
-                        VALUES (:task_id, :group_key, :registered_at, 'lost', {NOW},
-                                'registered group number never received')
-                        ON CONFLICT (task_id) DO NOTHING"""),
+                    books.BOOKS_RECORD_LOST,
                     {
                         "task_id": m.task_id,
                         "group_key": m.group_key,
@@ -207,14 +149,14 @@ def sweep_once(
                 )
                 report.finished.append((m.task_id, "lost"))
                 report.lost += 1
-                report.promotions += admission.promote_group(conn, m.group_key, dispatch=dispatch, now=now)
+                report.promotions += promote_group(conn, m.group_key, dispatch=dispatch, now=now)
         if not lost:
             break
     while True:
         with engine.begin() as conn:
-            over = conn.execute(CLAIMS_DELETE_UNCERTAIN_DUE, {"batch": 1, "now": now}).all()
+            over = conn.execute(claims.CLAIMS_DELETE_UNCERTAIN_DUE, {"batch": 1, "now": now}).all()
             for row in over:
-                released = admission._after_claim_removed(
+                released = after_claim_removed(
                     conn, row, Outcome(row.held_outcome), detail="uncertain hold over", dispatch=dispatch, now=now
                 )
                 report.promotions += released.promotions
@@ -226,7 +168,7 @@ def sweep_once(
 
 
 def promote_all(
-    engine: sa.Engine, *, now: datetime | None = None, dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT
+    engine: sa.Engine, *, now: datetime | None = None, dispatch: float = DEFAULT_DISPATCH_TIMEOUT
 ) -> Report:
     """Promote waiters of every key and group that has promotable rows and room (one transaction each)."""
     report = Report()
@@ -235,15 +177,15 @@ def promote_all(
         group_list = conn.execute(waiting.WAITING_GROUPS_PROMOTABLE, {"limit": 10_000, "now": now}).scalars().all()
     for key in sorted(key_list):
         with engine.begin() as conn:
-            report.promotions += admission.promote_key(conn, key, dispatch=dispatch, now=now)
+            report.promotions += promote_key(conn, key, dispatch=dispatch, now=now)
     for group_key in sorted(group_list):
         with engine.begin() as conn:
-            report.promotions += admission.promote_group(conn, group_key, dispatch=dispatch, now=now)
+            report.promotions += promote_group(conn, group_key, dispatch=dispatch, now=now)
     with engine.connect() as conn:
         multi = conn.execute(waiting.WAITING_MULTI_PROMOTABLE, {"limit": 1_000, "now": now}).all()
     for m in multi:
         with engine.begin() as conn:
-            report.promotions += admission.promote_multi(
+            report.promotions += promote_multi(
                 conn, Token(m.task_id, m.attempt), dispatch=dispatch, now=now
             )
     return report
@@ -254,7 +196,7 @@ def reclaim_once(
     *,
     lease: float,
     now: datetime | None = None,
-    dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
 ) -> Report:
     """Reclaim running claims whose lease expired (D7) and void promotions nobody bound in time (D5).
 
@@ -264,11 +206,11 @@ def reclaim_once(
     """
     report = Report()
     with engine.connect() as conn:
-        candidates = conn.execute(CLAIMS_EXPIRED_CANDIDATES, {"lease": lease, "batch": _BATCH, "now": now}).all()
+        candidates = conn.execute(claims.CLAIMS_EXPIRED_CANDIDATES, {"lease": lease, "batch": _BATCH, "now": now}).all()
     for c in candidates:
         with engine.begin() as conn:
             row = conn.execute(
-                CLAIMS_DELETE_EXPIRED_ONE,
+                claims.CLAIMS_DELETE_EXPIRED_ONE,
                 {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, "now": now},
             ).first()
             if row is None:
@@ -281,31 +223,31 @@ def reclaim_once(
                 detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder}",
                 now=now,
             )
-            released = admission._after_claim_removed(
+            released = after_claim_removed(
                 conn, row, Outcome.WORKER_LOST, detail="lease expired", dispatch=dispatch, now=now
             )
             report.promotions += released.promotions
             report.reclaimed.append(Token(row.task_id, row.attempt))
     with engine.connect() as conn:
-        stale = conn.execute(CLAIMS_STALE_PROMOTED_CANDIDATES, {"batch": _BATCH, "now": now}).all()
+        stale = conn.execute(claims.CLAIMS_STALE_PROMOTED_CANDIDATES, {"batch": _BATCH, "now": now}).all()
     for c in stale:
         with engine.begin() as conn:
             row = conn.execute(
-                CLAIMS_DELETE_STALE_PROMOTED_ONE,
+                claims.CLAIMS_DELETE_STALE_PROMOTED_ONE,
                 {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, "now": now},
             ).first()
             if row is None:
                 continue
             report.voided.append(Token(row.task_id, row.attempt))
-            freed = admission.give_back(conn, Holding.of(row), now=now)
+            freed = give_back(conn, Holding.of(row), now=now)
             line = waiting.parked_line(row.parked)  # the line it stood in (several keys: not always its first)
             for key in sorted({k for k, _ in freed} | ({line} if line is not None else set())):
                 keys.keys_lock(conn, key, key_name(key), now=now)
             if waiting.waiting_restore(conn, row.parked) and line is not None:
                 keys.keys_add_waiting(conn, line, force=True)
-            report.promotions += admission._promote_each_key(conn, freed, dispatch=dispatch, now=now)
+            report.promotions += promote_each_key(conn, freed, dispatch=dispatch, now=now)
             if row.group_key is not None:
-                report.promotions += admission.promote_group(conn, row.group_key, dispatch=dispatch, now=now)
+                report.promotions += promote_group(conn, row.group_key, dispatch=dispatch, now=now)
     return report
 
 
@@ -314,7 +256,7 @@ def reclaim_gone_holders_once(
     holders: list[str],
     *,
     now: datetime | None = None,
-    dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
 ) -> Report:
     """Give back the running claims of ``holders``, worker process starts known to be dead (the caller checked
     that none of their processes exists), as "worker lost": the same book-keeping as the reaper's, without
@@ -323,11 +265,11 @@ def reclaim_gone_holders_once(
     if not holders:
         return report
     with engine.connect() as conn:
-        candidates = conn.execute(CLAIMS_OF_GONE_HOLDERS, {"holders": holders, "batch": 10 * _BATCH}).all()
+        candidates = conn.execute(claims.CLAIMS_OF_GONE_HOLDERS, {"holders": holders, "batch": 10 * _BATCH}).all()
     for c in candidates:
         with engine.begin() as conn:
             params = {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, "holders": holders}
-            row = conn.execute(CLAIMS_DELETE_OF_GONE_HOLDER, params).first()
+            row = conn.execute(claims.CLAIMS_DELETE_OF_GONE_HOLDER, params).first()
             if row is None:
                 continue
             events_record(
@@ -338,7 +280,7 @@ def reclaim_gone_holders_once(
                 detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder} (its processes are gone)",
                 now=now,
             )
-            released = admission._after_claim_removed(
+            released = after_claim_removed(
                 conn, row, Outcome.WORKER_LOST, detail="its worker is gone", dispatch=dispatch, now=now
             )
             report.promotions += released.promotions
@@ -355,15 +297,12 @@ def check_counters_once(engine: sa.Engine, *, repair: bool = True) -> list[str]:
     after = ""
     while True:
         with engine.connect() as conn:
-            batch = conn.execute(SLOT_KEYS, {"after": after, "batch": _BATCH}).scalars().all()
+            batch = conn.execute(slots.SLOTS_KEYS_AFTER, {"after": after, "batch": _BATCH}).scalars().all()
         if not batch:
             break
         for key in batch:
             with engine.begin() as conn:
-                locked = conn.execute(
-                    sa.text("SELECT shard, used FROM keyed_slots WHERE key = :key ORDER BY shard FOR UPDATE"),
-                    {"key": key},
-                ).all()
+                locked = conn.execute(slots.SLOTS_LOCK_COUNTERS, {"key": key}).all()
                 counted = {r.shard: int(r.n) for r in conn.execute(slots.SLOTS_COUNT_CLAIMS, {"key": key})}
                 for r in locked:
                     truth = counted.get(r.shard, 0)
@@ -374,9 +313,7 @@ def check_counters_once(engine: sa.Engine, *, repair: bool = True) -> list[str]:
                         events_record(conn, "drift", key=key, detail=msg)
                         if repair:
                             conn.execute(slots.SLOTS_SET_USED, {"key": key, "shard": r.shard, "used": truth})
-                head = conn.execute(
-                    sa.text("SELECT waiting FROM keyed_keys WHERE key = :key FOR UPDATE"), {"key": key}
-                ).first()
+                head = conn.execute(keys.KEYS_LOCK_EXISTING, {"key": key}).first()
                 if head is not None:
                     parked = int(conn.execute(waiting.WAITING_COUNT, {"key": key}).scalar_one())
                     if head.waiting != parked:
@@ -394,24 +331,17 @@ def drop_idle_keys_once(engine: sa.Engine, *, idle: float = 3600.0, now: datetim
     """Delete the rows of keys with nothing held or parked and no activity for ``idle`` seconds."""
     dropped = 0
     with engine.connect() as conn:
-        candidates = conn.execute(IDLE_KEYS, {"idle": idle, "batch": _BATCH, "now": now}).scalars().all()
+        candidates = conn.execute(keys.KEYS_IDLE, {"idle": idle, "batch": _BATCH, "now": now}).scalars().all()
     for key in candidates:
         with engine.begin() as conn:
-            locked = conn.execute(
-                sa.text("SELECT used FROM keyed_slots WHERE key = :key ORDER BY shard FOR UPDATE"),
-                {"key": key},
-            ).all()
+            locked = conn.execute(slots.SLOTS_LOCK_COUNTERS, {"key": key}).all()
             if any(r.used for r in locked):
                 continue
-            head = conn.execute(
-                sa.text(f"""SELECT waiting FROM keyed_keys WHERE key = :key AND waiting = 0
-                             AND active_at < {NOW} - make_interval(secs => :idle) FOR UPDATE"""),
-                {"key": key, "idle": idle, "now": now},
-            ).first()
+            head = conn.execute(keys.KEYS_LOCK_IDLE, {"key": key, "idle": idle, "now": now}).first()
             if head is None:
                 continue
             conn.execute(slots.SLOTS_DROP_KEY, {"key": key})
-            conn.execute(sa.text("DELETE FROM keyed_keys WHERE key = :key AND waiting = 0"), {"key": key})
+            conn.execute(keys.KEYS_DROP_IDLE, {"key": key})
             dropped += 1
     return dropped
 
@@ -444,7 +374,7 @@ def reconcile_once(
     now: datetime | None = None,
     idle: float = 3600.0,
     group_arrival_timeout: float = 300.0,
-    dispatch: float = admission.DEFAULT_DISPATCH_TIMEOUT,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     reserve_timeout: float = DEFAULT_RESERVE_TIMEOUT,
     books_retention: float | None = None,
 ) -> Report:

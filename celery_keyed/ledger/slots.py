@@ -19,7 +19,7 @@ from celery_keyed.ledger.waiting import PROMOTABLE_EXISTS
 # slots_claim_any: the fast path. Take one slot on any shard of the key that has room, skipping shards other
 # transactions hold; no shard = no room seen without waiting (the caller then takes the slow path that locks
 # every shard, D2). The guard is repeated in the UPDATE so the bound holds even if the limit changed. Also
-# answers the name's shard count (see admission._fast_claim).
+# answers the name's shard count (see admit._fast_claim).
 SLOTS_CLAIM_ANY = sa.text(
     f"""
     WITH lim AS (
@@ -132,6 +132,13 @@ SLOTS_COUNT_CLAIMS = sa.text(
     """
 )
 SLOTS_SET_USED = sa.text("UPDATE keyed_slots SET used = :used WHERE key = :key AND shard = :shard")
+
+# slots_keys_after: the keys with counter rows, in key order after :after (reconcile walks them in batches).
+SLOTS_KEYS_AFTER = sa.text("SELECT DISTINCT key FROM keyed_slots WHERE key > :after ORDER BY key LIMIT :batch")
+
+# slots_lock_counters: lock every existing shard row of a key in shard order (reconcile: first lock, then count the
+# claims in a later statement, D1), answering each row's counter.
+SLOTS_LOCK_COUNTERS = sa.text("SELECT shard, used FROM keyed_slots WHERE key = :key ORDER BY shard FOR UPDATE")
 
 # slots_drop_idle: delete the counter rows of a key with nothing held (reconcile; the caller holds the locks).
 SLOTS_DROP_KEY = sa.text("DELETE FROM keyed_slots WHERE key = :key AND used = 0")

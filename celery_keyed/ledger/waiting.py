@@ -233,6 +233,12 @@ WAITING_MULTI_PROMOTABLE = sa.text(
     """
 )
 
+# waiting_keys_of_token: the keys of a parked attempt (the sweep's multi-key promotion locks them in lock order
+# before it locks the row itself).
+WAITING_KEYS_OF_TOKEN = sa.text(
+    "SELECT keys FROM keyed_waiting WHERE task_id = :task_id AND attempt = :attempt AND NOT shadow"
+)
+
 # waiting_get_locked: one parked row, locked, unless another transaction is promoting it.
 WAITING_GET_LOCKED = sa.text(
     f"""

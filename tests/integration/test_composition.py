@@ -9,7 +9,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict
-from celery_keyed.ledger.admission import promote_multi
+from celery_keyed.ledger.promote import promote_multi
 from celery_keyed.ledger.reconcile import check_counters_once, promote_all
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, admission, overrides
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, admit, overrides, release
 from celery_keyed.ledger.reconcile import check_counters_once, reclaim_once
 
 HOLDER = "race:1:aaaa"
@@ -89,7 +89,7 @@ def test_release_racing_the_reaper_exactly_one_wins(engine: sa.Engine, ledger: L
     adm = ledger.admit(Arrival("a", key="k:1"), now=clock())
     clock.advance(LEASE + 1)  # the lease lapsed: the reaper may take the row, the worker still releases
     with engine.connect() as conn, conn.begin():
-        assert admission.release(conn, Token("a", 0), adm.fence, Outcome.COMPLETED, now=clock()).released
+        assert release.release(conn, Token("a", 0), adm.fence, Outcome.COMPLETED, now=clock()).released
         reaper = Side(engine, lambda c: reclaim_once(engine, lease=LEASE, now=clock()))
         reaper.start()
         _wait_for_lock_waiter(engine)  # the reaper's DELETE waits for the worker's
@@ -105,10 +105,10 @@ def test_reaper_racing_the_release_exactly_one_wins(engine: sa.Engine, ledger: L
         row = conn.execute(
             sa.text("DELETE FROM keyed_claims WHERE task_id = 'a' RETURNING task_id, attempt, key, shard, group_key")
         ).one()  # the reaper's DELETE, not committed yet
-        worker = Side(engine, lambda c: admission.release(c, Token("a", 0), adm.fence, Outcome.COMPLETED, now=clock()))
+        worker = Side(engine, lambda c: release.release(c, Token("a", 0), adm.fence, Outcome.COMPLETED, now=clock()))
         worker.start()
         wait_until_blocked(engine, worker)
-        admission._after_claim_removed(conn, row, Outcome.WORKER_LOST, detail="", dispatch=10, now=clock())
+        release.after_claim_removed(conn, row, Outcome.WORKER_LOST, detail="", dispatch=10, now=clock())
     assert not worker.finish().released  # the stale worker's release is a no-op
     assert count(engine, "SELECT used FROM keyed_slots WHERE key = 'k:1'") == 0
     assert ledger.books() == {"open": 1, "arrivals": 1}  # worker lost: the redelivery will run it
@@ -119,9 +119,9 @@ def test_admit_waits_for_release_and_takes_the_freed_slot(engine: sa.Engine, led
     next to a free slot (D2)."""
     holder = ledger.admit(Arrival("a", key="k:1"))
     with engine.connect() as conn, conn.begin():
-        report = admission.release(conn, Token("a", 0), holder.fence, Outcome.COMPLETED)
+        report = release.release(conn, Token("a", 0), holder.fence, Outcome.COMPLETED)
         assert report.promotions == []  # nobody is waiting yet
-        arrival = Side(engine, lambda c: admission.admit(c, Arrival("b", key="k:1"), holder=HOLDER, lease=LEASE))
+        arrival = Side(engine, lambda c: admit.admit(c, Arrival("b", key="k:1"), holder=HOLDER, lease=LEASE))
         arrival.start()
         wait_until_blocked(engine, arrival)  # the fast path skipped the locked row; the slow path waits for it
     assert arrival.finish().verdict is Verdict.ADMITTED
@@ -133,9 +133,9 @@ def test_release_waits_for_park_and_promotes_the_parked(engine: sa.Engine, ledge
     attempt and promote it — no attempt is stranded with used = 0 (D2)."""
     holder = ledger.admit(Arrival("a", key="k:1"))
     with engine.connect() as conn, conn.begin():
-        parked = admission.admit(conn, Arrival("b", key="k:1"), holder=HOLDER, lease=LEASE)
+        parked = admit.admit(conn, Arrival("b", key="k:1"), holder=HOLDER, lease=LEASE)
         assert parked.verdict is Verdict.PARKED
-        releaser = Side(engine, lambda c: admission.release(c, Token("a", 0), holder.fence, Outcome.COMPLETED))
+        releaser = Side(engine, lambda c: release.release(c, Token("a", 0), holder.fence, Outcome.COMPLETED))
         releaser.start()
         wait_until_blocked(engine, releaser)
     report = releaser.finish()
@@ -150,7 +150,7 @@ def test_reconcile_racing_a_claim_does_not_overwrite_the_count(engine: sa.Engine
     ledger.configure({"g": NameConfig("g", limit=5)})
     ledger.admit(Arrival("a", key="g:1"))
     with engine.connect() as conn, conn.begin():
-        assert admission.admit(conn, Arrival("b", key="g:1"), holder=HOLDER, lease=LEASE).admitted
+        assert admit.admit(conn, Arrival("b", key="g:1"), holder=HOLDER, lease=LEASE).admitted
         checker = Side(engine, lambda c: check_counters_once(engine))
         checker.start()
         _wait_for_lock_waiter(engine)  # reconcile's row lock waits for the claim's transaction
@@ -168,7 +168,7 @@ def test_override_lowered_while_claims_are_in_flight(engine: sa.Engine, ledger: 
         overrides.set_override(conn, "g", 1, reason="incident")
         # The override row is locked until commit; an admission evaluates the limit after it commits.
         conn.execute(sa.text("SELECT 1 FROM keyed_slots WHERE key = 'g:1' FOR UPDATE"))
-        arrival = Side(engine, lambda c: admission.admit(c, Arrival("c", key="g:1"), holder=HOLDER, lease=LEASE))
+        arrival = Side(engine, lambda c: admit.admit(c, Arrival("c", key="g:1"), holder=HOLDER, lease=LEASE))
         arrival.start()
         wait_until_blocked(engine, arrival)
     assert arrival.finish().verdict is Verdict.PARKED
@@ -194,9 +194,9 @@ def test_concurrent_duplicates_of_one_attempt_admit_once(engine: sa.Engine, ledg
     """Two deliveries of the same attempt at once (D8): the second waits for the first's task row and then
     sees its claim."""
     with engine.connect() as conn, conn.begin():
-        first = admission.admit(conn, Arrival("a", key="k:1"), holder=HOLDER, lease=LEASE)
+        first = admit.admit(conn, Arrival("a", key="k:1"), holder=HOLDER, lease=LEASE)
         assert first.admitted
-        second = Side(engine, lambda c: admission.admit(c, Arrival("a", key="k:1"), holder="other:2:bbbb", lease=LEASE))
+        second = Side(engine, lambda c: admit.admit(c, Arrival("a", key="k:1"), holder="other:2:bbbb", lease=LEASE))
         second.start()
         wait_until_blocked(engine, second)
     assert second.finish().verdict is Verdict.DUPLICATE
@@ -223,16 +223,16 @@ def test_a_newcomer_never_takes_a_freed_slot_ahead_of_the_line(engine: sa.Engine
     a = ledger.admit(Arrival("a", key="k:1"))
     assert ledger.admit(Arrival("b", key="k:1")).verdict is Verdict.PARKED
     with ledger.autocommit.connect() as conn:
-        _report, rest = admission.release_autocommit(conn, Token("a", 0), a.fence, Outcome.COMPLETED)
+        _report, rest = release.release_autocommit(conn, Token("a", 0), a.fence, Outcome.COMPLETED)
     assert rest is not None  # the key has a waiter: the promotion is still to do
     assert count(engine, "SELECT used FROM keyed_slots WHERE key = 'k:1'") == 0
     late = ledger.admit(Arrival("c", key="k:1"))  # the fast path refuses; the slow path parks it behind b ...
     assert late.verdict is Verdict.PARKED and [p.task_id for p in late.promotions] == ["b"]  # ... and starts b
     with engine.begin() as conn:  # the slow path, called directly: nothing left to start
-        slow = admission.admit(conn, Arrival("d", key="k:1"), holder=HOLDER, lease=LEASE)
+        slow = admit.admit(conn, Arrival("d", key="k:1"), holder=HOLDER, lease=LEASE)
     assert slow.verdict is Verdict.PARKED and slow.promotions == ()
     waited, key, has_shadow = rest
     promoted = ledger.transaction(
-        lambda conn: admission.after_release_autocommit(conn, Token("a", 0), waited, key, has_shadow, Outcome.COMPLETED)
+        lambda conn: release.after_release_autocommit(conn, Token("a", 0), waited, key, has_shadow, Outcome.COMPLETED)
     )
     assert promoted == []  # b started already: one slot, one promotion

@@ -194,7 +194,7 @@ def stress(database_url: str, processes: int, cycles: int) -> StressResult:
         deadlocks = _deadlocks(engine) - deadlocks_before
     finally:
         engine.dispose()
-    # Ledger.transaction retries deadlocks silently: count them. The lock order (admission.py) allows none.
+    # Ledger.transaction retries deadlocks silently: count them. The lock order (ledger/admit.py) allows none.
     assert deadlocks == 0, f"{deadlocks} deadlocks detected by Postgres during the run"
     # Every parked attempt was handed off by a release (no lost wakeup, D2/D4): nothing is stranded.
     assert leftover_waiting == [], f"{len(leftover_waiting)} parked attempts stranded: {leftover_waiting[:5]}"

@@ -1,0 +1,380 @@
+"""Admission: admit-or-park of an arrival (D1, D2, D8, D10), and the binding of a promoted attempt (D5).
+
+Each function runs inside the caller's transaction (``with engine.begin() as conn``), except
+``admit_autocommit``, the one-statement fast path (``conn`` in autocommit).
+
+Lock order (every transaction takes row locks in this order, so two of them never wait on each other in a
+cycle): the task's ``keyed_tasks`` row → ``keyed_slots`` rows by (key, shard) → the ``keyed_keys`` row →
+``keyed_groups`` rows. A step that needs a lock out of that order (promoting a group head that also has a
+key) uses SKIP LOCKED and leaves the work to the lock holder or the sweep (D2: within one sweep interval).
+
+No lost wakeups (D2): admit-or-park and release-and-promote both lock what they depend on unconditionally —
+the slow path of admission locks every shard row of the key before deciding to park, and a release holds its
+shard row while it looks for waiters — so whichever commits second sees the other's work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger import books, claims, fast_paths, groups, keys, names, slots, waiting
+from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, Token, Verdict
+from celery_keyed.ledger.clock import clock_is_future
+from celery_keyed.ledger.keyspec import key_name
+from celery_keyed.ledger.outcomes import finish_never_ran
+from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_waiters
+
+#: Shard counts by name seen by this process, with the monotonic time they go stale (see _fast_claim).
+_shards_seen: dict[str, tuple[int, float]] = {}
+
+
+_SHARDS_TTL = 30.0
+
+
+def _known_single_shard(name: str) -> bool:
+    seen = _shards_seen.get(name)
+    return seen is not None and seen[0] == 1 and seen[1] > time.monotonic()
+
+
+def _fast_claim(conn: sa.Connection, name: str, run: Callable[[], Any]) -> Any:
+    """Run a fast-path claim statement ``run()`` (it returns a row with ``shard``, NULL on a miss, and
+    ``shards``).
+
+    A SKIP LOCKED pick can end up holding the lock of a shard row it did not take (the row changed between
+    the snapshot and the lock, and the re-check failed). The slow path then locks every shard in order while
+    holding that one: out of lock order, a deadlock with another slow path. So on a sharded name the fast path
+    runs in a savepoint and a miss rolls it back, which drops the stray lock; an unsharded name needs none (its
+    only row is first in the order). Returns the row, or None after a rolled-back miss."""
+    if _known_single_shard(name):
+        row = run()
+        _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
+        return row
+    savepoint = conn.begin_nested()
+    row = run()
+    _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
+    if row.shard is not None:
+        savepoint.commit()
+        return row
+    savepoint.rollback()
+    return None
+
+
+def _arrival_params(arrival: Arrival, name: str | None, *, holder: str, lease: float, now: Any) -> dict[str, Any]:
+    """Bind parameters of the arrival statements (fast_paths.CLAIM_NEW, books.BOOKS_ARRIVE_OR_LOCK, SLOTS_CLAIM_ANY)."""
+    return {
+        "task_id": arrival.task_id,
+        "attempt": arrival.attempt,
+        "task_name": arrival.task_name,
+        "key": arrival.key,
+        "group_key": arrival.group_key,
+        "deadline": arrival.deadline,
+        "name": name,
+        "cost": arrival.cost,
+        "fair_key": arrival.fair_key,
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+
+
+def admit_autocommit(
+    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
+) -> tuple[Admission | None, bool]:
+    """The fast path of a first arrival as one self-committing statement (``conn`` in autocommit): ADMITTED,
+    or None — then run ``admit`` in a transaction, with ``fresh=True`` when the second value says this call
+    recorded the task's arrival (it is new: no duplicate to look for). Being its own transaction, a stray
+    shard lock ends with it (see _fast_claim)."""
+    if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None:
+        return None, False
+    name = key_name(arrival.key)
+    params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
+    if arrival.extra_keys:
+        params.update(keys=list(arrival.keys), extra_keys=list(arrival.extra_keys))
+        row = conn.execute(fast_paths.CLAIM_NEW_MULTI, params).one()
+        if row.shard is None:
+            return None, bool(row.new)
+        return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True
+    statement = fast_paths.CLAIM_NEW_WAITING if _known_single_shard(name) else fast_paths.CLAIM_NEW
+    row = conn.execute(statement, params).one()
+    _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
+    if row.shard is None:
+        return None, bool(row.new)
+    return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True
+
+
+def admit(
+    conn: sa.Connection,
+    arrival: Arrival,
+    *,
+    holder: str,
+    lease: float,
+    fresh: bool = False,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: Any = None,
+) -> Admission:
+    """Admit ``arrival`` (claim a slot: ADMITTED with its fence) or park it durably (PARKED), or record why it
+    cannot wait (REJECTED / EXPIRED), or recognise a known attempt token (DUPLICATE, D8). ``fresh``: the caller
+    has just recorded this task's first arrival (``admit_autocommit``), and its fast path found no room.
+
+    The bound is enforced by the guarded slot UPDATE (D1). A parked attempt's row is committed with this
+    transaction; the caller acks the broker message only after the commit.
+    """
+    token = arrival.token
+    name = key_name(arrival.key) if arrival.key else None
+    params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
+    fast = (
+        arrival.key is not None
+        and name is not None
+        and not arrival.group_key
+        and arrival.not_before is None
+        and not arrival.extra_keys
+    )
+    row: Any = None
+    if fast and not fresh:
+        assert name is not None
+        row = _fast_claim(conn, name, lambda: conn.execute(fast_paths.CLAIM_NEW, params).one())
+        if row is not None and row.shard is not None:
+            return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
+    if row is None:
+        row = conn.execute(books.BOOKS_ARRIVE_OR_LOCK, params).one()
+    # A fresh arrival still looks for its token: a concurrent delivery of the same task may have won.
+    if not row.new:
+        if row.outcome is not None or row.finished_attempt >= arrival.attempt:
+            books.books_count_duplicate(conn, arrival.task_id)
+            return Admission(Verdict.DUPLICATE, detail=f"finished ({row.outcome or 'attempt over'})")
+        held = conn.execute(claims.CLAIMS_TOKEN_STATE, {"task_id": token.task_id, "attempt": token.attempt}).first()
+        if held is not None:
+            return _duplicate(conn, arrival, held.kind, held.detail, name=name, now=now)
+
+    group_seq = _group_seq(conn, arrival, now=now) if arrival.group_key else None
+
+    if row.expired:
+        finish_never_ran(conn, token, "expired", detail="expired before start", now=now)
+        return Admission(Verdict.EXPIRED, detail="expired before start")
+
+    # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
+    if fast and not row.new and not fresh and arrival.key and name:
+        key = arrival.key
+        claim = _fast_claim(conn, name, lambda: conn.execute(slots.SLOTS_CLAIM_ANY, params).one())
+        if claim is not None and claim.shard is not None:
+            fence = claims.claims_insert_running(
+                conn,
+                token,
+                key=key,
+                shard=claim.shard,
+                group_key=None,
+                holder=holder,
+                lease=lease,
+                holding=claims.Holding(key, claim.shard, cost=arrival.cost, fair_key=arrival.fair_key),
+                now=now,
+            )
+            return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
+
+    # Slow path: lock everything the decision depends on, in lock order (every key's shard rows, keys sorted,
+    # then their head rows), then decide. Several keys: all have room or the attempt parks (all-or-nothing).
+    rooms: dict[str, int | None] = {}
+    uses: dict[str, list[slots.ShardUse]] = {}
+    for k in sorted(arrival.keys):
+        uses[k] = slots.slots_lock_all(conn, k, key_name(k), now=now)
+        rooms[k] = next((u.shard for u in uses[k] if u.fits(arrival.cost)), None)
+    for k in sorted(arrival.keys):
+        keys.keys_lock(conn, k, key_name(k), now=now)
+    promoted: list[Promotion] = []
+    for k in sorted(arrival.keys):
+        if rooms[k] is not None and conn.execute(waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}).scalar():
+            # A free slot with a line in front of it belongs to the line's head (FIFO, D10). Such a line exists
+            # next to room only when time made a waiter eligible (its not-before time passed) and no sweep has
+            # run yet: start it now, with the locks held, rather than leave the room idle until the sweep.
+            free = [u.shard for u in uses[k] for _ in range(max(0, u.share - u.used))]
+            promoted += promote_waiters(conn, k, free, dispatch=dispatch, now=now)
+            uses[k] = slots.slots_lock_all(conn, k, key_name(k), now=now)
+            rooms[k] = next((u.shard for u in uses[k] if u.fits(arrival.cost)), None)
+            if rooms[k] is not None and conn.execute(
+                waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}
+            ).scalar():
+                rooms[k] = None
+    room = rooms.get(arrival.key) if arrival.key else None
+    has_room = all(shard is not None for shard in rooms.values())
+    head_ready = True
+    is_head = True
+    if arrival.group_key:
+        groups.groups_lock(conn, arrival.group_key)
+        head, busy = groups.groups_head(conn, arrival.group_key)
+        is_head = head == group_seq
+        head_ready = is_head and not busy
+    not_due = arrival.not_before is not None and clock_is_future(conn, arrival.not_before, now)
+
+    if (arrival.key is None or has_room) and head_ready and not not_due:
+        # The guarded UPDATEs are the authority: the limit may have changed since the rows were read.
+        holding, wait_for = (
+            _take_locked(conn, arrival, rooms, now=now) if arrival.key else (claims.Holding(None, None), None)
+        )
+        if wait_for is not None:  # a rate limit: park until its tokens exist (no polling, no broker churn)
+            arrival = dataclasses.replace(arrival, not_before=wait_for[1])
+            rooms[wait_for[0]] = None
+        if holding is not None:
+            fence = claims.claims_insert_running(
+                conn,
+                token,
+                key=arrival.key,
+                shard=room if arrival.key else None,
+                group_key=arrival.group_key,
+                holder=holder,
+                lease=lease,
+                holding=holding,
+                now=now,
+            )
+            return Admission(Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted))
+
+    too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 else None
+    if too_heavy is not None:
+        finish_never_ran(conn, token, "rejected", detail=too_heavy, now=now)
+        return Admission(Verdict.REJECTED, detail=too_heavy, promotions=tuple(promoted))
+    # Park in the line of the first key (in the task's order) without room for it; an attempt that waits for
+    # its group or its not-before time stands in its first key's line.
+    line = next((k for k in arrival.keys if rooms[k] is None), arrival.key)
+    superseded: list[str] | None = []
+    if line is not None:
+        superseded = _make_place(conn, arrival, line, now=now)
+        if superseded is None:
+            detail = f"waiting room of {line} is full"
+            finish_never_ran(conn, token, "rejected", detail=detail, now=now)
+            return Admission(Verdict.REJECTED, detail=detail, promotions=tuple(promoted))
+    waiting.waiting_insert(
+        conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, line=line, now=now
+    )
+    return Admission(Verdict.PARKED, superseded=tuple(superseded or ()), promotions=tuple(promoted))
+
+
+def _take_locked(
+    conn: sa.Connection, arrival: Arrival, rooms: dict[str, int | None], *, now: Any
+) -> tuple[claims.Holding | None, tuple[str, Any] | None]:
+    """Take ``arrival.cost`` slots of every key on the shard found for it, and as many tokens of every
+    rate-limited key (rows the caller holds locked): all of them or none (a savepoint undoes a partial take).
+    Returns the holding, or None and — when a token bucket is empty — (its key, when the tokens will exist)."""
+    assert arrival.key is not None
+    savepoint = conn.begin_nested()
+    for k in sorted(arrival.keys):
+        tokens = keys.keys_take_tokens(conn, k, key_name(k), arrival.cost, now=now)
+        if not tokens.unrated and not tokens.took:
+            savepoint.rollback()
+            return None, (k, tokens.next_at)
+    for k in sorted(arrival.keys):
+        shard = rooms[k]
+        if shard is None or not slots.slots_take(conn, k, key_name(k), shard, cost=arrival.cost, now=now):
+            savepoint.rollback()
+            return None, None
+    savepoint.commit()
+    return claims.Holding(
+        key=arrival.key,
+        shard=rooms[arrival.key],
+        extra_keys=arrival.extra_keys,
+        extra_shards=tuple(int(rooms[k]) for k in arrival.extra_keys),  # type: ignore[arg-type]
+        cost=arrival.cost,
+        fair_key=arrival.fair_key,
+    ), None
+
+
+def _too_heavy(conn: sa.Connection, arrival: Arrival) -> str | None:
+    """Why an attempt of this cost can never start (it needs more slots than a key of its name can have), or
+    None. Bad input gets a recorded rejection instead of waiting for ever."""
+    wanted = sorted({key_name(k) for k in arrival.keys})
+    for row in conn.execute(names.NAMES_LARGEST_SHARE, {"names": wanted}):
+        if arrival.cost > row.share:
+            return f"cost {arrival.cost} exceeds the {row.share} slots (or tokens) a key of {row.name} can have"
+    return None
+
+
+def bind(
+    conn: sa.Connection, token: Token, nonce: uuid.UUID, *, holder: str, lease: float, now: Any = None
+) -> int | None:
+    """Bind a promoted attempt to the worker that is about to run it (D5); its fence, or None when the token
+    and nonce are not a live promotion (copied, forged, voided or already bound: admit it as usual)."""
+    return claims.claims_bind_promoted(conn, token, nonce, holder=holder, lease=lease, now=now)
+
+
+def _group_seq(conn: sa.Connection, arrival: Arrival, *, now: Any) -> int:
+    """The arrival's number in its group: its existing membership (registered at publish, or a previous
+    attempt), else a number allocated now (a producer that did not register: ordered by receipt, D10)."""
+    assert arrival.group_key is not None
+    member = groups.members_get(conn, arrival.task_id)
+    if member is not None:
+        if not member.received:
+            conn.execute(groups.MEMBERS_MARK_RECEIVED, {"task_id": arrival.task_id})
+        return int(member.seq)
+    return groups.groups_register(conn, arrival.group_key, arrival.task_id, received=True, now=now)
+
+
+def _duplicate(
+    conn: sa.Connection, arrival: Arrival, kind: str, detail: str, *, name: str | None, now: Any
+) -> Admission:
+    """A known attempt token arrived again (D8): count it; a duplicate of a running attempt is kept as its
+    shadow (promoted if that attempt's lease is reclaimed, dropped when it finishes)."""
+    books.books_count_duplicate(conn, arrival.task_id)
+    if kind == "claim" and detail in ("running", "uncertain"):
+        if arrival.key and name:
+            keys.keys_lock(conn, arrival.key, name, now=now)
+        inserted = waiting.waiting_insert(
+            conn,
+            arrival,
+            name=name,
+            group_seq=None if not arrival.group_key else _member_seq(conn, arrival.task_id),
+            shadow=True,
+            now=now,
+        )
+        if inserted is not None and arrival.key:
+            keys.keys_add_waiting(conn, arrival.key, force=True)
+        return Admission(Verdict.DUPLICATE, detail="shadow of a running attempt")
+    return Admission(Verdict.DUPLICATE, detail=f"already {detail}")
+
+
+def _member_seq(conn: sa.Connection, task_id: str) -> int | None:
+    member = groups.members_get(conn, task_id)
+    return None if member is None else int(member.seq)
+
+
+def _make_place(conn: sa.Connection, arrival: Arrival, line: str, *, now: Any) -> list[str] | None:
+    """Count the arrival in its key's waiting room (max_waiting). Under the overflow policy 'supersede' a
+    newer arrival first replaces the parked attempt with the same supersede key, and when the room is full,
+    the oldest parked attempt of the lowest priority. Returns the replaced task ids, or None when there is no
+    place. (The policy is only read when it can matter.) ``line``: the key whose waiting room it enters."""
+    name = key_name(line)
+    replaced: list[str] = []
+    policy: str | None = None
+    if arrival.supersede_key:
+        policy = _overflow_policy(conn, name)
+        if policy == "supersede":
+            rows = conn.execute(
+                waiting.WAITING_DELETE_SUPERSEDED, {"key": line, "supersede_key": arrival.supersede_key}
+            ).all()
+            replaced += _supersede(conn, arrival, line, rows, now=now)
+    if keys.keys_add_waiting(conn, line):
+        return replaced
+    if (policy or _overflow_policy(conn, name)) != "supersede":
+        return None
+    rows = conn.execute(waiting.WAITING_DELETE_OLDEST, {"key": line}).all()
+    if not rows:
+        return None
+    replaced += _supersede(conn, arrival, line, rows, now=now)
+    keys.keys_add_waiting(conn, line, force=True)
+    return replaced
+
+
+def _overflow_policy(conn: sa.Connection, name: str) -> str | None:
+    return conn.execute(names.NAMES_OVERFLOW, {"name": name}).scalar_one_or_none()
+
+
+def _supersede(conn: sa.Connection, arrival: Arrival, line: str, rows: Sequence[Any], *, now: Any) -> list[str]:
+    if rows:
+        keys.keys_remove_waiting(conn, line, len(rows), now=now)
+    for r in rows:
+        finish_never_ran(
+            conn, Token(r.task_id, r.attempt), "superseded", detail=f"replaced by {arrival.task_id}", now=now
+        )
+    return [r.task_id for r in rows]

@@ -1,0 +1,163 @@
+"""The one-statement fast paths: a claim or a release that touches the books (``keyed_tasks``), the slot counters
+(``keyed_slots``) and the claims (``keyed_claims``) in one self-committing statement, with the same guards and the
+same lock order as the transactions of ``admit`` and ``release`` (task row first, then slot rows by (key, shard)).
+Used by ``admit.admit_autocommit`` / ``admit.admit`` and ``release.release`` / ``release.release_autocommit``.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.waiting import PROMOTABLE_EXISTS
+
+# claim_new: the fast path of a first arrival, in one statement: record the arrival (or lock the task's row,
+# as ARRIVE_OR_LOCK) and, for a new task id that has not expired, take a slot on any shard with room that no
+# other transaction holds and insert the claim. The task row is locked before any slot row (lock order): the
+# slot rows are only reached through the join with ``arr``. Also returns the name's shard count (see
+# admit._fast_claim for why it matters).
+_CLAIM_NEW = """
+    WITH arr AS (
+        INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
+        VALUES (:task_id, :task_name, :key, NULL, {NOW})
+        ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
+        RETURNING (xmax = 0) AS new, outcome, finished_attempt,
+                  COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
+    ), lim AS (
+        SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n,
+               (SELECT c.rate FROM keyed_names c WHERE c.name = :name) AS rate
+    ), pick AS (
+        SELECT s.shard FROM keyed_slots s, lim, arr
+         WHERE arr.new AND NOT arr.expired AND lim.rate IS NULL
+           AND s.key = :key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard) AND NOT {PROMOTABLE}
+         ORDER BY random() LIMIT 1
+         FOR UPDATE OF s {lock_wait}
+    ), took AS (
+        UPDATE keyed_slots s SET used = s.used + :cost
+          FROM pick, lim
+         WHERE s.key = :key AND s.shard = pick.shard AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
+        RETURNING s.shard
+    ), claimed AS (
+        INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
+                                  lease_expires_at, claimed_at, cost, fair_key)
+        SELECT :task_id, :attempt, :key, took.shard, NULL, 'running', nextval('keyed_fence_seq'), :holder,
+               {NOW} + make_interval(secs => :lease), {NOW}, :cost, :fair_key
+          FROM took
+        RETURNING fence, shard
+    )
+    SELECT arr.new, arr.outcome, arr.finished_attempt, arr.expired, lim.n AS shards,
+           (SELECT fence FROM claimed) AS fence, (SELECT shard FROM claimed) AS shard
+      FROM arr, lim
+    """
+_CLAIM_NEW = _CLAIM_NEW.replace("{PROMOTABLE}", PROMOTABLE_EXISTS).replace("{NOW}", NOW)
+CLAIM_NEW = sa.text(_CLAIM_NEW.replace("{lock_wait}", "SKIP LOCKED"))
+# claim_new_waiting: the same for a name with one shard: wait for its only row like any counter update (a
+# lock it keeps after a failed re-check is the first in the lock order anyway).
+CLAIM_NEW_WAITING = sa.text(_CLAIM_NEW.replace("{lock_wait}", ""))
+
+# claim_new_multi: the fast path of a first arrival with several keys, in one statement, all or nothing: for
+# every key pick a shard with room for ``cost`` that no other transaction holds (SKIP LOCKED: never waits, so
+# no lock order is needed) and that no one waits for; only when every key got one are they all taken and the
+# claim inserted. A row locked by the pick was re-checked under its lock (and nobody else can change it while
+# it is held; the limits are read in this statement's snapshot), so the take cannot fail for one of them. A
+# miss changes nothing and its locks end with the statement (autocommit).
+CLAIM_NEW_MULTI = sa.text(
+    f"""
+    WITH arr AS (
+        INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
+        VALUES (:task_id, :task_name, :key, NULL, {NOW})
+        ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
+        RETURNING (xmax = 0) AS new, outcome, finished_attempt,
+                  COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
+    ), want AS (
+        SELECT w.key, w.ord, split_part(w.key, ':', 1) AS name
+          FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS w(key, ord)
+    ), lim AS (
+        SELECT want.key, want.ord, keyed_effective_limit(want.name, {NOW}) AS k, keyed_name_shards(want.name) AS n,
+               (SELECT c.rate FROM keyed_names c WHERE c.name = want.name) AS rate
+          FROM want
+    ), pick AS (
+        SELECT lim.key, lim.ord, p.shard
+          FROM arr, lim, LATERAL (
+               SELECT s.shard FROM keyed_slots s
+                WHERE s.key = lim.key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
+                  AND NOT EXISTS (
+                      SELECT 1 FROM keyed_waiting w
+                       WHERE w.key = lim.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= {NOW})
+                         AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW}))
+                ORDER BY random() LIMIT 1
+                FOR UPDATE OF s SKIP LOCKED) p
+         WHERE arr.new AND NOT arr.expired AND lim.rate IS NULL
+    ), complete AS (
+        SELECT count(*) = cardinality(CAST(:keys AS text[])) AS ok FROM pick
+    ), took AS (
+        UPDATE keyed_slots s SET used = s.used + :cost
+          FROM pick, complete
+         WHERE complete.ok AND s.key = pick.key AND s.shard = pick.shard
+        RETURNING s.key
+    ), claimed AS (
+        INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
+                                  lease_expires_at, claimed_at, cost, extra_keys, extra_shards, fair_key)
+        SELECT :task_id, :attempt, :key, (SELECT shard FROM pick WHERE ord = 1), NULL, 'running',
+               nextval('keyed_fence_seq'), :holder, {NOW} + make_interval(secs => :lease), {NOW}, :cost,
+               CAST(:extra_keys AS text[]), ARRAY(SELECT shard FROM pick WHERE ord > 1 ORDER BY ord), :fair_key
+          FROM complete WHERE complete.ok
+        RETURNING fence, shard
+    )
+    SELECT arr.new, arr.outcome, arr.finished_attempt, arr.expired, 1 AS shards,
+           (SELECT fence FROM claimed) AS fence, (SELECT shard FROM claimed) AS shard
+      FROM arr
+    """
+)
+
+# release_fast: the release of a claim without a group, in one statement: delete the claim (only the owner
+# of this exact fence gets the row: release exactly once), record the outcome in the books, give every slot it
+# held back to the shard it came from (its first key and any extra keys, ``cost`` each). ``b`` is joined
+# before the slot rows are locked so the task row is locked first, and the slot rows are locked in (key,
+# shard) order (lock order). Whether anyone waits is NOT read here: this statement's snapshot predates the wait
+# for the slot rows' locks; the caller reads it in a later statement (D2).
+RELEASE_FAST = sa.text(
+    f"""
+    WITH c AS (
+        DELETE FROM keyed_claims
+         WHERE task_id = :task_id AND attempt = :attempt AND fence = :fence AND state = 'running'
+           AND group_key IS NULL
+        RETURNING task_id, attempt, key, shard, fence, cost, extra_keys, extra_shards
+    ), b AS (
+        UPDATE keyed_tasks t
+           SET outcome = COALESCE(t.outcome, CAST(:final AS text)),
+               finished_at = COALESCE(t.finished_at, CASE WHEN CAST(:final AS text) IS NOT NULL THEN {NOW} END),
+               detail = CASE WHEN t.outcome IS NULL AND CAST(:final AS text) IS NOT NULL THEN :detail
+                             ELSE t.detail END,
+               finished_attempt = GREATEST(t.finished_attempt, c.attempt)
+          FROM c
+         WHERE t.task_id = c.task_id AND :over AND (CAST(:final AS text) IS NULL OR t.outcome IS NULL)
+        RETURNING t.task_id, CAST(:final AS text) IS NOT NULL AS recorded
+    ), held AS (
+        SELECT c.key, c.shard, c.cost FROM c WHERE c.key IS NOT NULL
+        UNION ALL
+        SELECT x.key, x.shard, c.cost FROM c, unnest(c.extra_keys, c.extra_shards) AS x(key, shard)
+    ), lk AS MATERIALIZED (
+        SELECT sl.key, sl.shard, h.cost FROM keyed_slots sl
+          JOIN held h ON h.key = sl.key AND h.shard = sl.shard
+          LEFT JOIN b ON true
+         ORDER BY sl.key, sl.shard
+           FOR UPDATE OF sl
+    ), s AS (
+        UPDATE keyed_slots sl SET used = sl.used - lk.cost
+          FROM lk
+         WHERE sl.key = lk.key AND sl.shard = lk.shard
+        RETURNING sl.key, sl.shard,
+                  GREATEST(keyed_shard_share(keyed_effective_limit(sl.name, {NOW}), keyed_name_shards(sl.name),
+                                             sl.shard) - sl.used, 0) AS free
+    )
+    SELECT c.task_id, c.attempt, c.key, c.shard, c.fence,
+           ARRAY(SELECT s.key FROM s WHERE s.free > 0 ORDER BY s.key, s.shard) AS room_keys,
+           ARRAY(SELECT s.shard FROM s WHERE s.free > 0 ORDER BY s.key, s.shard) AS room_shards,
+           ARRAY(SELECT s.free FROM s WHERE s.free > 0 ORDER BY s.key, s.shard) AS room_free,
+           COALESCE((SELECT recorded FROM b), false) AS recorded,
+           EXISTS (SELECT 1 FROM keyed_waiting w
+                    WHERE w.task_id = c.task_id AND w.attempt = c.attempt AND w.shadow) AS has_shadow
+      FROM c
+    """
+)
