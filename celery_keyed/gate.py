@@ -29,7 +29,7 @@ from celery.exceptions import TaskRevokedError
 from celery.worker import state as worker_state
 from celery.worker.strategy import default as default_strategy
 
-from celery_keyed import exceptions, metrics
+from celery_keyed import exceptions, metrics, signals
 from celery_keyed.engine import create_ledger_engine
 from celery_keyed.ledger import Arrival, Ledger, Outcome, Promotion, Token, Verdict, bounds, new_holder
 from celery_keyed.ledger.books import books_mark_notified, books_reject_unkeyable, books_unnotified
@@ -167,6 +167,7 @@ class GateService:
         self._heartbeat_exit = threading.Event()  # end the heartbeat now (tests, interpreter exit)
         self._heartbeat: threading.Thread | None = None
         self._pids: list[int] = []  # this process and its pool processes, as last recorded in the ledger
+        self._loop_thread: int | None = None  # the consumer loop's thread (events are sent from it only)
         self._releases: deque[_Release] = deque()  # for the releaser thread
         self._release_ready = threading.Event()
         self._release_lock = threading.Lock()
@@ -179,6 +180,7 @@ class GateService:
     def start(self) -> None:
         global _current
         _current = self
+        self._loop_thread = threading.get_ident()  # Celery starts the consumer's steps on its loop thread
         metrics.serve(self.settings)  # keyed_metrics_port: once per process
         gone = None
         try:
@@ -465,6 +467,7 @@ class GateService:
                 self._contended[key] = time.monotonic()
             request.acknowledge()  # the parked row is committed: the ledger holds the message now
             worker_state.task_ready(request)
+            self._announce_parked(request.id, request.name, key)
             for task_id in admission.superseded:
                 self._store_never_ran(task_id, "superseded", f"replaced by {request.id}", None)
         elif admission.verdict is Verdict.DUPLICATE:
@@ -495,6 +498,7 @@ class GateService:
             logger.exception("celery-keyed: could not store the %s result of %s", outcome, request.id)
         request.acknowledge()
         worker_state.task_ready(request)
+        self._announce_never_ran(request.id, outcome, detail, request.name, getattr(request, "keyed_arrival_key", None))
         if stored:
             with contextlib.suppress(sa.exc.SQLAlchemyError):
                 self.ledger.transaction(lambda conn: books_mark_notified(conn, [request.id]))
@@ -821,6 +825,7 @@ class GateService:
             with self._lock:
                 self._prebound.pop(promotion.token, None)
             raise
+        self._announce_promoted(promotion, local=True)
         if promotion.token in self._prebound and promotion.task_id in worker_state.revoked:
             self._revoked_before_start(promotion.token, promotion.key)  # Celery's strategy discarded it
 
@@ -862,6 +867,7 @@ class GateService:
             return
         try:
             republish(self.app, promotion.message, nonce=str(promotion.nonce))
+            self._announce_promoted(promotion, local=False)
         except Exception:
             # The promotion stays in the ledger; the reaper re-parks it after the dispatch timeout (D5).
             logger.exception("celery-keyed: could not republish promoted %s", promotion.task_id)
@@ -1055,6 +1061,63 @@ class GateService:
             backend.mark_as_failure(task_id, exc, request=Context(context), store_result=True)
         except Exception:
             logger.exception("celery-keyed: could not store the %s outcome of %s", outcome, task_id)
+        self._announce_never_ran(task_id, outcome, detail, str(context.get("task") or task_name), None)
+
+    # -- events, signals and logs (what Celery's tools see) ----------------------------------------------
+
+    def _emit(self, event_type: str, **fields: Any) -> None:
+        """Send a Celery event, as the worker's own events are sent: from the consumer loop's thread (kombu's
+        channel is not thread-safe), handed to it from other threads; nothing when events are off (``-E``)."""
+        dispatcher = getattr(self.consumer, "event_dispatcher", None)
+        if dispatcher is None or not getattr(dispatcher, "enabled", False):
+            return
+        if threading.get_ident() == self._loop_thread:
+            try:
+                dispatcher.send(event_type, **fields)
+            except Exception:
+                logger.debug("celery-keyed: could not send %s", event_type, exc_info=True)
+        elif self._waker is not None or self._timers:
+            self._loop_calls.append(lambda: self._emit(event_type, **fields))
+            self._wake_loop()
+
+    def _announce_parked(self, task_id: str, task_name: str, key: str | None) -> None:
+        logger.debug("celery-keyed: %s[%s] parked in the line of %s", task_name, task_id, key)
+        signals.keyed_parked.send(sender=self, task_id=task_id, task_name=task_name, key=key)
+        self._emit("task-keyed-parked", uuid=task_id, name=task_name, key=key)
+
+    def _announce_promoted(self, promotion: Promotion, *, local: bool) -> None:
+        name = (promotion.message or {}).get("task") or ""
+        logger.debug(
+            "celery-keyed: %s[%s] promoted into a slot of %s (%s)",
+            name,
+            promotion.task_id,
+            promotion.key,
+            "started here" if local else "published",
+        )
+        signals.keyed_promoted.send(
+            sender=self, task_id=promotion.task_id, task_name=name, key=promotion.key, local=local
+        )
+        self._emit("task-keyed-promoted", uuid=promotion.task_id, name=name, key=promotion.key, local=local)
+
+    def _announce_never_ran(self, task_id: str, outcome: str, detail: str, task_name: str, key: str | None) -> None:
+        """A final outcome without a run (rejected, expired, superseded, revoked, lost, dead-lettered): its signal,
+        and the Celery event Flower and ``celery events`` understand (task-rejected / task-revoked / task-failed,
+        with ``keyed_outcome``), so the task does not look received for ever."""
+        signal = signals.BY_OUTCOME.get(outcome)
+        if signal is not None:
+            signal.send(sender=self, task_id=task_id, task_name=task_name, key=key, detail=detail)
+        event = signals.EVENT_BY_OUTCOME.get(outcome)
+        if event is None:
+            return
+        fields: dict[str, Any] = {"uuid": task_id, "keyed_outcome": outcome, "keyed_key": key, "detail": detail}
+        if event == "task-rejected":
+            fields["requeue"] = False
+        elif event == "task-revoked":
+            fields.update(terminated=False, signum=None, expired=outcome == "expired")
+        else:
+            exc = exceptions.BY_OUTCOME.get(outcome, exceptions.KeyedOutcome)(detail)
+            fields.update(exception=repr(exc), traceback="")
+        self._emit(event, **fields)
 
     # -- circuit breaker (D9) --------------------------------------------------------------------------
 

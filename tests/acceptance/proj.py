@@ -47,10 +47,27 @@ def make_app(env: Mapping[str, str]) -> Any:
         worker_hijack_root_logger=False,
     )
     celery_keyed.install(app)
+    if env.get("KEYED_LOG_SIGNALS") == "1":
+        _log_signals()
     dsn = env["KEYED_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
     ns = SimpleNamespace(app=app, dsn=dsn, url=env["KEYED_DATABASE_URL"])
     _define_tasks(app, ns)
     return ns
+
+
+def _log_signals() -> None:
+    """Log every signal of the gate (tests/acceptance/test_events.py reads the worker's log)."""
+    import logging
+
+    from celery_keyed import signals
+
+    log = logging.getLogger("celery_keyed.test_signals")
+    for name in ("keyed_parked", "keyed_promoted", *(f"keyed_{o}" for o in signals.BY_OUTCOME)):
+
+        def receiver(sender: Any, task_id: str, key: Any = None, _name: str = name, **kwargs: Any) -> None:
+            log.warning("signal %s %s %s", _name, task_id, key)
+
+        getattr(signals, name).connect(receiver, weak=False)
 
 
 def observe(dsn: str, kind: str, task_id: str, key: str, note: str = "") -> None:
