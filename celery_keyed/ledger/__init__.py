@@ -25,7 +25,16 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
 from celery_keyed.ledger import admit, outcomes, overrides, promote, reconcile, release, revoke
-from celery_keyed.ledger.attempts import Admission, Arrival, Outcome, Promotion, ReleaseReport, Token, Verdict
+from celery_keyed.ledger.attempts import (
+    Admission,
+    Arrival,
+    Outcome,
+    Promotion,
+    ReleaseReport,
+    TaskOutcome,
+    Token,
+    Verdict,
+)
 from celery_keyed.ledger.books import books_balance, books_open_idle
 from celery_keyed.ledger.claims import HeldClaim, claims_renew
 from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState
@@ -67,6 +76,7 @@ __all__ = [
     "ReleaseReport",
     "Report",
     "SchemaMissing",
+    "TaskOutcome",
     "Token",
     "Verdict",
     "WrongState",
@@ -255,10 +265,11 @@ class Ledger:
     ) -> tuple[bool, list[Promotion]]:
         """Record the final outcome of an open task with no attempt left in the ledger, from its stored result
         (its body ended but its release never committed, D15): ``completed`` or ``failed``."""
-        if outcome not in (Outcome.COMPLETED.value, Outcome.FAILED.value):
+        if outcome not in (TaskOutcome.COMPLETED, TaskOutcome.FAILED):
             raise ValueError(f"a task is settled as completed or failed, not {outcome!r}")
+        final = TaskOutcome(outcome)
         return self.transaction(
-            lambda conn: outcomes.settle(conn, task_id, outcome, detail=detail, dispatch=self.dispatch, now=now)
+            lambda conn: outcomes.settle(conn, task_id, final, detail=detail, dispatch=self.dispatch, now=now)
         )
 
     def revoke(self, task_id: str, *, now: datetime | None = None) -> list[Promotion]:

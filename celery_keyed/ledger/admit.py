@@ -24,7 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_keyed.ledger import books, claims, fast_paths, groups, keys, names, slots, waiting
-from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, Token, Verdict
+from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, TaskOutcome, Token, Verdict
 from celery_keyed.ledger.clock import clock_is_future
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.outcomes import finish_never_ran
@@ -155,7 +155,7 @@ def admit(
     group_seq = _group_seq(conn, arrival, now=now) if arrival.group_key else None
 
     if row.expired:
-        finish_never_ran(conn, token, "expired", detail="expired before start", now=now)
+        finish_never_ran(conn, token, TaskOutcome.EXPIRED, detail="expired before start", now=now)
         return Admission(Verdict.EXPIRED, detail="expired before start")
 
     # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
@@ -234,7 +234,7 @@ def admit(
 
     too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 else None
     if too_heavy is not None:
-        finish_never_ran(conn, token, "rejected", detail=too_heavy, now=now)
+        finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=too_heavy, now=now)
         return Admission(Verdict.REJECTED, detail=too_heavy, promotions=tuple(promoted))
     # Park in the line of the first key (in the task's order) without room for it; an attempt that waits for
     # its group or its not-before time stands in its first key's line.
@@ -244,7 +244,7 @@ def admit(
         superseded = _make_place(conn, arrival, line, now=now)
         if superseded is None:
             detail = f"waiting room of {line} is full"
-            finish_never_ran(conn, token, "rejected", detail=detail, now=now)
+            finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=detail, now=now)
             return Admission(Verdict.REJECTED, detail=detail, promotions=tuple(promoted))
     waiting.waiting_insert(
         conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, line=line, now=now
@@ -375,6 +375,6 @@ def _supersede(conn: sa.Connection, arrival: Arrival, line: str, rows: Sequence[
         keys.keys_remove_waiting(conn, line, len(rows), now=now)
     for r in rows:
         finish_never_ran(
-            conn, Token(r.task_id, r.attempt), "superseded", detail=f"replaced by {arrival.task_id}", now=now
+            conn, Token(r.task_id, r.attempt), TaskOutcome.SUPERSEDED, detail=f"replaced by {arrival.task_id}", now=now
         )
     return [r.task_id for r in rows]

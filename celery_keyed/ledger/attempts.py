@@ -130,8 +130,22 @@ class Outcome(StrEnum):
     DEAD_LETTERED = "dead_lettered"  # explicit dead-letter
 
 
+class TaskOutcome(StrEnum):
+    """A task's one final outcome in the books (``keyed_tasks.outcome``, D11). The values are the schema's: CHECK
+    ``keyed_tasks_outcome_known`` and ``keyed_books_pruned_outcome_known`` list exactly these."""
+
+    COMPLETED = "completed"  # its body succeeded
+    FAILED = "failed"  # its body failed for good
+    DEAD_LETTERED = "dead_lettered"  # a group head's final failure, or an explicit dead-letter: its group moves on
+    EXPIRED = "expired"  # not started before its latest start (expires, max_wait)
+    REJECTED = "rejected"  # no place in the waiting room, a cost no key can hold, or unreadable keys (D16)
+    SUPERSEDED = "superseded"  # replaced in the waiting room by a newer arrival with its supersede key
+    REVOKED = "revoked"  # revoked while waiting, between attempts, or while running
+    LOST = "lost"  # a registered group number never received (D10); not an arrival
+
+
 @dataclass
 class ReleaseReport:
     released: bool
     promotions: list[Promotion] = field(default_factory=list)
-    finished: list[tuple[str, str]] = field(default_factory=list)  # (task_id, outcome) recorded now
+    finished: list[tuple[str, TaskOutcome]] = field(default_factory=list)  # (task_id, outcome) recorded now

@@ -18,10 +18,18 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_keyed.ledger.attempts import TaskOutcome
 from celery_keyed.ledger.clock import NOW
 
 #: Outcomes of tasks that never ran: their result is stored through the result backend as a failure (D11).
-NEVER_RAN = ("dead_lettered", "expired", "rejected", "superseded", "revoked", "lost")
+NEVER_RAN = (
+    TaskOutcome.DEAD_LETTERED,
+    TaskOutcome.EXPIRED,
+    TaskOutcome.REJECTED,
+    TaskOutcome.SUPERSEDED,
+    TaskOutcome.REVOKED,
+    TaskOutcome.LOST,
+)
 
 # books_arrive: record an arrival (first attempt seen of a task id); later attempts find the row.
 BOOKS_ARRIVE = sa.text(
@@ -162,7 +170,7 @@ def books_arrive(
 
 
 def books_finish(
-    conn: sa.Connection, task_id: str, outcome: str, *, attempt: int = 0, detail: str = "", now: Any = None
+    conn: sa.Connection, task_id: str, outcome: TaskOutcome, *, attempt: int = 0, detail: str = "", now: Any = None
 ) -> bool:
     """Record ``outcome`` as the task's final outcome; False if one was recorded before."""
     params = {"task_id": task_id, "outcome": outcome, "attempt": attempt, "detail": detail, "now": now}
@@ -181,7 +189,7 @@ def books_balance(conn: sa.Connection) -> dict[str, int]:
     """Counts by outcome of every task id that ever arrived (pruned ones included); key ``"open"`` for tasks still
     waiting or running, ``"arrivals"`` for all but lost."""
     counts = {(row.outcome or "open"): int(row.n) for row in conn.execute(BOOKS_BALANCE)}
-    counts["arrivals"] = sum(n for outcome, n in counts.items() if outcome != "lost")
+    counts["arrivals"] = sum(n for outcome, n in counts.items() if outcome != TaskOutcome.LOST)
     return counts
 
 

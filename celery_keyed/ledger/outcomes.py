@@ -11,24 +11,24 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_keyed.ledger import books, groups, waiting
-from celery_keyed.ledger.attempts import Outcome, Promotion, Token
+from celery_keyed.ledger.attempts import Outcome, Promotion, TaskOutcome, Token
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_group
 
 
-def final_outcome(outcome: Outcome, *, grouped: bool) -> str | None:
+def final_outcome(outcome: Outcome, *, grouped: bool) -> TaskOutcome | None:
     """The task's final outcome for an attempt outcome, or None when the task goes on (retry, worker lost).
     A group head's final failure is a dead-letter (D11): the group moves on."""
     if outcome in (Outcome.RETRY, Outcome.WORKER_LOST):
         return None
     if outcome is Outcome.FAILED and grouped:
-        return "dead_lettered"
-    return outcome.value
+        return TaskOutcome.DEAD_LETTERED
+    return TaskOutcome(outcome.value)
 
 
 def finish_never_ran(
     conn: sa.Connection,
     token: Token,
-    outcome: str,
+    outcome: TaskOutcome,
     *,
     detail: str,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
@@ -48,7 +48,7 @@ def finish_never_ran(
 def settle(
     conn: sa.Connection,
     task_id: str,
-    outcome: str,
+    outcome: TaskOutcome,
     *,
     detail: str,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,

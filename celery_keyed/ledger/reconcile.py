@@ -13,7 +13,7 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from celery_keyed.ledger import books, claims, groups, keys, overrides, slots, waiting
-from celery_keyed.ledger.attempts import Outcome, Promotion, Token
+from celery_keyed.ledger.attempts import Outcome, Promotion, TaskOutcome, Token
 from celery_keyed.ledger.claims import Holding
 from celery_keyed.ledger.events import events_record
 from celery_keyed.ledger.keyspec import key_name
@@ -48,7 +48,7 @@ class Report:
     lists tasks that got a final outcome without running (their failure results are due, D11)."""
 
     promotions: list[Promotion] = field(default_factory=list)
-    finished: list[tuple[str, str]] = field(default_factory=list)
+    finished: list[tuple[str, TaskOutcome]] = field(default_factory=list)
     reclaimed: list[Token] = field(default_factory=list)
     voided: list[Token] = field(default_factory=list)
     drift: list[str] = field(default_factory=list)
@@ -93,12 +93,12 @@ def sweep_once(
                     report.promotions += finish_never_ran(
                         conn,
                         Token(r.task_id, r.attempt),
-                        "expired",
+                        TaskOutcome.EXPIRED,
                         detail="not started before its deadline",
                         dispatch=dispatch,
                         now=now,
                     )
-                    report.finished.append((r.task_id, "expired"))
+                    report.finished.append((r.task_id, TaskOutcome.EXPIRED))
                     report.expired += 1
             report.promotions += promote_freed(conn, freed, dispatch=dispatch, now=now)
         if not rows:
@@ -147,7 +147,7 @@ def sweep_once(
                         "now": now,
                     },
                 )
-                report.finished.append((m.task_id, "lost"))
+                report.finished.append((m.task_id, TaskOutcome.LOST))
                 report.lost += 1
                 report.promotions += promote_group(conn, m.group_key, dispatch=dispatch, now=now)
         if not lost:

@@ -7,7 +7,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_keyed.ledger import books, claims, keys, waiting
-from celery_keyed.ledger.attempts import Outcome, Promotion, Token
+from celery_keyed.ledger.attempts import Outcome, Promotion, TaskOutcome, Token
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.outcomes import finish_never_ran
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, give_back_reserved, promote_freed
@@ -45,7 +45,7 @@ def revoke(
         return finish_never_ran(
             conn,
             Token(task_id, int(locked.finished_attempt) + 1),
-            "revoked",
+            TaskOutcome.REVOKED,
             detail="revoked between attempts",
             dispatch=dispatch,
             now=now,
@@ -59,7 +59,7 @@ def revoke(
     return promotions + finish_never_ran(
         conn,
         Token(task_id, rows[0].attempt),
-        "revoked",
+        TaskOutcome.REVOKED,
         detail="revoked while waiting",
         dispatch=dispatch,
         now=now,
