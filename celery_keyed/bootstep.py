@@ -14,7 +14,7 @@ from typing import Any
 
 from celery import bootsteps
 from celery.utils.functional import maybe_list
-from celery.worker.control import Panel
+from celery.worker.control import Panel, inspect_command
 
 from celery_keyed.gate import GateService, current_gate
 from celery_keyed.settings import read_settings
@@ -81,3 +81,12 @@ def _recording_revokes(handler: Callable[..., Any]) -> Callable[..., Any]:
 
     keyed_revoke_command.keyed_records_revokes = True  # type: ignore[attr-defined]
     return keyed_revoke_command
+
+
+@inspect_command(name="keyed_inspect")
+def keyed_inspect(state: Any, **kwargs: Any) -> dict[str, Any]:
+    """Remote control command behind ``celery keyed inspect``: what this worker's gate holds now."""
+    gate = current_gate()
+    if gate is None:
+        return {"error": "no celery-keyed gate in this worker (install(app) not called, or shutting down)"}
+    return gate.snapshot()

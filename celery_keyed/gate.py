@@ -1063,6 +1063,51 @@ class GateService:
             logger.exception("celery-keyed: could not store the %s outcome of %s", outcome, task_id)
         self._announce_never_ran(task_id, outcome, detail, str(context.get("task") or task_name), None)
 
+    # -- inspection (``celery keyed inspect``, through Celery's remote control) ----------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """What this gate holds now, JSON-able: running attempts, promotions handed here waiting for a pool
+        process, requests held while the ledger is unreachable, releases not committed yet, the breaker."""
+        now = time.monotonic()
+        with self._lock:
+            running = [
+                {
+                    "task_id": r.token.task_id,
+                    "attempt": r.token.attempt,
+                    "fence": r.fence,
+                    "task": getattr(r.request, "name", ""),
+                    "key": getattr(r.request, "keyed_arrival_key", None),
+                    "started": bool(getattr(r.request, "keyed_started", False)),
+                    "held_for": round(now - r.claimed_at, 3),
+                    "fenced": r.fenced,
+                }
+                for r in self._running.values()
+            ]
+            prebound = [
+                {
+                    "task_id": t.task_id,
+                    "attempt": t.attempt,
+                    "fence": p.fence,
+                    "key": p.key,
+                    "waiting_for": round(now - p.since, 3),
+                }
+                for t, p in self._prebound.items()
+            ]
+        return {
+            "holder": self.ledger.holder,
+            "ledger_reachable": not self._breaker_open,
+            "shutting_down": self._closed,
+            "running": running,
+            "handed_over": prebound,
+            "held": [{"task_id": r.id, "task": r.name} for r in list(self._held)],
+            "pending_releases": [
+                {"task_id": j.token.task_id, "attempt": j.token.attempt, "outcome": j.outcome.value}
+                for j in list(self._pending_releases)
+            ],
+            "pending_revokes": list(self._pending_revokes),
+            "last_renewal_ago": round(now - self._last_renewal, 3),
+        }
+
     # -- events, signals and logs (what Celery's tools see) ----------------------------------------------
 
     def _emit(self, event_type: str, **fields: Any) -> None:

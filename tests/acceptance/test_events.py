@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from celery_keyed import KeyedRejected
-from tests.acceptance.conftest import Cluster
+from tests.acceptance.conftest import ROOT, Cluster
 
 
 class Events:
@@ -102,3 +102,25 @@ def test_the_gate_sends_its_signals_and_debug_logs(cluster: Cluster, producer) -
     assert f"signal keyed_promoted {second.id} sig:1" in log
     assert f"signal keyed_rejected {bad.id}" in log
     assert f"acceptance.hold[{second.id}] parked in the line of sig:1" in log  # the DEBUG log
+
+
+def test_keyed_inspect_shows_what_each_gate_holds(cluster: Cluster, producer) -> None:
+    """``celery -A proj keyed inspect``: through Celery's remote control, each worker's running attempts."""
+    import json
+    import subprocess
+    import sys
+
+    cluster.start_worker("w1", concurrency=2)
+    running = producer.hold.delay("insp:1", 5.0, note="running")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    cmd = [sys.executable, "-m", "celery", "-A", "tests.acceptance.proj", "keyed", "inspect", "--timeout", "3"]
+    out = subprocess.run([*cmd, "--json"], cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    replies = json.loads(out.stdout)
+    (worker,) = [w for w in replies if w.startswith("w1@")]
+    assert [(r["task_id"], r["key"], r["started"]) for r in replies[worker]["running"]] == [
+        (running.id, "insp:1", True)
+    ]
+    assert replies[worker]["ledger_reachable"] is True
+    text = subprocess.run(cmd, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0 and running.id in text.stdout and "insp:1" in text.stdout, text.stdout + text.stderr
