@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from celery_keyed.ledger import admit, outcomes, overrides, promote, reconcile, release, revoke
 from celery_keyed.ledger.attempts import (
@@ -37,7 +37,7 @@ from celery_keyed.ledger.attempts import (
 )
 from celery_keyed.ledger.books import books_balance, books_open_idle
 from celery_keyed.ledger.claims import HeldClaim, claims_renew
-from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState
+from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState, translate
 from celery_keyed.ledger.explain import Explanation, explain
 from celery_keyed.ledger.groups import groups_register
 from celery_keyed.ledger.holders import (
@@ -125,11 +125,17 @@ class Ledger:
         self.dispatch = dispatch
 
     def transaction(self, work: Callable[[sa.Connection], T], *, attempts: int = 5) -> T:
-        """Run ``work(conn)`` in a transaction; retry it on deadlock or serialization failure."""
+        """Run ``work(conn)`` in a transaction; retry it on deadlock or serialization failure. A violated named
+        constraint raises its domain error (``errors.translate``: :class:`InvalidConfig` or :class:`WrongState`)."""
         for attempt in range(attempts):
             try:
                 with self.engine.begin() as conn:
                     return work(conn)
+            except IntegrityError as exc:  # a named constraint (CHECK, UNIQUE) becomes its domain error
+                domain = translate(exc)
+                if domain is exc:
+                    raise
+                raise domain from exc
             except DBAPIError as exc:
                 code = getattr(getattr(exc.orig, "diag", None), "sqlstate", None) or getattr(exc.orig, "sqlstate", None)
                 if code not in _RETRYABLE or attempt == attempts - 1:

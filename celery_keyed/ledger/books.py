@@ -31,15 +31,6 @@ NEVER_RAN = (
     TaskOutcome.LOST,
 )
 
-# books_arrive: record an arrival (first attempt seen of a task id); later attempts find the row.
-BOOKS_ARRIVE = sa.text(
-    f"""
-    INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
-    VALUES (:task_id, :task_name, :key, :group_key, {NOW})
-    ON CONFLICT (task_id) DO NOTHING
-    """
-)
-
 # books_arrive_or_lock: record the arrival of a task id, or lock its existing row, so that two deliveries of one
 # task are admitted one after the other (the second sees the first's claim or park: D8). xmax = 0 ⇔ inserted.
 BOOKS_ARRIVE_OR_LOCK = sa.text(
@@ -158,15 +149,6 @@ BOOKS_PRUNE = sa.text(
     SELECT count(*) FROM gone
     """
 )
-
-
-def books_arrive(
-    conn: sa.Connection, task_id: str, *, task_name: str, key: str | None, group_key: str | None, now: Any
-) -> None:
-    conn.execute(
-        BOOKS_ARRIVE,
-        {"task_id": task_id, "task_name": task_name, "key": key, "group_key": group_key, "now": now},
-    )
 
 
 def books_finish(

@@ -98,31 +98,6 @@ CLAIMS_DELETE_UNCERTAIN_DUE = sa.text(
     """
 )
 
-# claims_delete_unstarted_promoted: take back a promotion nobody bound (dispatch deadline passed), or that
-# its owner gives up (D5: the reaper voids an unbound nonce before the slot is reused).
-CLAIMS_DELETE_STALE_PROMOTED = sa.text(
-    f"""
-    DELETE FROM keyed_claims c
-     WHERE (c.task_id, c.attempt) IN (
-            SELECT task_id, attempt FROM keyed_claims
-             WHERE state = 'promoted' AND dispatch_deadline < {NOW}
-             ORDER BY dispatch_deadline LIMIT :batch FOR UPDATE SKIP LOCKED)
-    RETURNING c.task_id, c.attempt, c.key, c.shard, c.group_key, c.fence, c.parked
-    """
-)
-
-# claims_delete_expired_leases: the reaper's side of the race for a claim row (D7).
-CLAIMS_DELETE_EXPIRED = sa.text(
-    f"""
-    DELETE FROM keyed_claims c
-     WHERE (c.task_id, c.attempt) IN (
-            SELECT task_id, attempt FROM keyed_claims
-             WHERE state = 'running' AND lease_expires_at < {NOW}
-             ORDER BY lease_expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)
-    RETURNING c.task_id, c.attempt, c.key, c.shard, c.group_key, c.fence, c.holder
-    """
-)
-
 # claims_renew: the heartbeat renews exactly the attempts this process tracks (D6), never "all of a host".
 # Returned rows are the attempts still held; a tracked attempt missing from the answer has lost its slot.
 CLAIMS_RENEW = sa.text(
@@ -133,15 +108,6 @@ CLAIMS_RENEW = sa.text(
      WHERE c.task_id = t.task_id AND c.attempt = t.attempt AND c.fence = t.fence
        AND c.holder = :holder AND c.state = 'running'
     RETURNING c.task_id, c.attempt, c.fence
-    """
-)
-
-# claims_get: the live claim of a token, if any.
-CLAIMS_GET = sa.text(
-    """
-    SELECT task_id, attempt, key, shard, group_key, state, fence, holder, lease_expires_at, cost, extra_keys,
-           extra_shards, held_outcome
-      FROM keyed_claims WHERE task_id = :task_id AND attempt = :attempt
     """
 )
 
@@ -405,7 +371,3 @@ def claims_renew(
         "now": now,
     }
     return {HeldClaim(r.task_id, r.attempt, r.fence) for r in conn.execute(CLAIMS_RENEW, params)}
-
-
-def claims_get(conn: sa.Connection, token: Token) -> sa.Row[Any] | None:
-    return conn.execute(CLAIMS_GET, {"task_id": token.task_id, "attempt": token.attempt}).first()

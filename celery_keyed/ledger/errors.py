@@ -24,24 +24,43 @@ class SchemaMissing(LedgerError):
     ``migrate(engine)``). Raised by ``migrations.schema_missing`` from the database's "undefined table" error."""
 
 
-#: Named CHECK constraints of the schema and the rule each states, for error messages.
-CONSTRAINT_RULES: dict[str, str] = {
+#: Named constraints a caller's input can break (a configuration written past the Python checks, e.g. by hand),
+#: and the rule each states: they become :class:`InvalidConfig`.
+CONFIG_RULES: dict[str, str] = {
     "keyed_names_limit_nonnegative": "a configured limit must be a non-negative integer",
     "keyed_names_shards_range": "shards must be between 1 and 1024",
     "keyed_names_max_waiting_nonnegative": "max_waiting must be a non-negative integer",
     "keyed_names_max_wait_positive": "max_wait must be a positive number of seconds",
     "keyed_names_overflow_known": "overflow must be 'reject' or 'supersede'",
+    "keyed_names_uncertain_hold_positive": "uncertain_hold must be a positive number of seconds",
+    "keyed_names_rate_positive": "rate must be a positive number of starts per second",
+    "keyed_names_burst_with_rate": "burst needs a rate and must be at least 1",
     "keyed_overrides_limit_nonnegative": "an override limit must be a non-negative integer (0 pauses)",
     "keyed_overrides_reason_present": "an override needs a reason",
+}
+
+#: Named constraints that state an invariant of the ledger's rows: a statement that breaks one asked a transition
+#: of a row that is not in the state it requires (a bug, or a caller repeating a one-time step): :class:`WrongState`.
+STATE_RULES: dict[str, str] = {
     "keyed_slots_used_nonnegative": "a slot counter went below zero: a release without a claim (bug)",
     "keyed_keys_waiting_nonnegative": "a waiting counter went below zero: a removal without a park (bug)",
+    "keyed_group_members_task_once": "a task id has one number in its group: it is registered already",
+    "keyed_claims_one_per_group": "a group runs one attempt at a time: its head holds the group's claim already",
+    "keyed_tasks_outcome_known": "a task's outcome must be one of TaskOutcome",
 }
+
+#: Every named constraint ``translate`` knows, and its rule (for error messages).
+CONSTRAINT_RULES: dict[str, str] = {**CONFIG_RULES, **STATE_RULES}
 
 
 def translate(exc: BaseException) -> BaseException:
-    """Map a database error raised by a named CHECK constraint to :class:`InvalidConfig`, else return it."""
+    """Map a database error raised by a named constraint (CHECK, UNIQUE) to its domain error — :class:`InvalidConfig`
+    for a configuration rule, :class:`WrongState` for a row-state invariant — naming the rule and the constraint;
+    any other error is returned unchanged. Callers raise the result ``from exc``."""
     diag = getattr(getattr(exc, "orig", None), "diag", None)
     name = getattr(diag, "constraint_name", None)
-    if name in CONSTRAINT_RULES:
-        return InvalidConfig(f"{CONSTRAINT_RULES[name]} ({name})")
+    if name in CONFIG_RULES:
+        return InvalidConfig(f"{CONFIG_RULES[name]} ({name})")
+    if name in STATE_RULES:
+        return WrongState(f"{STATE_RULES[name]} ({name})")
     return exc

@@ -16,6 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.errors import translate
 
 # groups_register: allocate the next sequence number of a group for a task id (producer side, or receipt).
 GROUPS_REGISTER = sa.text(
@@ -75,9 +76,16 @@ def groups_register(
     conn: sa.Connection, group_key: str, task_id: str, *, received: bool = False, now: Any = None
 ) -> int:
     """Allocate the next number of ``group_key`` for ``task_id``; call it in the producer's transaction so the
-    number exists exactly when the task is published."""
+    number exists exactly when the task is published. A task id registered before raises :class:`WrongState`
+    (the caller's transaction is then aborted, as with any failed statement)."""
     params = {"group_key": group_key, "task_id": task_id, "received": received, "now": now}
-    return int(conn.execute(GROUPS_REGISTER, params).scalar_one())
+    try:
+        return int(conn.execute(GROUPS_REGISTER, params).scalar_one())
+    except sa.exc.IntegrityError as exc:  # keyed_group_members_task_once: registered already → WrongState
+        domain = translate(exc)
+        if domain is exc:
+            raise
+        raise domain from exc
 
 
 def groups_lock(conn: sa.Connection, group_key: str) -> None:

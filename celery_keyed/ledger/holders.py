@@ -23,7 +23,6 @@ HOLDERS_UPSERT = sa.text(
                                       pids = excluded.pids
     """
 )
-HOLDERS_TOUCH = sa.text(f"UPDATE keyed_holders SET seen_at = {NOW} WHERE holder = :holder")
 
 # holders_set_pids: the heartbeat's record of the processes that may run this holder's bodies (its pool
 # processes change when one is replaced); a successor reads them to know the holder is gone (item 8).

@@ -132,15 +132,6 @@ NAMES_UPSERT = sa.text(
     """
 )
 
-# names_get: one name's stored configuration.
-NAMES_GET = sa.text(
-    "SELECT name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, rate, burst, fair"
-    " FROM keyed_names WHERE name = :name"
-)
-
-# names_effective_limit: the limit the next claim of a key of this name will use.
-NAMES_EFFECTIVE_LIMIT = sa.text(f"SELECT keyed_effective_limit(:name, {NOW})")
-
 # names_largest_share: the most slots one claim can take on a key of each name (a shard's share of the
 # configured limit; an override may lower it for a while, but the configuration is what can ever be had): an
 # attempt that costs more is rejected instead of waiting for ever (D16).
@@ -179,30 +170,6 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, now: Any = None) ->
             "now": now,
         },
     )
-
-
-def names_get(conn: sa.Connection, name: str) -> NameConfig | None:
-    """The stored configuration of ``name``, or None when it is unconfigured (a mutex)."""
-    row = conn.execute(NAMES_GET, {"name": name}).mappings().first()
-    if row is None:
-        return None
-    return NameConfig(
-        name=row["name"],
-        limit=row["slot_limit"],
-        shards=row["shards"],
-        max_waiting=row["max_waiting"],
-        max_wait=row["max_wait"],
-        overflow=row["overflow"],
-        uncertain_hold=row["uncertain_hold"],
-        rate=row["rate"],
-        burst=row["burst"],
-        fair=row["fair"],
-    )
-
-
-def names_effective_limit(conn: sa.Connection, name: str, *, now: Any = None) -> int:
-    """The effective limit of ``name`` at ``now``: override, else configured, else 1."""
-    return int(conn.execute(NAMES_EFFECTIVE_LIMIT, {"name": name, "now": now}).scalar_one())
 
 
 def configure_names(

@@ -150,10 +150,6 @@ class ShardUse:
     used: int
     share: int
 
-    @property
-    def has_room(self) -> bool:
-        return self.used < self.share
-
     def fits(self, cost: int) -> bool:
         return self.used + cost <= self.share
 

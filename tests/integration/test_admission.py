@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import sqlalchemy as sa
 
-from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, WrongState, groups_register
 from celery_keyed.ledger.claims import HeldClaim
 
 
@@ -34,6 +34,17 @@ def test_used_cannot_go_negative(ledger: Ledger, engine: sa.Engine) -> None:
     arrive(ledger, "a")
     with pytest.raises(sa.exc.IntegrityError, match="keyed_slots_used_nonnegative"), engine.begin() as conn:
         conn.execute(sa.text("UPDATE keyed_slots SET used = used - 2"))
+    with pytest.raises(WrongState, match=r"release without a claim \(bug\) \(keyed_slots_used_nonnegative\)"):
+        ledger.transaction(lambda conn: conn.execute(sa.text("UPDATE keyed_slots SET used = used - 2")))
+
+
+def test_registering_a_task_twice_in_a_group_is_wrong_state(ledger: Ledger, engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        assert groups_register(conn, "order:1", "t1") == 1
+    with pytest.raises(WrongState, match="keyed_group_members_task_once"), engine.begin() as conn:
+        groups_register(conn, "order:1", "t1")
+    with engine.begin() as conn:  # the rolled-back attempt took no number
+        assert groups_register(conn, "order:1", "t2") == 2
 
 
 def test_release_is_fenced_and_idempotent(ledger: Ledger, scalar) -> None:

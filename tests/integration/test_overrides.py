@@ -60,6 +60,18 @@ def test_check_constraints_back_the_validation(engine: sa.Engine) -> None:
         c.execute(sa.text("INSERT INTO keyed_overrides (name, slot_limit, reason, set_at) VALUES ('g', 1, ' ', now())"))
 
 
+def test_a_broken_configuration_rule_is_a_domain_error(ledger: Ledger) -> None:
+    """errors.translate: a named CHECK violated inside a ledger transaction raises InvalidConfig naming the rule
+    and the constraint (the database's error is its cause), not a raw IntegrityError."""
+    insert = sa.text("INSERT INTO keyed_overrides (name, slot_limit, reason, set_at) VALUES ('g', -1, 'x', now())")
+    with pytest.raises(InvalidConfig, match=r"non-negative integer \(0 pauses\) \(keyed_overrides_limit_nonnegative\)"):
+        ledger.transaction(lambda conn: conn.execute(insert))
+    bad_rate = sa.text("INSERT INTO keyed_names (name, slot_limit, rate, updated_at) VALUES ('r', 1, -1, now())")
+    with pytest.raises(InvalidConfig, match="keyed_names_rate_positive") as caught:
+        ledger.transaction(lambda conn: conn.execute(bad_rate))
+    assert isinstance(caught.value.__cause__, sa.exc.IntegrityError)
+
+
 def test_sweep_is_the_backstop_for_any_missed_wakeup(ledger: Ledger, engine: sa.Engine) -> None:
     """Whatever made room — here a slot freed behind the ledger's back — the sweep promotes (§3.12)."""
     ledger.admit(Arrival("a", key="k:1"))
