@@ -77,7 +77,7 @@ def install(app: Celery) -> None:
         return reconcile(app)
 
     def _schedule(sender: Any, **kwargs: Any) -> None:
-        from celery_keyed.ledger.bounds import check_seconds
+        from celery_keyed.ledger import check_seconds
 
         interval = check_seconds(sender.conf.get("keyed_reconcile_schedule") or 30.0, "keyed_reconcile_schedule")
         sender.add_periodic_task(interval, reconcile_task.s(), name=RECONCILE_TASK)

@@ -32,20 +32,32 @@ from typing import Any, TypeVar
 import click
 import sqlalchemy as sa
 
-from celery_keyed.ledger import Ledger, Promotion, Report
-from celery_keyed.ledger.bounds import INT_MAX, SECONDS_MAX, SLOT_LIMIT_MAX, STATEMENT_TIMEOUT_MAX
-from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing
-from celery_keyed.ledger.keyspec import validate_name
-from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing
-from celery_keyed.ledger.overrides import override_get
-from celery_keyed.ledger.reconcile import check_counters_once, drop_idle_keys_once
-from celery_keyed.ledger.status import (
+from celery_keyed.ledger import (
+    INT_MAX,
+    SECONDS_MAX,
+    SLOT_LIMIT_MAX,
+    STATEMENT_TIMEOUT_MAX,
+    InvalidConfig,
+    InvalidKey,
     KeyStatus,
+    Ledger,
+    LedgerError,
     NameStatus,
+    Promotion,
+    Report,
+    SchemaMissing,
+    applied_versions,
+    check_counters_once,
+    drop_idle_keys_once,
+    migrate,
+    override_get,
+    schema_missing,
     status_key_count,
     status_keys,
     status_names,
+    status_now,
     status_prepare,
+    validate_name,
 )
 from celery_keyed.settings import KeyedSettings, read_settings
 
@@ -269,7 +281,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
     name = _name_option(name)
     with operator.engine.begin() as conn:
         status_prepare(conn, timeout=timeout)
-        at = conn.execute(sa.text("SELECT now()")).scalar_one()
+        at = status_now(conn)
         names = status_names(conn, name=name)
         key_rows = status_keys(conn, name=name, limit=limit, idle=idle) if limit else []
         total = status_key_count(conn, name=name)
@@ -344,8 +356,11 @@ def _rules(n: NameStatus) -> str:
     if n.rate is not None:
         # the unit that shows it as a whole number, as it was most likely configured ("100/m", "6/s")
         rate = next(
-            (f"{round(n.rate * per):g}/{unit}" for unit, per in (("s", 1), ("m", 60), ("h", 3600))
-             if abs(n.rate * per - round(n.rate * per)) < 1e-6 and round(n.rate * per) >= 1),
+            (
+                f"{round(n.rate * per):g}/{unit}"
+                for unit, per in (("s", 1), ("m", 60), ("h", 3600))
+                if abs(n.rate * per - round(n.rate * per)) < 1e-6 and round(n.rate * per) >= 1
+            ),
             f"{n.rate:g}/s",
         )
         rules.append(f"rate {rate}" + (f" burst {n.burst:g}" if n.burst else ""))

@@ -8,7 +8,7 @@ import math
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger.errors import InvalidConfig
+from celery_keyed.ledger import InvalidConfig
 from celery_keyed.settings import KeyedSettings
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger.status import status_names, status_prepare
+from celery_keyed.ledger import status_names, status_prepare
 
 logger = logging.getLogger("celery_keyed")
 

@@ -11,9 +11,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_keyed.ledger.bounds import INT_MAX, SECONDS_MAX, STATEMENT_TIMEOUT_MAX, check_int, check_seconds
-from celery_keyed.ledger.errors import InvalidConfig
-from celery_keyed.ledger.names import NameConfig, parse_limits
+from celery_keyed.ledger import (
+    INT_MAX,
+    SECONDS_MAX,
+    STATEMENT_TIMEOUT_MAX,
+    InvalidConfig,
+    NameConfig,
+    check_int,
+    check_seconds,
+    parse_limits,
+)
 
 #: The most ledger connections a worker process may keep (``keyed_pool_size``; as many again may overflow).
 POOL_SIZE_MAX = 1000

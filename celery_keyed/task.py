@@ -16,8 +16,7 @@ from typing import Any
 
 from celery import Task, shared_task
 
-from celery_keyed.ledger.errors import InvalidKey
-from celery_keyed.ledger.keyspec import normalize_key
+from celery_keyed.ledger import InvalidKey, normalize_key
 
 logger = logging.getLogger("celery_keyed")
 
@@ -233,7 +232,7 @@ def _normalize(value: Any, task: Any, option: str) -> str:
 def _register_group(task: Any, group_key: str, task_id: str, connection: Any) -> int | None:
     """Allocate the group number at publish (D10); None (ordered by receipt) when registration is off or the
     ledger cannot be reached — the call is still published, never lost."""
-    from celery_keyed.ledger.groups import groups_register
+    from celery_keyed.ledger import groups_register
     from celery_keyed.publisher import publisher_for
 
     if connection is not None:

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -35,7 +35,21 @@ from celery_keyed.ledger.attempts import (
     Token,
     Verdict,
 )
-from celery_keyed.ledger.books import books_balance, books_open_idle
+from celery_keyed.ledger.books import (
+    books_balance,
+    books_mark_notified,
+    books_open_idle,
+    books_reject_unkeyable,
+    books_unnotified,
+)
+from celery_keyed.ledger.bounds import (
+    INT_MAX,
+    SECONDS_MAX,
+    SLOT_LIMIT_MAX,
+    STATEMENT_TIMEOUT_MAX,
+    check_int,
+    check_seconds,
+)
 from celery_keyed.ledger.claims import HeldClaim, claims_renew
 from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState, translate
 from celery_keyed.ledger.explain import Explanation, explain
@@ -47,30 +61,51 @@ from celery_keyed.ledger.holders import (
     machine_identity,
     new_holder,
 )
-from celery_keyed.ledger.keyspec import key_name, normalize_key
-from celery_keyed.ledger.migrations import migrate, schema_required
+from celery_keyed.ledger.keys import keys_captured_by
+from celery_keyed.ledger.keyspec import key_name, normalize_key, validate_name
+from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
 from celery_keyed.ledger.names import NameConfig, configure_names, parse_limits
-from celery_keyed.ledger.overrides import clear_override, set_override
+from celery_keyed.ledger.overrides import clear_override, override_get, set_override
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, LocalHandoff
 from celery_keyed.ledger.reconcile import (
     DEFAULT_RESERVE_TIMEOUT,
     Report,
+    check_counters_once,
+    drop_idle_keys_once,
     prune_books_once,
+    reclaim_once,
     reconcile_once,
     sweep_once,
+)
+from celery_keyed.ledger.status import (
+    KeyStatus,
+    NameStatus,
+    status_key_count,
+    status_keys,
+    status_names,
+    status_now,
+    status_prepare,
 )
 
 __all__ = [
     "DEFAULT_DISPATCH_TIMEOUT",
+    "DEFAULT_RESERVE_TIMEOUT",
+    "INT_MAX",
+    "SECONDS_MAX",
+    "SLOT_LIMIT_MAX",
+    "STATEMENT_TIMEOUT_MAX",
     "Admission",
     "Arrival",
     "Explanation",
     "HeldClaim",
     "InvalidConfig",
     "InvalidKey",
+    "KeyStatus",
     "Ledger",
     "LedgerError",
+    "LocalHandoff",
     "NameConfig",
+    "NameStatus",
     "Outcome",
     "Promotion",
     "ReleaseReport",
@@ -80,23 +115,45 @@ __all__ = [
     "Token",
     "Verdict",
     "WrongState",
+    "applied_versions",
     "books_balance",
+    "books_mark_notified",
+    "books_reject_unkeyable",
+    "books_unnotified",
+    "check_counters_once",
+    "check_int",
+    "check_seconds",
     "claims_renew",
     "clear_override",
     "configure_names",
+    "drop_idle_keys_once",
     "explain",
     "groups_register",
     "key_name",
+    "keys_captured_by",
     "migrate",
     "new_holder",
     "normalize_key",
+    "override_get",
     "parse_limits",
+    "prune_books_once",
+    "reclaim_once",
     "reconcile_once",
+    "schema_missing",
     "set_override",
+    "status_key_count",
+    "status_keys",
+    "status_names",
+    "status_now",
+    "status_prepare",
     "sweep_once",
+    "validate_name",
 ]
 
 T = TypeVar("T")
+
+#: ping: the cheapest round trip, the breaker's probe that the ledger's database answers (D9).
+PING = sa.text("SELECT 1")
 
 #: SQLSTATEs that mean "nothing happened, run the transaction again".
 _RETRYABLE = {"40P01", "40001"}  # deadlock_detected, serialization_failure
@@ -362,5 +419,38 @@ class Ledger:
         with schema_required(self.engine), self.engine.connect() as conn:
             return books_balance(conn)
 
+    # -- for the worker's gate: each one call, so the gate needs no ledger module and no engine of its own --------
 
-_ = (overrides, reconcile, normalize_key, key_name, parse_limits, InvalidKey, InvalidConfig, LedgerError, SchemaMissing)
+    def reclaim(self, *, now: datetime | None = None) -> Report:
+        """Reclaim expired leases and void unbound promotions (``reclaim_once``; the caller has reached the ledger
+        for a full lease first, D7)."""
+        return reclaim_once(self.engine, lease=self.lease, now=now, dispatch=self.dispatch)
+
+    def reject_unkeyable(self, task_id: str, *, task_name: str, detail: str, now: datetime | None = None) -> None:
+        """Book an arrival whose keys cannot be read as rejected, its failure result stored by the caller (D16)."""
+        self.transaction(
+            lambda conn: books_reject_unkeyable(conn, task_id, task_name=task_name, detail=detail, now=now)
+        )
+
+    def unnotified(self, *, limit: int = 500) -> list[sa.Row[Any]]:
+        """Tasks that never ran whose failure result is not stored yet (D11)."""
+        with self.engine.connect() as conn:
+            return books_unnotified(conn, limit)
+
+    def mark_notified(self, task_ids: list[str]) -> None:
+        """Their failure results are stored."""
+        self.transaction(lambda conn: books_mark_notified(conn, task_ids))
+
+    def captured_keys(self, names: list[str]) -> list[sa.Row[Any]]:
+        """Per name, the keys seen while it was a K = 1 identity (prefix capture, DESIGN §3.11)."""
+        with self.engine.connect() as conn:
+            return keys_captured_by(conn, names)
+
+    def ping(self) -> None:
+        """One round trip: raises the driver's error when the ledger's database cannot be reached (the breaker's
+        probe, D9)."""
+        with self.engine.connect() as conn:
+            conn.execute(PING)
+
+
+_ = (overrides,)  # imported for its side of the layering; its functions are re-exported above

@@ -122,6 +122,9 @@ STATUS_KEY_COUNT = sa.text(
 # compiling them took 0.7 s of a 0.8 s query (the work itself: 0.1 s).
 STATUS_PREPARE = sa.text("SELECT set_config('statement_timeout', :ms, true), set_config('jit', 'off', true)")
 
+# status_now: the database's clock, the "at" of a status report (the ledger's one clock, D2).
+STATUS_NOW = sa.text("SELECT now()")
+
 
 @dataclass(frozen=True)
 class NameStatus:
@@ -179,6 +182,11 @@ def status_prepare(conn: sa.Connection, *, timeout: float) -> None:
     """Prepare ``conn``'s current transaction for the views: statements bounded to ``timeout`` seconds (a scrape
     must not hang), no JIT. Call it inside a transaction (``engine.begin()``)."""
     conn.execute(STATUS_PREPARE, {"ms": str(max(1, int(timeout * 1000)))})
+
+
+def status_now(conn: sa.Connection) -> datetime:
+    """The database's time now (start of the caller's transaction): when the report was taken."""
+    return conn.execute(STATUS_NOW).scalar_one()
 
 
 def _age(value: Any) -> float | None:
