@@ -31,13 +31,24 @@ from celery.worker.strategy import default as default_strategy
 
 from celery_keyed import exceptions, metrics, signals
 from celery_keyed.engine import create_ledger_engine
-from celery_keyed.ledger import Arrival, Ledger, Outcome, Promotion, Token, Verdict, bounds, new_holder
-from celery_keyed.ledger.books import books_mark_notified, books_reject_unkeyable, books_unnotified
-from celery_keyed.ledger.claims import HeldClaim
-from celery_keyed.ledger.errors import InvalidKey
-from celery_keyed.ledger.keys import keys_captured_by
-from celery_keyed.ledger.keyspec import normalize_key
-from celery_keyed.ledger.reconcile import reclaim_once
+from celery_keyed.ledger import (
+    Arrival,
+    HeldClaim,
+    InvalidKey,
+    Ledger,
+    Outcome,
+    Promotion,
+    Token,
+    Verdict,
+    books_mark_notified,
+    books_reject_unkeyable,
+    books_unnotified,
+    bounds,
+    keys_captured_by,
+    new_holder,
+    normalize_key,
+    reclaim_once,
+)
 from celery_keyed.messages import context_from_record, record_message, republish, restore_message
 from celery_keyed.settings import KeyedSettings
 from celery_keyed.task import (
