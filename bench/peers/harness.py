@@ -817,10 +817,50 @@ def run_system(bench: Bench, system: System, workloads: list[Workload], repeat: 
 
 
 def docs_section(body: str) -> str:
-    return ("## celery-keyed side by side with its peers (`python -m bench.peers`)\n\n"
-            "```sh\nmake bench-peers            # or: .venv/bin/python -m bench.peers [--quick] [--write-docs]\n```\n\n"
-            "Every system runs on the same machine, the same PostgreSQL and Redis, in one run, with 8 execution "
-            "slots (2 workers x 4 processes, prefetch 1, acks_late where it applies); the task bodies record their "
-            "own start and end in Redis (the observer), so the peak per key and the handoffs are never read from "
-            "a system's own books. What each column means is in `bench/peers/harness.py`'s docstring. "
-            "\"it / celery-keyed\" > 1 means celery-keyed finished first.\n\n" + body + "\n")
+    return """## celery-keyed side by side with its peers (`python -m bench.peers`, issue 11)
+
+```sh
+make bench-peers                 # all systems x W1-W6, 3 repeats (~20 min); QUICK=1: one run of W1, W2, W6
+make bench-peers DOCS=1          # the same, and write this section (between its markers) with the new table
+.venv/bin/python -m bench.peers --systems plain,cookbook,keyed --workloads W1,W2 --repeats 5
+```
+
+One command runs every system on the same machine, the same PostgreSQL (durable) and Redis, in one run, and
+prints ratios. It holds `flock $HOME/.celery-keyed-bench.lock` for the whole run and records the load average
+before and after each run of a workload and of the whole. The repeats interleave the systems (each repeat
+rotates their order, every other one reversed). celery-keyed runs from a frozen copy of `celery_keyed/` at
+HEAD (`git archive`), so edits to the working tree during a run cannot change what is measured.
+
+- **Systems**, each with 8 execution slots (2 workers x 4 processes, prefetch 1, acks_late where it
+  applies), each worker our own code (`bench/peers/sys_*.py`): plain Celery (no keys: the ceiling, which
+  exceeds K); the Celery cookbook lock (`SET NX` for K = 1, a Redis counter semaphore for K > 1) taken at
+  task start with `self.retry(countdown=0.1)` while it is held, with `max_retries=None` and with Celery's
+  default `max_retries` (3: its MaxRetriesExceededError failures are counted); celery-once (`QueueOnce`
+  keyed on the key, graceful: a publish while the key is queued or running is refused and counted; K = 1
+  only); procrastinate `lock=` (default polling, 5 s, and `fetch_job_polling_interval=0.1`; K = 1 only);
+  Dramatiq `ConcurrentRateLimiter` on Redis retrying on `RateLimitExceeded` (its default backoff, 15 s
+  minimum, and a tuned 0.1-1 s); PgQueuer with one entrypoint per key and `concurrency_limit=K` (on asyncpg;
+  its key set is fixed when its workers start, so they are started per workload with that run's keys); and
+  celery-keyed with its README's settings (`worker_prefetch_multiplier = 1`, `celery_keyed.install(app)`,
+  the K > 1 names in `keyed_concurrency_limits`). The peers run from `.bench-venv/`
+  (`bench/requirements-peers.txt`, installed by the first run); a peer that cannot be installed gets a
+  "not installed" row.
+- **Workloads** (published round-robin over the keys, as bench.gate, to workers already running; 50 ms
+  tasks): W1 5 keys x 40, K = 1 · W2 one gate K = 4 x 200 · W3 50 keys x 4, K = 1 · W4 20 keys x 50,
+  K = 1 · W5 20 keys x 50, K = 2 · W6 1,000 distinct keys x 3,000 trivial tasks (throughput; the keys are
+  new in every run: celery-keyed creates their ledger rows, unlike bench.gate's warm keys).
+- **Measures**: makespan / ideal (ideal = max(per-key work / K, all work / 8); makespan from the first
+  start to the last end the task bodies recorded), median of the repeats with min-max; "it / celery-keyed"
+  is that system's median over celery-keyed's (> 1: celery-keyed finished first). The peak per key and the
+  handoffs come from the observer: every task body RPUSHes its own start and end to Redis, never a system's
+  own books. Handoff = the i-th end of a key to its (i+K)-th start, p50 / p99 per run (median of the runs),
+  shown for W1 and W2 only, where the busiest key sets the ideal; on W3-W5 the 8 slots set it and a key's
+  next task also waits for a slot. Messages per task: Celery, Redis `LPUSH` calls (publish, retries and
+  redeliveries) over the tasks; Dramatiq, every enqueue (a retry is two: to the delay queue, then back);
+  procrastinate and PgQueuer, job rows inserted (neither re-inserts). Refused (celery-once), retries,
+  failed (MaxRetriesExceededError, dead-lettered), lost (neither observed, failed nor refused once the run
+  ended) and unfinished (still pending when a run was stopped at max(60 s, 8 x ideal)).
+- celery-once's makespan covers only the tasks it accepted: read it with its refusals. The slow defaults
+  (procrastinate's 5 s polling, Dramatiq's 15 s backoff) run W1 and W3 once (`--all-workloads` for all).
+
+""" + body + "\n"
