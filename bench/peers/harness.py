@@ -626,6 +626,9 @@ def report(results: list[Result], workloads: list[Workload], systems: list[Syste
                              f"{peak_cell} | {counts} |")
             else:
                 ratio = spread([r.ratio for r in ok])
+                ran = min(r.completed for r in ok)
+                if ran < wl.tasks:  # refused or failed tasks never ran: the makespan covers only the others
+                    ratio += f" (only {ran} of {wl.tasks} ran)"
                 if unfinished:
                     ratio = f"> {max(r.waited for r in ok) / wl.ideal:.0f} (stopped at the timeout)"
                 vs_keyed = "—"
