@@ -193,6 +193,15 @@ def test_fair_sharing_a_late_tenant_starts_within_a_service_time(cluster: Cluste
             "SELECT extract(epoch FROM at) AS at FROM observed WHERE kind = 'start' AND note LIKE 'B%'"
         )
     )
-    assert b_starts[0] - sent < 2 * SERVICE, "B's first task waited behind A's backlog"
-    assert b_starts[-1] - sent < 5 * SERVICE  # B's three alternate with A's, not after A's 28 waiting tasks
+    # Counted in starts, not seconds (a loaded machine stretches every service time): without fair sharing B
+    # waits behind A's 28 parked tasks; with it B takes the next freed slot and alternates with A.
+    a_starts = [
+        float(r.at)
+        for r in cluster.rows(
+            "SELECT extract(epoch FROM at) AS at FROM observed WHERE kind = 'start' AND note LIKE 'A%'"
+        )
+    ]
+    a_before = [sum(1 for a in a_starts if sent < a < b) for b in b_starts]
+    assert a_before[0] <= 2, f"B's first task waited behind A's backlog: {a_before[0]} of A's started first"
+    assert a_before[-1] <= 5, f"B's tasks did not alternate with A's: {a_before}"
     assert peak_overlap(cluster.intervals("stripe")) == 2

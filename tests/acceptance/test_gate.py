@@ -131,13 +131,15 @@ def test_sigkill_worker_mid_task_redelivered_reclaimed_completed(cluster: Cluste
     of the live claim (D8), the lease lapses and the reaper reclaims (D7), the copy runs; never two at once."""
     cluster.env.update(KEYED_LEASE="3", VISIBILITY_TIMEOUT="2")
     cluster.start_worker("w1", concurrency=1)
-    victim = producer.hold.delay("acct:kill", 2.0, note="victim")
+    victim = producer.hold.delay("acct:kill", 8.0, note="victim")
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
     cluster.start_worker("w2", concurrency=2)
     producer.hold.delay("acct:kill", 0.2, note="next")
     time.sleep(0.3)
+    # the victim must still run when it is killed (a loaded machine may take seconds to start w2)
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end'") == 0
+    killed_at = time.time()  # the victim runs until the SIGKILL; nothing else of the key may start before it
     cluster.kill_worker("w1")
-    killed_at = time.time()
     assert victim.get(timeout=60) == "victim"
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 2, timeout=60)
     starts = cluster.rows("SELECT note, extract(epoch FROM at) AS ts FROM observed WHERE kind = 'start' ORDER BY at")
