@@ -179,6 +179,7 @@ class GateService:
         self._heartbeat: threading.Thread | None = None
         self._pids: list[int] = []  # this process and its pool processes, as last recorded in the ledger
         self._loop_thread: int | None = None  # the consumer loop's thread (events are sent from it only)
+        self._handoff_strategies: dict[str, tuple[Any, Any, Any]] = {}  # task name -> (strategy, dispatcher, ours)
         self._releases: deque[_Release] = deque()  # for the releaser thread
         self._release_ready = threading.Event()
         self._release_lock = threading.Lock()
@@ -829,7 +830,7 @@ class GateService:
             with self._lock:
                 self._prebound[promotion.token] = _Prebound(promotion.fence, promotion.key)
         message = restore_message(record, nonce=None if promotion.nonce is None else str(promotion.nonce))
-        strategy = self.consumer.strategies[record["task"]]
+        strategy = self._handoff_strategy(record["task"])
         try:
             strategy(message, None, _already_acked, _already_acked, set())
         except Exception:
@@ -839,6 +840,23 @@ class GateService:
         self._announce_promoted(promotion, local=True)
         if promotion.token in self._prebound and promotion.task_id in worker_state.revoked:
             self._revoked_before_start(promotion.token, promotion.key)  # Celery's strategy discarded it
+
+    def _handoff_strategy(self, task_name: str) -> Any:
+        """The consumer's strategy for ``task_name``, built once more with an event dispatcher that leaves out
+        ``task-received``: a promotion started here was received (and announced) when it first arrived; every
+        later event of its request (started, succeeded…) is sent as usual. Rebuilt when Celery rebuilds its
+        strategies (on every broker reconnect)."""
+        strategy = self.consumer.strategies[task_name]
+        dispatcher = getattr(self.consumer, "event_dispatcher", None)
+        if dispatcher is None or not getattr(dispatcher, "enabled", False):
+            return strategy
+        cached = self._handoff_strategies.get(task_name)
+        if cached is not None and cached[0] is strategy and cached[1] is dispatcher:
+            return cached[2]
+        task = self.app.tasks[task_name]
+        handoff = default_strategy(task, self.app, _HandoffConsumer(self.consumer, _NoReceivedEvent(dispatcher)))
+        self._handoff_strategies[task_name] = (strategy, dispatcher, handoff)
+        return handoff
 
     def _revoked_before_start(self, token: Token, key: str | None) -> None:
         """A promotion bound to this worker (D4) whose request Celery discarded as revoked: give its slot back
@@ -1233,6 +1251,36 @@ class GateService:
             request = self._held.popleft()
             self.consumer.on_task_request(request)
         self._drain_to_loop()  # also a backstop for a missed wakeup
+
+
+class _NoReceivedEvent:
+    """An event dispatcher that forwards every event but ``task-received`` (see ``_handoff_strategy``)."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self._dispatcher = dispatcher
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._dispatcher.enabled)
+
+    def send(self, type: str, *args: Any, **fields: Any) -> Any:
+        if type == "task-received":
+            return None
+        return self._dispatcher.send(type, *args, **fields)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dispatcher, name)
+
+
+class _HandoffConsumer:
+    """The consumer as Celery's strategy sees it, with another event dispatcher."""
+
+    def __init__(self, consumer: Any, event_dispatcher: Any) -> None:
+        self._consumer = consumer
+        self.event_dispatcher = event_dispatcher
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
 
 
 def _already_acked(*args: Any, **kwargs: Any) -> None:

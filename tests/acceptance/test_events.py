@@ -78,6 +78,8 @@ def test_every_outcome_reaches_a_celery_event_receiver(cluster: Cluster, produce
 
         assert events.wait_for(parked.id, "task-keyed-promoted")["key"] == "ev:1"
         events.wait_for(parked.id, "task-succeeded")
+        assert events.types(parked.id).count("task-received") == 1, events.types(parked.id)  # handed over here
+        assert events.types(parked.id).count("task-started") == 1
         assert parked.get(timeout=30) == "parked"
         for task_id in (rejected.id, revoked.id, expiring.id):  # each reached a final state, not "received"
             assert events.types(task_id)[-1] in ("task-rejected", "task-revoked"), events.types(task_id)
