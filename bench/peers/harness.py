@@ -612,9 +612,12 @@ def report(results: list[Result], workloads: list[Workload], systems: list[Syste
             peak = max(r.peak for r in ok)
             over = sum(r.over_k for r in ok)
             peak_cell = f"{peak} ({wl.limit})" + (" **K exceeded**" if over else "")
+            def per_run(values: list[float]) -> str:
+                return spread(values, "{:.0f}") if any(values) else "0"
+
             counts = (f"{spread([r.messages for r in ok])} | {spread([r.retries / r.tasks for r in ok])} | "
-                      f"{sum(r.refused for r in ok)} | {sum(r.failed for r in ok)} | {sum(r.lost for r in ok)} | "
-                      f"{sum(r.unfinished for r in ok)}")
+                      f"{per_run([r.refused for r in ok])} | {per_run([r.failed for r in ok])} | "
+                      f"{per_run([r.lost for r in ok])} | {per_run([r.unfinished for r in ok])}")
             unfinished = any(not r.finished for r in ok)
             if wl.throughput:
                 rate = statistics.median(r.rate for r in ok)
@@ -626,9 +629,9 @@ def report(results: list[Result], workloads: list[Workload], systems: list[Syste
                              f"{peak_cell} | {counts} |")
             else:
                 ratio = spread([r.ratio for r in ok])
-                ran = min(r.completed for r in ok)
+                ran = statistics.median(r.completed for r in ok)
                 if ran < wl.tasks:  # refused or failed tasks never ran: the makespan covers only the others
-                    ratio += f" (only {ran} of {wl.tasks} ran)"
+                    ratio += f" (only {ran:.0f} of {wl.tasks} ran)"
                 if unfinished:
                     ratio = f"> {max(r.waited for r in ok) / wl.ideal:.0f} (stopped at the timeout)"
                 vs_keyed = "—"
@@ -730,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     import redis
 
     started = time.monotonic()
+    started_at = time.strftime("%Y-%m-%d %H:%M %Z")
     load_start = os.getloadavg()
     results: list[Result] = []
     with contextlib.ExitStack() as stack:
@@ -759,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - started
     smoke = args.smoke or args.quick or scale < 1 or load_start[0] >= 1.0
     table = report(results, workloads, systems, skipped)
-    head = [f"Run of {time.strftime('%Y-%m-%d %H:%M %Z')}: `python -m bench.peers {' '.join(raw)}`".rstrip(),
+    head = [f"Run of {started_at}: `python -m bench.peers {' '.join(raw)}`".rstrip(),
             f"({repeats} repeat(s), {total:.0f} s). Machine: {machine()}. Servers: {described}. {versions()}.",
             f"Load average (1 / 5 / 15 min): {' / '.join(f'{x:.2f}' for x in load_start)} before, "
             f"{' / '.join(f'{x:.2f}' for x in load_end)} after."]
@@ -860,9 +864,9 @@ HEAD (`git archive`), so edits to the working tree during a run cannot change wh
   shown for W1 and W2 only, where the busiest key sets the ideal; on W3-W5 the 8 slots set it and a key's
   next task also waits for a slot. Messages per task: Celery, Redis `LPUSH` calls (publish, retries and
   redeliveries) over the tasks; Dramatiq, every enqueue (a retry is two: to the delay queue, then back);
-  procrastinate and PgQueuer, job rows inserted (neither re-inserts). Refused (celery-once), retries,
-  failed (MaxRetriesExceededError, dead-lettered), lost (neither observed, failed nor refused once the run
-  ended) and unfinished (still pending when a run was stopped at max(60 s, 8 x ideal)).
+  procrastinate and PgQueuer, job rows inserted (neither re-inserts). Per run (median, min-max): refused
+  (celery-once), failed (MaxRetriesExceededError, dead-lettered), lost (neither observed, failed nor refused
+  once the run ended) and unfinished (still pending when a run was stopped at max(60 s, 8 x ideal)).
 - celery-once's makespan covers only the tasks it accepted: read it with its refusals. The slow defaults
   (procrastinate's 5 s polling, Dramatiq's 15 s backoff) run W1 and W3 once (`--all-workloads` for all).
 
