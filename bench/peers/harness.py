@@ -458,7 +458,8 @@ def importable(system: System) -> str:
     if not Path(py).exists():
         return "not installed (no .bench-venv)"
     check = subprocess.run([py, "-c", f"import {system.imports}"], capture_output=True, text=True)
-    return "" if check.returncode == 0 else f"not installed ({check.stderr.strip().splitlines()[-1:]})"
+    last = (check.stderr.strip().splitlines() or ["?"])[-1]
+    return "" if check.returncode == 0 else f"not installed ({last})"
 
 
 @contextlib.contextmanager
