@@ -12,7 +12,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
 from celery import Task, shared_task
 
@@ -250,8 +250,72 @@ def _register_group(task: Any, group_key: str, task_id: str, connection: Any) ->
         return None
 
 
+P = ParamSpec("P")
+R = TypeVar("R", covariant=True)
+
+
+class KeyedTaskFunction(Protocol[P, R]):
+    """What ``@keyed_task`` gives, as a type checker sees it: the task (a :class:`KeyedTask`), called, delayed
+    and signed with the decorated function's own parameters (without ``self`` for ``bind=True``)."""
+
+    name: str
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    def delay(self, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+
+    def apply_async(
+        self,
+        args: tuple[Any, ...] | list[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> Any: ...
+
+    def s(self, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+
+    def si(self, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+
+    def keyed_headers(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]: ...
+
+
+@overload
+def keyed_task(fun: Callable[P, R], /) -> KeyedTaskFunction[P, R]: ...
+
+
+@overload
+def keyed_task(
+    *,
+    bind: Literal[True],
+    concurrency_key: KeySpec = ...,
+    group_key: KeySpec = ...,
+    supersede_key: KeySpec = ...,
+    fair_key: KeySpec = ...,
+    concurrency_cost: int = ...,
+    **options: Any,
+) -> Callable[[Callable[Concatenate[Any, P], R]], KeyedTaskFunction[P, R]]: ...
+
+
+@overload
+def keyed_task(
+    *,
+    bind: Literal[False] = ...,
+    concurrency_key: KeySpec = ...,
+    group_key: KeySpec = ...,
+    supersede_key: KeySpec = ...,
+    fair_key: KeySpec = ...,
+    concurrency_cost: int = ...,
+    **options: Any,
+) -> Callable[[Callable[P, R]], KeyedTaskFunction[P, R]]: ...
+
+
 def keyed_task(*args: Any, **options: Any) -> Any:
     """Declare a keyed task: ``@keyed_task(concurrency_key="account:{account_id}")``.
+
+    For a type checker the result keeps the function's signature (``KeyedTaskFunction``): ``delay``, ``s`` and
+    calls are checked against it; with ``bind=True`` the first parameter (the task) is left out.
 
     Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``group_key`` and
     ``supersede_key``. Pass ``app=`` to register on a specific app instead of every app (shared_task).
