@@ -7,11 +7,19 @@
 - ``blank_database_url`` (function): a new empty database, dropped after the test (migration tests).
 - ``engine`` (function): a SQLAlchemy engine on ``database_url``, disposed after the test.
 - ``redis_url`` (function): a Redis database number of its own, flushed before the test.
+- ``rabbitmq_server`` (session): a throwaway RabbitMQ (Debian's rabbitmq-server; a few seconds to start), or the
+  broker named by ``KEYED_AMQP_URL`` / an ``amqp://`` ``CELERY_BROKER_URL``. Skips the test when RabbitMQ is not
+  installed (fails instead when ``CI`` is set: .ci/run installs it).
+- ``amqp_url`` (function): a vhost of its own on ``rabbitmq_server`` (taken from a pool created in one
+  ``rabbitmqctl`` call, never reused), deleted after the test. On a broker we did not start: its own URL, with the
+  default ``celery`` queue purged before the test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -20,7 +28,18 @@ import pytest
 import sqlalchemy
 from sqlalchemy.engine import make_url
 
-from celery_keyed.testbed import PostgresTarget, RedisTarget, start_postgres, start_redis
+from celery_keyed.testbed import (
+    AMQP_URL_ENV,
+    BROKER_URL_ENV,
+    PostgresTarget,
+    RabbitTarget,
+    RedisTarget,
+    TestbedError,
+    find_rabbitmq_server,
+    start_postgres,
+    start_rabbitmq,
+    start_redis,
+)
 
 REDIS_DATABASES = 16  # redis-server's default number of databases
 
@@ -121,3 +140,49 @@ def redis_url(redis_server: RedisTarget) -> str:
     finally:
         client.close()
     return url
+
+
+AMQP_VHOST_BATCH = 32  # vhosts created per rabbitmqctl call (one call costs about as much as one vhost)
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server() -> Iterator[RabbitTarget]:
+    broker_env = os.environ.get(BROKER_URL_ENV, "")
+    if not os.environ.get(AMQP_URL_ENV) and not broker_env.startswith(("amqp", "pyamqp")):
+        try:
+            find_rabbitmq_server()
+        except TestbedError as error:
+            if os.environ.get("CI"):
+                raise  # CI installs rabbitmq-server (.ci/run): a missing one must not pass as a skip
+            pytest.skip(str(error))
+    with start_rabbitmq() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def _amqp_vhosts(rabbitmq_server: RabbitTarget) -> list[str]:
+    """Vhosts created ahead, not yet handed out (refilled a batch at a time)."""
+    return []
+
+
+_amqp_vhost_numbers = itertools.count()
+
+
+@pytest.fixture
+def amqp_url(rabbitmq_server: RabbitTarget, _amqp_vhosts: list[str]) -> Iterator[str]:
+    """URL of a vhost of this test's own (a fresh one, deleted after the test)."""
+    if not rabbitmq_server.managed:
+        from kombu import Connection
+
+        with Connection(rabbitmq_server.url) as conn, contextlib.suppress(Exception):
+            conn.default_channel.queue_purge("celery")  # NOT_FOUND when it does not exist yet
+        yield rabbitmq_server.url
+        return
+    if not _amqp_vhosts:
+        names = [f"t{next(_amqp_vhost_numbers)}_{uuid.uuid4().hex[:8]}" for _ in range(AMQP_VHOST_BATCH)]
+        rabbitmq_server.add_vhosts(names)
+        _amqp_vhosts.extend(names)
+    vhost = _amqp_vhosts.pop(0)
+    yield rabbitmq_server.url_for(vhost)
+    with contextlib.suppress(TestbedError):  # a test that stopped the server for good
+        rabbitmq_server.delete_vhost(vhost)
