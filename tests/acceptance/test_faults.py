@@ -123,10 +123,15 @@ def test_a_local_handoff_does_not_wait_behind_a_busy_pool(cluster: Cluster, prod
     slot while W2 idles, then start with a stale claim); it runs on W2 while C still runs (D14)."""
     cluster.env.update(KEYED_LEASE=str(LEASE))
     cluster.start_worker("w1", concurrency=1, extra=["--prefetch-multiplier", "2"])
-    a = producer.hold.delay("acct:x", 2.0, note="A")
+    a = producer.hold.delay("acct:x", 6.0, note="A")  # long enough to outlast W2's start on a loaded machine
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
-    c = producer.hold.delay("acct:y", 5 * LEASE, note="C")
-    cluster.wait_for("SELECT count(*) FROM keyed_claims", 1)  # C is in W1's memory, without a claim (D3)
+    c = producer.hold.delay("acct:y", 8 * LEASE, note="C")
+    received = f"Task acceptance.hold[{c.id}] received"
+    deadline = time.monotonic() + 30
+    while received not in cluster.logs["w1"].read_text(errors="replace"):  # C waits in W1's memory (prefetched)
+        assert time.monotonic() < deadline, cluster.logs["w1"].read_text()[-3000:]
+        time.sleep(0.05)
+    assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 1  # only A's: C holds no claim while it waits
     cluster.start_worker("w2", concurrency=2)
     b = producer.hold.delay("acct:x", 0.1, note="B")
     cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
