@@ -1,0 +1,1 @@
+"""Integrations with other tools: ``celery_keyed.contrib.pytest`` is the pytest plugin (docs/testing.md)."""
