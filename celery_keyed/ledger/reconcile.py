@@ -7,8 +7,10 @@ one short transaction per item, so they never hold many locks and are safe to ru
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -207,27 +209,9 @@ def reclaim_once(
     report = Report()
     with engine.connect() as conn:
         candidates = conn.execute(claims.CLAIMS_EXPIRED_CANDIDATES, {"lease": lease, "batch": _BATCH, "now": now}).all()
-    for c in candidates:
-        with engine.begin() as conn:
-            row = conn.execute(
-                claims.CLAIMS_DELETE_EXPIRED_ONE,
-                {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, "now": now},
-            ).first()
-            if row is None:
-                continue
-            events_record(
-                conn,
-                "reclaimed",
-                key=row.key or row.group_key,
-                task_id=row.task_id,
-                detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder}",
-                now=now,
-            )
-            released = after_claim_removed(
-                conn, row, Outcome.WORKER_LOST, detail="lease expired", dispatch=dispatch, now=now
-            )
-            report.promotions += released.promotions
-            report.reclaimed.append(Token(row.task_id, row.attempt))
+    _reclaim_each(
+        engine, candidates, claims.CLAIMS_DELETE_EXPIRED_ONE, {"now": now}, "lease expired", "", report, dispatch, now
+    )
     with engine.connect() as conn:
         stale = conn.execute(claims.CLAIMS_STALE_PROMOTED_CANDIDATES, {"batch": _BATCH, "now": now}).all()
     for c in stale:
@@ -266,10 +250,37 @@ def reclaim_gone_holders_once(
         return report
     with engine.connect() as conn:
         candidates = conn.execute(claims.CLAIMS_OF_GONE_HOLDERS, {"holders": holders, "batch": 10 * _BATCH}).all()
+    _reclaim_each(
+        engine,
+        candidates,
+        claims.CLAIMS_DELETE_OF_GONE_HOLDER,
+        {"holders": holders},
+        "its worker is gone",
+        " (its processes are gone)",
+        report,
+        dispatch,
+        now,
+    )
+    return report
+
+
+def _reclaim_each(
+    engine: sa.Engine,
+    candidates: Sequence[Any],
+    delete: sa.TextClause,
+    params: dict[str, Any],
+    detail: str,
+    event_note: str,
+    report: Report,
+    dispatch: float,
+    now: datetime | None,
+) -> None:
+    """The reaper's side of the race for each candidate claim (one transaction each): ``delete`` (guarded by
+    fence and its own rule) returns the row only to the winner, which records the event and books the attempt
+    as "worker lost" (it goes back in line or waits for its redelivery); no row = the worker won."""
     for c in candidates:
         with engine.begin() as conn:
-            params = {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, "holders": holders}
-            row = conn.execute(claims.CLAIMS_DELETE_OF_GONE_HOLDER, params).first()
+            row = conn.execute(delete, {"task_id": c.task_id, "attempt": c.attempt, "fence": c.fence, **params}).first()
             if row is None:
                 continue
             events_record(
@@ -277,15 +288,12 @@ def reclaim_gone_holders_once(
                 "reclaimed",
                 key=row.key or row.group_key,
                 task_id=row.task_id,
-                detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder} (its processes are gone)",
+                detail=f"attempt {row.attempt} fence {row.fence} holder {row.holder}{event_note}",
                 now=now,
             )
-            released = after_claim_removed(
-                conn, row, Outcome.WORKER_LOST, detail="its worker is gone", dispatch=dispatch, now=now
-            )
+            released = after_claim_removed(conn, row, Outcome.WORKER_LOST, detail=detail, dispatch=dispatch, now=now)
             report.promotions += released.promotions
             report.reclaimed.append(Token(row.task_id, row.attempt))
-    return report
 
 
 def check_counters_once(engine: sa.Engine, *, repair: bool = True) -> list[str]:
