@@ -175,3 +175,28 @@ def producer(cluster: Cluster) -> Iterator[Any]:
     yield ns
     close_publisher(ns.app)
     ns.app.close()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[Any]:
+    """A Postgres of this test's own, so it can be stopped without disturbing the other tests."""
+    from celery_keyed.testbed import PostgresServer, start_postgres
+
+    server = start_postgres(use_env=False)
+    assert isinstance(server, PostgresServer)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_outage_cluster(own_postgres: Any, redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    """A cluster whose ledger lives on ``own_postgres`` (migrated), so a test can stop and restart it."""
+    from celery_keyed.ledger import migrate
+
+    engine = sa.create_engine(own_postgres.url)
+    migrate(engine)
+    engine.dispose()
+    yield from make_cluster(own_postgres.url, redis_url, tmp_path, {})
+

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from celery_keyed import KeyedRejected
-from celery_keyed.ledger import migrate
-from celery_keyed.testbed import PostgresServer, RedisServer, start_postgres, start_redis
+from celery_keyed.testbed import PostgresServer, RedisServer, start_redis
 from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
 
 LEASE = 3.0  # heartbeat every 0.5 s; a lapsed lease is reclaimed by the other worker's reaper within ~1 s
@@ -181,24 +179,6 @@ def test_poison_messages_are_recorded_rejections_and_the_worker_keeps_serving(cl
     assert producer.hold.delay("acct:p", 0.0, note="fine").get(timeout=30) == "fine"
     assert cluster.workers["w1"].poll() is None
     assert "Unrecoverable error" not in cluster.logs["w1"].read_text()
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[PostgresServer]:
-    server = start_postgres(use_env=False)
-    assert isinstance(server, PostgresServer)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def pg_outage_cluster(own_postgres: PostgresServer, redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    engine = sa.create_engine(own_postgres.url)
-    migrate(engine)
-    engine.dispose()
-    yield from make_cluster(own_postgres.url, redis_url, tmp_path, {})
 
 
 @pytest.fixture

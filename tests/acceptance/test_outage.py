@@ -3,40 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-import sqlalchemy as sa
-
-from celery_keyed.ledger import migrate
-from celery_keyed.testbed import PostgresServer, start_postgres
-from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
+from celery_keyed.testbed import PostgresServer
+from tests.acceptance.conftest import Cluster, peak_overlap
 
 LEASE = 3.0
 
 
-@pytest.fixture
-def own_postgres() -> Iterator[PostgresServer]:
-    """A Postgres of this test's own, so it can be stopped without disturbing the other tests."""
-    server = start_postgres(use_env=False)
-    assert isinstance(server, PostgresServer)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def outage_cluster(own_postgres: PostgresServer, redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    engine = sa.create_engine(own_postgres.url)
-    migrate(engine)
-    engine.dispose()
-    yield from make_cluster(own_postgres.url, redis_url, tmp_path, {})
-
-
-def test_postgres_down_longer_than_a_lease(outage_cluster: Cluster, own_postgres: PostgresServer, producer) -> None:
-    cluster = outage_cluster
+def test_postgres_down_longer_than_a_lease(pg_outage_cluster: Cluster, own_postgres: PostgresServer, producer) -> None:
+    cluster = pg_outage_cluster
     cluster.env.update(KEYED_LEASE=str(LEASE), KEYED_SELF_FENCE="0")
     cluster.start_worker("w1", concurrency=3)
     running = producer.hold.delay("acct:1", 8.0, note="long")
@@ -72,11 +47,11 @@ def test_postgres_down_longer_than_a_lease(outage_cluster: Cluster, own_postgres
 
 
 def test_self_fencing_terminates_keyed_tasks_it_can_no_longer_cover(
-    outage_cluster: Cluster, own_postgres: PostgresServer, producer
+    pg_outage_cluster: Cluster, own_postgres: PostgresServer, producer
 ) -> None:
     """D7 on prefork (the default): a worker that cannot renew its leases terminates its keyed tasks before
     they expire; they are redelivered (acks_late) and run again once the ledger is back; never two at once."""
-    cluster = outage_cluster
+    cluster = pg_outage_cluster
     cluster.env.update(KEYED_LEASE=str(LEASE))
     cluster.start_worker("w1", concurrency=3)
     running = producer.hold.delay("acct:1", 6.0, note="long")
@@ -107,14 +82,14 @@ def _wait_for_log(cluster: Cluster, name: str, text: str, timeout: float = 30.0)
 
 
 def test_keyed_only_queues_are_not_consumed_while_postgres_is_down(
-    outage_cluster: Cluster, own_postgres: PostgresServer, producer
+    pg_outage_cluster: Cluster, own_postgres: PostgresServer, producer
 ) -> None:
     """D9 with ``keyed_queues``: while the breaker is open the worker does not consume its keyed-only queue, so
     keyed messages published during the outage stay in the broker (not unacked in the worker's memory, where
     they would use up its prefetch); unkeyed tasks on the other queue flow; all complete once Postgres is back."""
     import redis as redis_client
 
-    cluster = outage_cluster
+    cluster = pg_outage_cluster
     cluster.env.update(KEYED_LEASE=str(LEASE), KEYED_QUEUES='["keyed_only"]')
     cluster.start_worker("w1", concurrency=2, extra=["-Q", "celery,keyed_only"])
     assert producer.hold.apply_async(("acct:q", 0.05), {"note": "warm"}, queue="keyed_only").get(timeout=30) == "warm"
