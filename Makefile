@@ -53,6 +53,13 @@ bench-gate: venv
 bench-peers: venv
 	$(VPY) -m bench.peers $(if $(QUICK),--quick) $(if $(DOCS),--write-docs) $(PEERS_ARGS)
 
+# What no other benchmark measures (DESIGN §8, issue 11): promotion latency with 1,000,000 parked attempts vs 100
+# (and EXPLAIN of the promotion), a real worker's RSS with 100,000 parked vs none, the hot gate 8 shards vs 1
+# (~5-6 min; QUICK=1 ~3 min; SCALE_ARGS="--only promotion"). Holds $$HOME/.celery-keyed-bench.lock (flock).
+.PHONY: bench-scale
+bench-scale: venv
+	$(VPY) -m bench.scale $(if $(QUICK),--quick) $(SCALE_ARGS)
+
 # The example project (Django + Celery) on a throwaway Postgres + Redis: Django migrate, two real workers and beat,
 # the eight-arrival fixture and a mixed multi-tenant workload, then the timelines, the books, a verdict (exit 0 =
 # every expectation held) and demo-out/inflight.png. SERVE=1 then keeps Django admin up (login demo / demo) until
