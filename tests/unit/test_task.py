@@ -84,3 +84,21 @@ def test_keyed_task_with_app_registers_on_that_app_only() -> None:
 
     assert "only.here" in one.tasks
     assert "only.here" not in other.tasks
+
+
+def test_app_task_with_base_keyedtask_is_keyed_like_keyed_task() -> None:
+    """``@app.task(base=KeyedTask, concurrency_key=...)``, the alternative docs/guide.md shows."""
+    from celery import Celery
+
+    from celery_keyed import KeyedTask
+
+    app = Celery("base-keyedtask", broker="memory://", set_as_current=False)
+
+    @app.task(base=KeyedTask, concurrency_key="account:{account_id}")
+    def sync(account_id: int) -> None: ...
+
+    @app.task(base=KeyedTask, concurrency_key=lambda tenant_id, **_: ("stripe", tenant_id))
+    def charge(tenant_id: int, amount: int) -> None: ...
+
+    assert sync.keyed_headers((7,), {}) == {"keyed_key": "account:7"}
+    assert charge.keyed_headers((3, 10), {}) == {"keyed_key": "stripe:3"}
