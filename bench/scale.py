@@ -195,7 +195,7 @@ def spread_key(keys: int) -> str:
 
 def check_books(engine: sa.Engine) -> tuple[int, int, list[str]]:
     """(parked rows, sum of keyed_keys.waiting, reconcile's drift messages without repairing)."""
-    from celery_keyed.ledger.reconcile import check_counters_once
+    from celery_keyed.ledger import check_counters_once
 
     with engine.connect() as conn:
         parked = int(conn.execute(sa.text("SELECT count(*) FROM keyed_waiting")).scalar_one())
