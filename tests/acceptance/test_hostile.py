@@ -91,7 +91,10 @@ def settle(cluster: Cluster, app: Celery, ids: list[str], timeout: float = WAIT)
         pending = {
             t: s
             for t, s in state.items()
-            if not ((s["books"] not in ("no row", None)) or s["ran"]) or s["result"] not in ("SUCCESS", "FAILURE")
+            # ended: a final outcome in the books, or a body that ran with no books row (unkeyed); a keyed body
+            # that ran is booked by its release, which runs just after its result is stored: wait for it
+            if not (s["books"] not in ("no row", None) or (s["ran"] and s["books"] == "no row"))
+            or s["result"] not in ("SUCCESS", "FAILURE")
         }
         if not pending:
             return state
