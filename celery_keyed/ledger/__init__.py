@@ -15,9 +15,10 @@ or serialization failure (both are safe to retry: nothing was committed).
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -31,6 +32,7 @@ from celery_keyed.ledger.attempts import (
     Outcome,
     Promotion,
     ReleaseReport,
+    ReleaseRequest,
     TaskOutcome,
     Token,
     Verdict,
@@ -109,6 +111,7 @@ __all__ = [
     "Outcome",
     "Promotion",
     "ReleaseReport",
+    "ReleaseRequest",
     "Report",
     "SchemaMissing",
     "TaskOutcome",
@@ -158,6 +161,28 @@ PING = sa.text("SELECT 1")
 #: SQLSTATEs that mean "nothing happened, run the transaction again".
 _RETRYABLE = {"40P01", "40001"}  # deadlock_detected, serialization_failure
 
+#: What one element of a batch may fail with without failing the others: a value the database refuses (a NUL
+#: character, an integer out of range, a violated constraint) or one the driver cannot send. An unreachable database
+#: (OperationalError, InterfaceError) and a missing schema (ProgrammingError) fail the whole batch.
+_REFUSED: tuple[type[BaseException], ...] = (
+    sa.exc.DataError,
+    sa.exc.IntegrityError,
+    InvalidConfig,
+    WrongState,
+    TypeError,
+    ValueError,
+)
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    return getattr(getattr(exc.orig, "diag", None), "sqlstate", None) or getattr(exc.orig, "sqlstate", None)
+
+
+def _refused_detail(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()
+    return f"refused by the ledger's database: {text[0] if text else type(orig).__name__}"
+
 
 class Ledger:
     """The ledger bound to an engine and to one holder (a worker process start, D6).
@@ -194,8 +219,21 @@ class Ledger:
                     raise
                 raise domain from exc
             except DBAPIError as exc:
-                code = getattr(getattr(exc.orig, "diag", None), "sqlstate", None) or getattr(exc.orig, "sqlstate", None)
-                if code not in _RETRYABLE or attempt == attempts - 1:
+                if _sqlstate(exc) not in _RETRYABLE or attempt == attempts - 1:
+                    raise
+                time.sleep(0.001 * (2**attempt))
+        raise AssertionError("unreachable")
+
+    def autocommitted(self, work: Callable[[sa.Connection], T], *, attempts: int = 5) -> T:
+        """Run ``work(conn)`` on a connection in autocommit (each statement its own transaction: a server-side path
+        is one call, one round trip); retried like ``transaction`` on deadlock or serialization failure, which
+        roll the failed statement back. ``work`` must be one statement, or statements each safe alone."""
+        for attempt in range(attempts):
+            try:
+                with self.autocommit.connect() as conn:
+                    return work(conn)
+            except DBAPIError as exc:
+                if _sqlstate(exc) not in _RETRYABLE or attempt == attempts - 1:
                     raise
                 time.sleep(0.001 * (2**attempt))
         raise AssertionError("unreachable")
@@ -227,15 +265,93 @@ class Ledger:
             return self.transaction(lambda conn: configure_names(conn, limits, dispatch=self.dispatch, now=now))
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
+        """Admit ``arrival`` or park it (see ``admit.admit``). A first arrival with one key and room is one
+        self-committing statement (``fast_paths.CLAIM_NEW``); a plain arrival that found no room is admitted or
+        parked by one more call (``keyed_admit_plain``); everything else runs the general transaction."""
         with self.autocommit.connect() as conn:
             fast, fresh = admit.admit_autocommit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
         if fast is not None:
             return fast
+        return self._admit_after_fast(arrival, fresh=fresh, now=now)
+
+    def _admit_after_fast(self, arrival: Arrival, *, fresh: bool, now: datetime | None) -> Admission:
+        """The rest of an admission whose fast claim did not admit it (``fresh``: that claim recorded the task's
+        first arrival)."""
+        if admit.plain(arrival):
+            decided, new = self.autocommitted(
+                lambda conn: admit.admit_plain(conn, arrival, holder=self.holder, lease=self.lease, now=now)
+            )
+            if decided is not None:
+                return decided
+            fresh = fresh or new
         return self.transaction(
             lambda conn: admit.admit(
                 conn, arrival, holder=self.holder, lease=self.lease, fresh=fresh, dispatch=self.dispatch, now=now
             )
         )
+
+    def admit_many(self, arrivals: Sequence[Arrival], *, now: datetime | None = None) -> list[Admission]:
+        """Admit or park a batch of arrivals: one Admission per arrival, in input order, each its own verdict (as
+        ``admit`` would give it).
+
+        Arrivals with one key, no group and no not-before time are claimed together in one call
+        (``keyed_claim_many``: task rows locked in task id order, then slot rows in key order, so two batches never
+        deadlock): N uncontended arrivals on keys seen before cost one round trip. The others — and any the call
+        did not admit (no room, a known task, a key's first use) — are then decided one by one in input order, each
+        in its own transaction, as ``admit`` decides them. FIFO within a key (D10): an arrival is never admitted
+        ahead of an earlier arrival of the same key in the batch (once one of a key is not admitted by the call,
+        the later ones of that key are not tried there either).
+
+        One arrival whose values the database refuses (a NUL character, an integer out of range, a violated
+        constraint) does not fail the others: it gets ``Verdict.REJECTED`` with a ``detail`` starting "refused by
+        the ledger's database", booked as rejected when its task id can be stored (``books_reject_unkeyable``; the
+        caller stores its KeyedRejected result, as for any rejection; "(not booked)" is appended when even that
+        failed). An unreachable database (sqlalchemy OperationalError / InterfaceError) or a missing schema raises
+        for the whole batch; arrivals decided before the error are committed (their claims are reclaimed by the
+        reaper if the caller cannot use them, their parked rows are kept)."""
+        arrivals = list(arrivals)
+        answers: list[Admission | None] = [None] * len(arrivals)
+        fresh = [False] * len(arrivals)
+        tried = [False] * len(arrivals)
+        batch: list[int] = []
+        behind: set[str] = set()  # keys with an earlier arrival that is decided on its own (FIFO, D10)
+        for i, arrival in enumerate(arrivals):
+            if admit.batchable(arrival) and arrival.key not in behind:
+                batch.append(i)
+            else:
+                behind.update(arrival.keys)
+        if batch:
+            chosen = [arrivals[i] for i in batch]
+            try:
+                decided = self.autocommitted(
+                    lambda conn: admit.claim_many(conn, chosen, holder=self.holder, lease=self.lease, now=now)
+                )
+            except _REFUSED:
+                decided = None  # one value refused fails the call (nothing committed): decide each on its own
+            if decided is not None:
+                for i, (admission, new) in zip(batch, decided, strict=True):
+                    answers[i], fresh[i], tried[i] = admission, new, True
+        for i, arrival in enumerate(arrivals):
+            if answers[i] is None:
+                answers[i] = self._admit_isolated(arrival, tried=tried[i], fresh=fresh[i], now=now)
+        return [a for a in answers if a is not None]
+
+    def _admit_isolated(self, arrival: Arrival, *, tried: bool, fresh: bool, now: datetime | None) -> Admission:
+        try:
+            if tried:
+                return self._admit_after_fast(arrival, fresh=fresh, now=now)
+            return self.admit(arrival, now=now)
+        except _REFUSED as exc:
+            detail = _refused_detail(exc)
+            try:
+                self.transaction(
+                    lambda conn: books_reject_unkeyable(
+                        conn, arrival.task_id, task_name=arrival.task_name, detail=detail, now=now
+                    )
+                )
+            except _REFUSED:
+                detail += " (not booked)"
+            return Admission(Verdict.REJECTED, detail=detail)
 
     def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:
         return self.transaction(
@@ -256,47 +372,202 @@ class Ledger:
         hold: float | None = None,
         now: datetime | None = None,
     ) -> ReleaseReport:
-        """Release a claim. Uncontended, it is a self-committing statement and a read; for a ``contended`` key
-        (the caller saw it park attempts recently) the release and the promotion it makes are one transaction,
-        so the freed slot is never visible to anyone else (a sweeper would take it and republish).
-        ``local_queues`` / ``local_tasks``: the caller runs promotions of these itself (D4); they come back
-        already bound to this holder (``Promotion.nonce is None``). ``uncertain`` / ``hold``: the attempt ended by
-        a hard time limit or a lost worker; an uncertain hold keeps its slots (see ``release.release``)."""
-        local = None
-        if local_queues is not None:
-            local = LocalHandoff(
-                holder=self.holder, lease=self.lease, queues=frozenset(local_queues), tasks=frozenset(local_tasks or ())
-            )
+        """Release a claim. Uncontended, it is one self-committing call (``keyed_release_many``: the release and the
+        waiter check) and, when the key has waiters, one transaction that promotes them (``keyed_promote_plain``);
+        for a ``contended`` key (the caller saw it park attempts recently) the release and the promotion it makes
+        are one transaction, so the freed slot is never visible to anyone else (a sweeper would take it and
+        republish). ``local_queues`` / ``local_tasks``: the caller runs promotions of these itself (D4); they come
+        back already bound to this holder (``Promotion.nonce is None``). ``uncertain`` / ``hold``: the attempt ended
+        by a hard time limit or a lost worker; an uncertain hold keeps its slots (see ``release.release``)."""
+        request = ReleaseRequest(
+            token,
+            fence,
+            outcome,
+            detail=detail,
+            contended=contended,
+            local_queues=None if local_queues is None else frozenset(local_queues),
+            local_tasks=None if local_queues is None else frozenset(local_tasks or ()),
+            uncertain=uncertain,
+            hold=hold,
+        )
+        return self._release_batch([request], isolate=False, now=now)[0]
 
-        def in_transaction(conn: sa.Connection) -> ReleaseReport:
-            return release.release(
+    def release_many(self, releases: Sequence[ReleaseRequest], *, now: datetime | None = None) -> list[ReleaseReport]:
+        """Release a batch of claims: one ReleaseReport per request, in input order, each as ``release`` would give
+        it (idempotent and fenced: a stale or repeated one is ``released=False``).
+
+        Claims without a group that did not end uncertain or by a lost worker are released together in one call
+        (``keyed_release_many``: claim and task rows token by token in (task id, attempt) order, then every slot row
+        in (key, shard) order), which also reads which keys have waiters (D2); N releases with no waiter cost one
+        round trip. The freed rooms with waiters are then promoted in one transaction (``keyed_promote_plain``) —
+        in the release's own transaction when any request is ``contended``. The other requests (grouped,
+        uncertain, lost, or nothing to release) are then decided one by one, as ``release`` decides them.
+        Promotions are reported by the first request (in input order) that gave a slot back on their key; a
+        request's ``local_queues`` / ``local_tasks`` make promotions local (D4) when every request with waiters
+        in the batch has the same ones (one local run per such request), else they are all dispatched with nonces.
+        One request whose values the database refuses gets ``released=False`` and a ``detail``; an unreachable
+        database raises for the whole batch (what was committed before stays committed: a release may be
+        repeated safely)."""
+        return self._release_batch(list(releases), isolate=True, now=now)
+
+    def _local(self, request: ReleaseRequest) -> LocalHandoff | None:
+        if request.local_queues is None:
+            return None
+        return LocalHandoff(
+            holder=self.holder, lease=self.lease, queues=request.local_queues, tasks=request.local_tasks or frozenset()
+        )
+
+    def _release_general(self, request: ReleaseRequest, *, now: datetime | None) -> ReleaseReport:
+        """One release through the general transaction (``release.release``)."""
+        local = self._local(request)
+        return self.transaction(
+            lambda conn: release.release(
                 conn,
-                token,
-                fence,
-                outcome,
-                detail=detail,
+                request.token,
+                request.fence,
+                request.outcome,
+                detail=request.detail,
                 dispatch=self.dispatch,
                 local=local,
-                uncertain=uncertain,
-                hold=hold,
+                uncertain=request.uncertain,
+                hold=request.hold,
                 now=now,
             )
+        )
 
-        if contended or uncertain:
-            return self.transaction(in_transaction)
-        with self.autocommit.connect() as conn:
-            fast = release.release_autocommit(conn, token, fence, outcome, detail=detail, now=now)
-        if fast is None:
-            return self.transaction(in_transaction)
-        report, rest = fast
-        if rest is not None:
-            waited, key, has_shadow = rest
-            report.promotions += self.transaction(
-                lambda conn: release.after_release_autocommit(
-                    conn, token, waited, key, has_shadow, outcome, dispatch=self.dispatch, local=local, now=now
-                )
+    def _release_batch(
+        self, requests: list[ReleaseRequest], *, isolate: bool, now: datetime | None
+    ) -> list[ReleaseReport]:
+        reports: list[ReleaseReport | None] = [None] * len(requests)
+        batch = [i for i, r in enumerate(requests) if release.batchable(r)]
+        if batch:
+            chosen = [requests[i] for i in batch]
+            contended = any(r.contended for r in chosen)
+            rows: list[Any] | None
+            promotions: list[Promotion] = []
+            try:
+                if contended:
+                    rows, promotions = self.transaction(
+                        lambda conn: self._release_fast_and_promote(conn, chosen, promote=True, now=now)
+                    )
+                else:
+                    rows, _ = self.autocommitted(
+                        lambda conn: self._release_fast_and_promote(conn, chosen, promote=False, now=now)
+                    )
+            except _REFUSED:
+                if not isolate:
+                    raise
+                rows = None  # one value refused fails the call (nothing committed): decide each on its own
+            if rows is not None:
+                self._settle_fast_releases(requests, batch, rows, promotions, reports, contended=contended, now=now)
+        for i, request in enumerate(requests):
+            if reports[i] is None:
+                if not isolate:
+                    reports[i] = self._release_general(request, now=now)
+                    continue
+                try:
+                    reports[i] = self._release_general(request, now=now)
+                except _REFUSED as exc:
+                    reports[i] = ReleaseReport(released=False, detail=_refused_detail(exc))
+        return [r for r in reports if r is not None]
+
+    def _release_fast_and_promote(
+        self, conn: sa.Connection, chosen: list[ReleaseRequest], *, promote: bool, now: datetime | None
+    ) -> tuple[list[Any], list[Promotion]]:
+        rows = release.release_many_fast(conn, chosen, now=now)
+        if not promote:
+            return rows, []
+        for request, row in zip(chosen, rows, strict=True):
+            if row.released and row.has_shadow:
+                release.shadows_follow(conn, request.token, row.key, request.outcome, now=now)
+        promotions = self._promote_rows(conn, chosen, rows, skip_shadowed=False, now=now)
+        return rows, promotions
+
+    def _promote_rows(
+        self,
+        conn: sa.Connection,
+        chosen: list[ReleaseRequest],
+        rows: list[Any],
+        *,
+        skip_shadowed: bool,
+        now: datetime | None,
+    ) -> list[Promotion]:
+        rooms: list[tuple[str, int]] = []
+        locals_: set[tuple[frozenset[str], frozenset[str]] | None] = set()
+        with_local = 0
+        for request, row in zip(chosen, rows, strict=True):
+            if not row.released or (skip_shadowed and row.has_shadow) or not row.room_keys:
+                continue
+            rooms += release.rooms_of(row)
+            locals_.add(
+                None if request.local_queues is None else (request.local_queues, request.local_tasks or frozenset())
             )
-        return report
+            with_local += request.local_queues is not None
+        if not rooms:
+            return []
+        local = None
+        if len(locals_) == 1 and None not in locals_:
+            queues, tasks = next(iter(locals_))  # type: ignore[misc]
+            local = LocalHandoff(holder=self.holder, lease=self.lease, queues=queues, tasks=tasks)
+        return release.promote_rooms(
+            conn, rooms, dispatch=self.dispatch, local=local, local_max=max(1, with_local), now=now
+        )
+
+    def _settle_fast_releases(
+        self,
+        requests: list[ReleaseRequest],
+        batch: list[int],
+        rows: list[Any],
+        promotions: list[Promotion],
+        reports: list[ReleaseReport | None],
+        *,
+        contended: bool,
+        now: datetime | None,
+    ) -> None:
+        """Reports of the requests the batch call released; the promotions left to do (uncontended batch)."""
+        chosen = [requests[i] for i in batch]
+        owner: dict[str, int] = {}  # key -> index of the first request that gave back a slot on it with waiters
+        for i, row in zip(batch, rows, strict=True):
+            if not row.released:
+                continue
+            request = requests[i]
+            final = outcomes.final_outcome(request.outcome, grouped=False)
+            reports[i] = ReleaseReport(
+                released=True, finished=[(request.token.task_id, final)] if row.recorded and final else []
+            )
+            for key in row.room_keys:
+                owner.setdefault(key, i)
+        if not contended:
+            for i, row in zip(batch, rows, strict=True):
+                if row.released and row.has_shadow:  # the shadows and this release's rooms: the general way
+                    request = requests[i]
+                    local = self._local(request)
+                    waited = release.rooms_of(row)
+                    report = reports[i]
+                    assert report is not None
+                    report.promotions += self.transaction(
+                        functools.partial(
+                            release.after_release_autocommit,
+                            token=request.token,
+                            waited=waited,
+                            key=row.key,
+                            has_shadow=True,
+                            outcome=request.outcome,
+                            dispatch=self.dispatch,
+                            local=local,
+                            now=now,
+                        )
+                    )
+            if any(row.released and not row.has_shadow and row.room_keys for row in rows):
+                promotions = self.transaction(
+                    lambda conn: self._promote_rows(conn, chosen, rows, skip_shadowed=True, now=now)
+                )
+        for promotion in promotions:
+            index = owner.get(promotion.key or "", batch[0])
+            report = reports[index]
+            if report is None:  # cannot happen: a promotion comes from a released row's room
+                report = reports[index] = ReleaseReport(released=True)
+            report.promotions.append(promotion)
 
     def release_early(
         self, token: Token, fence: int, *, now: datetime | None = None

@@ -16,6 +16,7 @@ shard row while it looks for waiters — so whichever commits second sees the ot
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -106,6 +107,75 @@ def admit_autocommit(
     if row.shard is None:
         return None, bool(row.new)
     return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True
+
+
+def batchable(arrival: Arrival) -> bool:
+    """Whether ``claim_many`` may decide ``arrival``: one key, no group, no not-before time (the shape of
+    fast_paths.CLAIM_NEW). Every other arrival takes the per-arrival path."""
+    return (
+        arrival.key is not None and arrival.group_key is None and arrival.not_before is None and not arrival.extra_keys
+    )
+
+
+def claim_many(
+    conn: sa.Connection, arrivals: Sequence[Arrival], *, holder: str, lease: float, now: Any = None
+) -> list[tuple[Admission | None, bool]]:
+    """The fast claim of a batch of ``batchable`` arrivals in one call (``conn`` in autocommit: the call is its
+    own transaction), in input order: (ADMITTED, True) or (None, fresh) — then admit it on its own, with
+    ``fresh`` telling whether this call recorded the task's first arrival. Arrivals of one key are decided in
+    input order and an arrival that is not admitted stops the ones of its key behind it (FIFO, D10); task rows are
+    locked in task id order, then the slot rows key by key in key order (two batches never deadlock)."""
+    params = {
+        "task_ids": [a.task_id for a in arrivals],
+        "attempts": [a.attempt for a in arrivals],
+        "task_names": [a.task_name for a in arrivals],
+        "keys": [a.key for a in arrivals],
+        "deadlines": [a.deadline for a in arrivals],
+        "costs": [a.cost for a in arrivals],
+        "fair_keys": [a.fair_key for a in arrivals],
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+    answers: list[tuple[Admission | None, bool]] = [(None, False)] * len(arrivals)
+    for row in conn.execute(fast_paths.CLAIM_MANY, params):
+        admitted = row.fence is not None
+        answers[row.ord - 1] = (
+            (Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True) if admitted else (None, bool(row.new))
+        )
+    return answers
+
+
+def plain(arrival: Arrival) -> bool:
+    """Whether ``admit_plain`` may decide ``arrival``: one key, no group, no not-before, cost 1, no supersede key."""
+    return batchable(arrival) and arrival.cost == 1 and arrival.supersede_key is None
+
+
+def admit_plain(
+    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
+) -> tuple[Admission | None, bool]:
+    """Admit-or-park of a ``plain`` arrival in one call (keyed_admit_plain: the general path's locks and guards,
+    in lock order): the Admission (ADMITTED, PARKED or REJECTED), or None when ``admit`` must decide (a known
+    token, an expired task, room next to a promotable waiter, a full room under 'supersede', a group member) —
+    with whether this call recorded the task's first arrival (pass it on as ``fresh``)."""
+    params = {
+        "task_id": arrival.task_id,
+        "attempt": arrival.attempt,
+        "task_name": arrival.task_name,
+        "key": arrival.key,
+        "priority": arrival.priority,
+        "deadline": arrival.deadline,
+        "queue": arrival.queue,
+        "message": json.dumps(arrival.message),
+        "fair_key": arrival.fair_key,
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+    }
+    row = conn.execute(fast_paths.ADMIT_PLAIN, params).one()
+    if row.verdict == "general":
+        return None, bool(row.new)
+    return Admission(Verdict(row.verdict), fence=row.fence, shard=row.shard, detail=row.detail or ""), bool(row.new)
 
 
 def admit(

@@ -144,8 +144,33 @@ class TaskOutcome(StrEnum):
     LOST = "lost"  # a registered group number never received (D10); not an arrival
 
 
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """One release of a batch (``Ledger.release_many``): the arguments of ``Ledger.release`` for one claim.
+
+    ``local_queues`` / ``local_tasks`` (any iterable; kept as frozensets): the caller runs promotions of these
+    itself (D4). ``uncertain`` / ``hold``: the attempt ended by a hard time limit or a lost worker."""
+
+    token: Token
+    fence: int
+    outcome: Outcome
+    detail: str = ""
+    contended: bool = False
+    local_queues: frozenset[str] | None = None
+    local_tasks: frozenset[str] | None = None
+    uncertain: bool = False
+    hold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_queues is not None and not isinstance(self.local_queues, frozenset):
+            object.__setattr__(self, "local_queues", frozenset(self.local_queues))
+        if self.local_tasks is not None and not isinstance(self.local_tasks, frozenset):
+            object.__setattr__(self, "local_tasks", frozenset(self.local_tasks))
+
+
 @dataclass
 class ReleaseReport:
     released: bool
     promotions: list[Promotion] = field(default_factory=list)
     finished: list[tuple[str, TaskOutcome]] = field(default_factory=list)  # (task_id, outcome) recorded now
+    detail: str = ""  # why a request of a batch was not released (a value the database refused)

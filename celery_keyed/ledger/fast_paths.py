@@ -161,3 +161,49 @@ RELEASE_FAST = sa.text(
       FROM c
     """
 )
+
+# -- server-side paths (migration 0005: sql/migrations/0005_server_paths.sql holds their bodies and the rules each
+# enforces; every one keeps the lock order and the guards of the statements above) -----------------------------
+
+# claim_many: the fast claim of a batch of single-key arrivals in one call (Ledger.admit_many): one row per input
+# position (1-based ``ord``), admitted with its fence and shard, or not (the caller admits those one by one, in
+# input order: FIFO within a key, D10).
+CLAIM_MANY = sa.text(
+    """
+    SELECT ord, new, fence, shard FROM keyed_claim_many(
+        CAST(:task_ids AS text[]), CAST(:attempts AS integer[]), CAST(:task_names AS text[]), CAST(:keys AS text[]),
+        CAST(:deadlines AS timestamptz[]), CAST(:costs AS integer[]), CAST(:fair_keys AS text[]), :holder,
+        CAST(:lease AS double precision), CAST(:now AS timestamptz))
+    """
+)
+
+# release_many: the release of a batch of claims without a group, and the waiter check after it (D2), in one call:
+# one row per input position; the rooms whose keys have waiters are promoted next (PROMOTE_PLAIN).
+RELEASE_MANY = sa.text(
+    """
+    SELECT ord, released, recorded, has_shadow, key, room_keys, room_shards, room_free FROM keyed_release_many(
+        CAST(:task_ids AS text[]), CAST(:attempts AS integer[]), CAST(:fences AS bigint[]), CAST(:finals AS text[]),
+        CAST(:details AS text[]), CAST(:now AS timestamptz))
+    """
+)
+
+# promote_plain: give the free slots of (key, shard) rows to the next waiters of their keys while each head is
+# plain; a row with task_id NULL names a key whose line the general promotion (promote.promote_waiters) continues.
+PROMOTE_PLAIN = sa.text(
+    """
+    SELECT key, task_id, attempt, nonce, fence, shard, queue, message FROM keyed_promote_plain(
+        CAST(:keys AS text[]), CAST(:shards AS integer[]), CAST(:dispatch AS double precision),
+        CAST(:now AS timestamptz), :local_holder, CAST(:local_lease AS double precision),
+        CAST(:local_queues AS text[]), CAST(:local_tasks AS text[]), :local_max)
+    """
+)
+
+# admit_plain: admit-or-park of one plain arrival (one key, no group, no not-before, cost 1, no supersede key) in
+# one call: 'admitted', 'parked', 'rejected', or 'general' (admit.admit decides).
+ADMIT_PLAIN = sa.text(
+    """
+    SELECT verdict, new, fence, shard, detail FROM keyed_admit_plain(
+        :task_id, :attempt, :task_name, :key, :priority, CAST(:deadline AS timestamptz), :queue,
+        CAST(:message AS jsonb), :fair_key, :holder, CAST(:lease AS double precision), CAST(:now AS timestamptz))
+    """
+)

@@ -9,12 +9,13 @@ except ``release_autocommit``, the one-statement fast path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
 from celery_keyed.ledger import books, claims, fast_paths, groups, keys, slots, waiting
-from celery_keyed.ledger.attempts import Outcome, Promotion, ReleaseReport, Token
+from celery_keyed.ledger.attempts import Outcome, Promotion, ReleaseReport, ReleaseRequest, Token
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.outcomes import final_outcome, unblock_head
 from celery_keyed.ledger.promote import (
@@ -229,3 +230,98 @@ def release_early(
         return False, []
     freed = give_back(conn, claims.Holding.of(row), now=now)
     return True, promote_freed(conn, freed, dispatch=dispatch, now=now)
+
+
+def batchable(request: ReleaseRequest) -> bool:
+    """Whether ``release_many_fast`` may release it: not an uncertain end (its hold may keep the slots) and not a
+    lost run (it may go back in line from its stored message); both take ``release``."""
+    return not request.uncertain and request.outcome is not Outcome.WORKER_LOST
+
+
+def release_many_fast(conn: sa.Connection, requests: Sequence[ReleaseRequest], *, now: Any = None) -> list[Any]:
+    """Release a batch of ``batchable`` claims and check for waiters (D2) in one call (keyed_release_many), in
+    input order: one row each with ``released``, ``recorded``, ``has_shadow``, ``key`` and the rooms it gave
+    back on keys with waiters (``room_keys`` / ``room_shards`` / ``room_free``). A claim with a group, or nothing
+    to release (stale fence, second call, reaped), comes back ``released=False``: ``release`` decides it."""
+    params = {
+        "task_ids": [r.token.task_id for r in requests],
+        "attempts": [r.token.attempt for r in requests],
+        "fences": [r.fence for r in requests],
+        "finals": [final_outcome(r.outcome, grouped=False) for r in requests],
+        "details": [r.detail for r in requests],
+        "now": now,
+    }
+    rows = sorted(conn.execute(fast_paths.RELEASE_MANY, params).all(), key=lambda row: row.ord)
+    return rows
+
+
+def rooms_of(row: Any) -> list[tuple[str, int]]:
+    """The (key, shard) rows a fast release gave room on whose key has waiters, once per free slot."""
+    return [
+        (key, shard)
+        for key, shard, free in zip(row.room_keys, row.room_shards, row.room_free, strict=True)
+        for _ in range(int(free))
+    ]
+
+
+def promote_rooms(
+    conn: sa.Connection,
+    rooms: Sequence[tuple[str, int]],
+    *,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    local: LocalHandoff | None = None,
+    local_max: int = 1,
+    now: Any = None,
+) -> list[Promotion]:
+    """Give the free slots of ``rooms`` ((key, shard) rows) to the next waiters of their keys, in one call while
+    each line's head is plain (keyed_promote_plain: slot rows in (key, shard) order, then head rows in key order);
+    a line whose head is not plain is continued by ``promote_each_key`` in this transaction (its rows are held).
+    ``local``: the releaser runs up to ``local_max`` promotions itself (D4)."""
+    pairs = sorted(set(rooms))
+    if not pairs:
+        return []
+    params = {
+        "keys": [k for k, _ in pairs],
+        "shards": [sh for _, sh in pairs],
+        "dispatch": dispatch,
+        "now": now,
+        "local_holder": None if local is None else local.holder,
+        "local_lease": None if local is None else local.lease,
+        "local_queues": None if local is None else sorted(local.queues),
+        "local_tasks": None if local is None else sorted(local.tasks),
+        "local_max": local_max,
+    }
+    promotions: list[Promotion] = []
+    rest: list[str] = []
+    for row in conn.execute(fast_paths.PROMOTE_PLAIN, params):
+        if row.task_id is None:
+            rest.append(row.key)
+            continue
+        promotions.append(
+            Promotion(
+                task_id=row.task_id,
+                attempt=row.attempt,
+                nonce=row.nonce,
+                fence=row.fence,
+                key=row.key,
+                group_key=None,
+                queue=row.queue,
+                message=row.message,
+            )
+        )
+    if rest:
+        local_left = local if local is not None and sum(p.nonce is None for p in promotions) < local_max else None
+        free = []
+        for k, sh in pairs:
+            if k in rest:
+                use = conn.execute(
+                    slots.SLOTS_LOCK_ONE, {"key": k, "shard": sh, "name": key_name(k), "now": now}
+                ).first()
+                free += [(k, sh)] * (0 if use is None else max(0, use.share - use.used))
+        promotions += promote_each_key(conn, free, dispatch=dispatch, local=local_left, now=now)
+    return promotions
+
+
+def shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any = None) -> None:
+    """Duplicates kept as shadows of a released attempt follow its fate (D8); see ``_shadows_follow``."""
+    _shadows_follow(conn, token, key, outcome, now=now)

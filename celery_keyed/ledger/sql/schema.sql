@@ -290,3 +290,439 @@ LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN p_shard >= p_shards THEN 0
                 ELSE p_limit / p_shards + CASE WHEN p_shard < p_limit % p_shards THEN 1 ELSE 0 END END
 $$;
+
+-- Server-side paths (migration 0005): batches of claims and releases, and the hot path's multi-statement
+-- transactions as one function call each; the lock order and every guard of the statements they replace are kept
+-- inside them (docs/ledger.md: Server-side paths).
+
+-- keyed_claim_many: the fast claim of a batch of arrivals, each with one key, no group, no not-before, on a name
+-- without a rate: one call. One row per input position (ord, 1-based): new = this call recorded the task's first
+-- arrival; fence and shard when admitted. Not admitted (fence NULL): no room seen, a later attempt or a known task
+-- (D8 is checked by the general path), expired, the key's first use (no slot rows yet), a rated name, or a row of a
+-- key behind a row of that key that was not admitted (FIFO within a key, D10: a batch never lets a later arrival
+-- pass an earlier one). The caller admits those one by one, in input order.
+-- Locks: every task row first, in task id order; then the slot rows key by key in key order (a name with one shard
+-- waits for its row like any counter update; a sharded name picks with SKIP LOCKED, never waiting), so two batches
+-- never wait on each other in a cycle. The bound (D1) is the same guarded pick-and-take as fast_paths.CLAIM_NEW:
+-- used + cost <= keyed_shard_share(keyed_effective_limit(...)) under the row's lock, and never ahead of a
+-- promotable waiter (the room belongs to the head of the line, D10).
+CREATE FUNCTION keyed_claim_many(
+    p_task_ids text[], p_attempts integer[], p_task_names text[], p_keys text[], p_deadlines timestamptz[],
+    p_costs integer[], p_fair_keys text[], p_holder text, p_lease double precision, p_now timestamptz)
+RETURNS TABLE (ord integer, new boolean, fence bigint, shard integer)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := COALESCE(p_now, now());
+    v_new boolean[];
+    r record;
+    v_key text := NULL;
+    v_blocked boolean := false;
+    v_limit integer;
+    v_shards integer;
+    v_rate double precision;
+    v_shard integer;
+    v_fence bigint;
+BEGIN
+    -- The books: one row per task id, inserted or locked in task id order; new only for the first position of a
+    -- task id in the batch (a second delivery in the same batch is a known task).
+    WITH a AS (
+        SELECT t.task_id, t.task_name, t.key, t.ord
+          FROM unnest(p_task_ids, p_task_names, p_keys) WITH ORDINALITY AS t(task_id, task_name, key, ord)
+    ), firsts AS (
+        SELECT DISTINCT ON (a.task_id) a.task_id, a.task_name, a.key, a.ord FROM a ORDER BY a.task_id, a.ord
+    ), ins AS (
+        INSERT INTO keyed_tasks AS kt (task_id, task_name, key, group_key, arrived_at)
+        SELECT f.task_id, f.task_name, f.key, NULL, v_now FROM firsts f ORDER BY f.task_id
+        ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
+        RETURNING kt.task_id, (kt.xmax = 0) AS new
+    )
+    SELECT array_agg(COALESCE(ins.new AND f.ord = a.ord, false) ORDER BY a.ord) INTO v_new
+      FROM a JOIN firsts f ON f.task_id = a.task_id JOIN ins ON ins.task_id = a.task_id;
+
+    FOR r IN
+        SELECT t.key, t.ord::integer AS ord, t.task_id, t.attempt, t.deadline, t.cost, t.fair_key
+          FROM unnest(p_keys, p_task_ids, p_attempts, p_deadlines, p_costs, p_fair_keys)
+               WITH ORDINALITY AS t(key, task_id, attempt, deadline, cost, fair_key, ord)
+         ORDER BY t.key, t.ord
+    LOOP
+        IF r.key IS DISTINCT FROM v_key THEN
+            v_key := r.key;
+            v_blocked := false;
+            SELECT keyed_effective_limit(split_part(r.key, ':', 1), v_now), keyed_name_shards(split_part(r.key, ':', 1)),
+                   (SELECT c.rate FROM keyed_names c WHERE c.name = split_part(r.key, ':', 1))
+              INTO v_limit, v_shards, v_rate;
+        END IF;
+        v_shard := NULL;
+        v_fence := NULL;
+        IF NOT v_blocked AND v_new[r.ord] AND v_rate IS NULL AND (r.deadline IS NULL OR r.deadline > v_now) THEN
+            IF v_shards = 1 THEN
+                SELECT s.shard INTO v_shard FROM keyed_slots s
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_shard_share(v_limit, v_shards, s.shard)
+                   AND NOT EXISTS (
+                       SELECT 1 FROM keyed_waiting w
+                        WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
+                          AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
+                 LIMIT 1
+                   FOR UPDATE OF s;
+            ELSE
+                SELECT s.shard INTO v_shard FROM keyed_slots s
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_shard_share(v_limit, v_shards, s.shard)
+                   AND NOT EXISTS (
+                       SELECT 1 FROM keyed_waiting w
+                        WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
+                          AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
+                 ORDER BY random() LIMIT 1
+                   FOR UPDATE OF s SKIP LOCKED;
+            END IF;
+            IF v_shard IS NOT NULL THEN
+                -- The guard again under the lock: the bound holds even if the limit changed (D1).
+                UPDATE keyed_slots s SET used = s.used + r.cost
+                 WHERE s.key = r.key AND s.shard = v_shard
+                   AND s.used + r.cost <= keyed_shard_share(v_limit, v_shards, s.shard)
+                RETURNING s.shard INTO v_shard;
+            END IF;
+            IF v_shard IS NOT NULL THEN
+                INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
+                                          lease_expires_at, claimed_at, cost, fair_key)
+                VALUES (r.task_id, r.attempt, r.key, v_shard, NULL, 'running', nextval('keyed_fence_seq'), p_holder,
+                        v_now + make_interval(secs => p_lease), v_now, r.cost, r.fair_key)
+                RETURNING keyed_claims.fence INTO v_fence;
+            END IF;
+        END IF;
+        IF v_fence IS NULL THEN
+            v_blocked := true;  -- FIFO within the key: the rows of this key behind it wait for the caller
+        END IF;
+        ord := r.ord;
+        new := v_new[r.ord];
+        fence := v_fence;
+        shard := v_shard;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+
+-- keyed_release_many: the release of a batch of claims without a group, with the waiter check (D2), in one call.
+-- One row per input position: released = this call deleted the claim (only the owner of this exact fence gets the
+-- row: release exactly once); recorded = the task's final outcome was recorded now; has_shadow = a duplicate waits
+-- as the shadow of the attempt (D8: the caller lets it follow); key = its first key; room_keys / room_shards /
+-- room_free: the (key, shard) rows it gave slots back to that now have room AND whose key has parked attempts, read
+-- after the slot rows were locked and given back (a later statement, a new snapshot: D2), each row reported once,
+-- at the first position that gave back a slot on that key. p_finals[i] NULL: the attempt is over but the task goes
+-- on (retry). Claims with a group, promoted or uncertain are not released here (released = false).
+-- Locks: the claim rows and their task rows, token by token in (task id, attempt) order (the order of
+-- fast_paths.RELEASE_FAST for one: claim, then its task), then every slot row in (key, shard) order.
+CREATE FUNCTION keyed_release_many(
+    p_task_ids text[], p_attempts integer[], p_fences bigint[], p_finals text[], p_details text[], p_now timestamptz)
+RETURNS TABLE (ord integer, released boolean, recorded boolean, has_shadow boolean, key text,
+               room_keys text[], room_shards integer[], room_free integer[])
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := COALESCE(p_now, now());
+    n integer := COALESCE(cardinality(p_task_ids), 0);
+    r record;
+    c record;
+    v_released boolean[] := array_fill(false, ARRAY[n]);
+    v_recorded boolean[] := array_fill(false, ARRAY[n]);
+    v_first text[] := array_fill(NULL::text, ARRAY[n]);
+    h_ord integer[] := '{}';
+    h_key text[] := '{}';
+    h_shard integer[] := '{}';
+    h_cost integer[] := '{}';
+    v_rows integer;
+BEGIN
+    FOR r IN
+        SELECT t.ord::integer AS ord, t.task_id, t.attempt, t.fence, t.final, t.detail
+          FROM unnest(p_task_ids, p_attempts, p_fences, p_finals, p_details)
+               WITH ORDINALITY AS t(task_id, attempt, fence, final, detail, ord)
+         ORDER BY t.task_id, t.attempt, t.ord
+    LOOP
+        DELETE FROM keyed_claims k
+         WHERE k.task_id = r.task_id AND k.attempt = r.attempt AND k.fence = r.fence AND k.state = 'running'
+           AND k.group_key IS NULL
+        RETURNING k.key, k.shard, k.cost, k.extra_keys, k.extra_shards INTO c;
+        IF NOT FOUND THEN
+            CONTINUE;  -- nothing to release (stale fence, second call, reaped), or a claim the general path takes
+        END IF;
+        v_released[r.ord] := true;
+        v_first[r.ord] := c.key;
+        -- The books: the task's one final outcome (guarded: outcome IS NULL), or the attempt is over (retry).
+        UPDATE keyed_tasks t
+           SET outcome = COALESCE(t.outcome, r.final),
+               finished_at = COALESCE(t.finished_at, CASE WHEN r.final IS NOT NULL THEN v_now END),
+               detail = CASE WHEN t.outcome IS NULL AND r.final IS NOT NULL THEN r.detail ELSE t.detail END,
+               finished_attempt = GREATEST(t.finished_attempt, r.attempt)
+         WHERE t.task_id = r.task_id AND (r.final IS NULL OR t.outcome IS NULL);
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        v_recorded[r.ord] := r.final IS NOT NULL AND v_rows > 0;
+        IF c.key IS NOT NULL THEN
+            h_ord := h_ord || r.ord; h_key := h_key || c.key; h_shard := h_shard || c.shard; h_cost := h_cost || c.cost;
+        END IF;
+        IF c.extra_keys IS NOT NULL THEN
+            h_ord := h_ord || array_fill(r.ord, ARRAY[cardinality(c.extra_keys)]);
+            h_key := h_key || c.extra_keys;
+            h_shard := h_shard || c.extra_shards;
+            h_cost := h_cost || array_fill(c.cost, ARRAY[cardinality(c.extra_keys)]);
+        END IF;
+    END LOOP;
+
+    -- Give every slot back to the shard it came from, rows locked in (key, shard) order.
+    PERFORM 1 FROM keyed_slots sl
+      WHERE (sl.key, sl.shard) IN (SELECT x.key, x.shard FROM unnest(h_key, h_shard) AS x(key, shard))
+      ORDER BY sl.key, sl.shard
+        FOR UPDATE OF sl;
+    UPDATE keyed_slots sl SET used = sl.used - g.cost
+      FROM (SELECT x.key, x.shard, sum(x.cost)::integer AS cost
+              FROM unnest(h_key, h_shard, h_cost) AS x(key, shard, cost) GROUP BY x.key, x.shard) g
+     WHERE sl.key = g.key AND sl.shard = g.shard;
+
+    -- Who waits, read now (after the slot rows' locks: an attempt parked by a transaction that held them before us
+    -- is seen, D2), and where there is room for them.
+    RETURN QUERY
+    WITH gave AS (
+        SELECT x.key, x.shard, min(x.ord) AS ord FROM unnest(h_ord, h_key, h_shard) AS x(ord, key, shard)
+         GROUP BY x.key, x.shard
+    ), first_of_key AS (
+        SELECT gave.key, min(gave.ord) AS ord FROM gave GROUP BY gave.key
+    ), room AS (
+        SELECT f.ord, sl.key, sl.shard,
+               GREATEST(keyed_shard_share(keyed_effective_limit(sl.name, v_now), keyed_name_shards(sl.name), sl.shard)
+                        - sl.used, 0) AS free
+          FROM gave JOIN first_of_key f ON f.key = gave.key
+          JOIN keyed_slots sl ON sl.key = gave.key AND sl.shard = gave.shard
+         WHERE EXISTS (SELECT 1 FROM keyed_keys k WHERE k.key = sl.key AND k.waiting > 0)
+    )
+    SELECT i::integer, v_released[i], v_recorded[i],
+           v_released[i] AND EXISTS (
+               SELECT 1 FROM keyed_waiting w WHERE w.task_id = p_task_ids[i] AND w.attempt = p_attempts[i] AND w.shadow),
+           v_first[i],
+           ARRAY(SELECT room.key FROM room WHERE room.ord = i AND room.free > 0 ORDER BY room.key, room.shard),
+           ARRAY(SELECT room.shard FROM room WHERE room.ord = i AND room.free > 0 ORDER BY room.key, room.shard),
+           ARRAY(SELECT room.free::integer FROM room WHERE room.ord = i AND room.free > 0 ORDER BY room.key, room.shard)
+      FROM generate_series(1, n) AS i;
+END
+$$;
+
+-- keyed_promote_plain: give the free slots of the (key, shard) rows p_keys[i] / p_shards[i] to the next waiters of
+-- their keys, key by key in key order, each line in its order (priority, then arrival: D10), as long as its head is
+-- plain — one key, no group, no reservation, on a name that is neither fair nor rated. At the first head that is
+-- not plain the key's line stops and one row with task_id NULL names the key: the caller promotes the rest of that
+-- line (promote.promote_waiters), in the same transaction. A head that needs more slots than any of the given
+-- shards has free stops its line (the room stays for it).
+-- Locks (lock order): every given slot row in (key, shard) order (a caller that holds them already holds them), then
+-- the keys' head rows in key order. Each promotion takes its slot with the guarded UPDATE (D1), moves the waiting
+-- row into a claim with a fresh nonce (D5) — or, for a releaser that runs it itself (p_local_holder set, its queue
+-- and task listed: D4), into a running claim of that releaser, at most p_local_max of them — and counts it out of
+-- the waiting room.
+CREATE FUNCTION keyed_promote_plain(
+    p_keys text[], p_shards integer[], p_dispatch double precision, p_now timestamptz, p_local_holder text,
+    p_local_lease double precision, p_local_queues text[], p_local_tasks text[], p_local_max integer)
+RETURNS TABLE (key text, task_id text, attempt integer, nonce uuid, fence bigint, shard integer, queue text,
+               message jsonb)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := COALESCE(p_now, now());
+    v_key text;
+    v_name text;
+    v_shards integer[];
+    v_budget integer;
+    v_fair boolean;
+    v_rated boolean;
+    v_shard integer;
+    v_fence bigint;
+    v_nonce uuid;
+    v_parked jsonb;
+    v_local integer := CASE WHEN p_local_holder IS NULL THEN 0 ELSE COALESCE(p_local_max, 1) END;
+    w record;
+BEGIN
+    PERFORM 1 FROM keyed_slots s
+      WHERE (s.key, s.shard) IN (SELECT x.key, x.shard FROM unnest(p_keys, p_shards) AS x(key, shard))
+      ORDER BY s.key, s.shard
+        FOR UPDATE OF s;
+    FOR v_key, v_shards IN
+        SELECT x.key, array_agg(DISTINCT x.shard) FROM unnest(p_keys, p_shards) AS x(key, shard)
+         GROUP BY x.key ORDER BY x.key
+    LOOP
+        v_name := split_part(v_key, ':', 1);
+        SELECT COALESCE(sum(GREATEST(keyed_shard_share(keyed_effective_limit(v_name, v_now),
+                                                       keyed_name_shards(v_name), s.shard) - s.used, 0)), 0)
+          INTO v_budget
+          FROM keyed_slots s WHERE s.key = v_key AND s.shard = ANY(v_shards);
+        CONTINUE WHEN v_budget = 0;
+        PERFORM 1 FROM keyed_keys k WHERE k.key = v_key FOR UPDATE;
+        -- Rows whose not-before time passed join the line first (their arrival number keeps their place, D2).
+        UPDATE keyed_waiting wt SET not_before = NULL WHERE wt.key = v_key AND wt.not_before <= v_now;
+        SELECT COALESCE(c.fair, false), c.rate IS NOT NULL INTO v_fair, v_rated
+          FROM (SELECT 1) one LEFT JOIN keyed_names c ON c.name = v_name;
+        WHILE v_budget > 0 LOOP
+            SELECT wt.task_id, wt.attempt, wt.group_key, wt.keys, wt.reserved_keys, wt.cost, wt.queue, wt.message,
+                   wt.fair_key
+              INTO w
+              FROM keyed_waiting wt
+             WHERE wt.key = v_key AND NOT wt.shadow AND wt.not_before IS NULL AND NOT wt.group_blocked
+               AND (wt.deadline IS NULL OR wt.deadline > v_now)
+             ORDER BY wt.priority DESC, wt.arrival
+             LIMIT 1
+               FOR UPDATE SKIP LOCKED;
+            EXIT WHEN NOT FOUND;
+            IF v_fair OR v_rated OR w.group_key IS NOT NULL OR w.keys IS NOT NULL OR w.reserved_keys IS NOT NULL THEN
+                key := v_key; task_id := NULL; attempt := NULL; nonce := NULL; fence := NULL; shard := NULL;
+                queue := NULL; message := NULL;
+                RETURN NEXT;  -- not plain: the caller promotes the rest of this line
+                EXIT;
+            END IF;
+            v_shard := NULL;
+            UPDATE keyed_slots s SET used = s.used + w.cost
+             WHERE (s.key, s.shard) = (
+                    SELECT s2.key, s2.shard FROM keyed_slots s2
+                     WHERE s2.key = v_key AND s2.shard = ANY(v_shards)
+                       AND s2.used + w.cost <= keyed_shard_share(keyed_effective_limit(v_name, v_now),
+                                                                 keyed_name_shards(v_name), s2.shard)
+                     ORDER BY s2.shard LIMIT 1)
+               AND s.used + w.cost <= keyed_shard_share(keyed_effective_limit(v_name, v_now),
+                                                        keyed_name_shards(v_name), s.shard)
+            RETURNING s.shard INTO v_shard;
+            EXIT WHEN v_shard IS NULL;  -- the head of the line waits for room; the room is kept for it (D10)
+            DELETE FROM keyed_waiting wt WHERE wt.task_id = w.task_id AND wt.attempt = w.attempt AND NOT wt.shadow
+            RETURNING to_jsonb(wt.*) INTO v_parked;
+            IF v_local > 0 AND w.queue = ANY(p_local_queues)
+               AND jsonb_typeof(w.message) = 'object' AND (w.message ->> 'task') = ANY(p_local_tasks) THEN
+                v_nonce := NULL;
+                INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
+                                          lease_expires_at, claimed_at, parked, cost, fair_key)
+                VALUES (w.task_id, w.attempt, v_key, v_shard, NULL, 'running', nextval('keyed_fence_seq'),
+                        p_local_holder, v_now + make_interval(secs => p_local_lease), v_now, v_parked, w.cost,
+                        w.fair_key)
+                RETURNING keyed_claims.fence INTO v_fence;
+                v_local := v_local - 1;  -- a releaser runs one promotion itself; the others are dispatched (D4/D5)
+            ELSE
+                v_nonce := gen_random_uuid();
+                INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, nonce,
+                                          dispatch_deadline, lease_expires_at, claimed_at, parked, cost, fair_key)
+                VALUES (w.task_id, w.attempt, v_key, v_shard, NULL, 'promoted', nextval('keyed_fence_seq'), v_nonce,
+                        v_now + make_interval(secs => p_dispatch), v_now + make_interval(secs => p_dispatch), v_now,
+                        v_parked, w.cost, w.fair_key)
+                RETURNING keyed_claims.fence INTO v_fence;
+            END IF;
+            UPDATE keyed_keys k SET waiting = k.waiting - 1, active_at = v_now WHERE k.key = v_key;
+            key := v_key; task_id := w.task_id; attempt := w.attempt; nonce := v_nonce; fence := v_fence;
+            shard := v_shard; queue := w.queue; message := w.message;
+            RETURN NEXT;
+            v_budget := v_budget - 1;
+        END LOOP;
+    END LOOP;
+END
+$$;
+
+-- keyed_admit_plain: admit-or-park of one plain arrival — one key, no group, no not-before, cost 1, no supersede
+-- key, on a name without a rate — in one call (the general path's transaction, admit.admit, for that case).
+-- Answers one row: verdict 'admitted' (fence, shard), 'parked', 'rejected' (its waiting room is full under the
+-- policy 'reject'; the outcome is recorded) or 'general' when the general path must decide (a known attempt token
+-- (D8), a task past its latest start, room next to a promotable waiter, a full room under 'supersede', a group
+-- member); 'general' is answered before anything but the task's arrival was written.
+-- Locks, in lock order: the task row; every slot row of the key in shard order (unconditionally, D2: a release
+-- that gives a slot back either committed before — its room is seen — or sees this park); the key's head row.
+CREATE FUNCTION keyed_admit_plain(
+    p_task_id text, p_attempt integer, p_task_name text, p_key text, p_priority integer, p_deadline timestamptz,
+    p_queue text, p_message jsonb, p_fair_key text, p_holder text, p_lease double precision, p_now timestamptz)
+RETURNS TABLE (verdict text, new boolean, fence bigint, shard integer, detail text)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := COALESCE(p_now, now());
+    v_name text := split_part(p_key, ':', 1);
+    v_new boolean;
+    v_outcome text;
+    v_finished integer;
+    v_shards integer := keyed_name_shards(split_part(p_key, ':', 1));
+    v_limit integer;
+    v_locked integer;
+    v_room integer;
+    v_fence bigint;
+    v_policy text;
+BEGIN
+    IF EXISTS (SELECT 1 FROM keyed_names c WHERE c.name = v_name AND c.rate IS NOT NULL) THEN
+        RETURN QUERY SELECT 'general'::text, NULL::boolean, NULL::bigint, NULL::integer, ''::text;
+        RETURN;
+    END IF;
+    -- The books: record the arrival, or lock the task's row (two deliveries are admitted one after the other, D8).
+    INSERT INTO keyed_tasks AS kt (task_id, task_name, key, group_key, arrived_at)
+    VALUES (p_task_id, p_task_name, p_key, NULL, v_now)
+    ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
+    RETURNING (kt.xmax = 0), kt.outcome, kt.finished_attempt INTO v_new, v_outcome, v_finished;
+    IF NOT v_new AND (v_outcome IS NOT NULL OR v_finished >= p_attempt
+                      OR EXISTS (SELECT 1 FROM keyed_claims k WHERE k.task_id = p_task_id AND k.attempt = p_attempt)
+                      OR EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = p_task_id AND w.attempt = p_attempt)
+                      OR EXISTS (SELECT 1 FROM keyed_group_members m WHERE m.task_id = p_task_id))
+       OR p_deadline <= v_now THEN
+        RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
+        RETURN;
+    END IF;
+    -- Every shard row of the key, created on first use, locked in shard order.
+    SELECT count(*) INTO v_locked FROM (
+        SELECT 1 FROM keyed_slots s WHERE s.key = p_key ORDER BY s.shard FOR UPDATE) l;
+    IF v_locked < v_shards THEN
+        INSERT INTO keyed_slots (key, shard, name, used)
+        SELECT p_key, g, v_name, 0 FROM generate_series(0, v_shards - 1) AS g
+        ON CONFLICT (key, shard) DO NOTHING;
+        PERFORM 1 FROM keyed_slots s WHERE s.key = p_key ORDER BY s.shard FOR UPDATE;
+    END IF;
+    INSERT INTO keyed_keys (key, name, waiting, active_at) VALUES (p_key, v_name, 0, v_now)
+    ON CONFLICT (key) DO UPDATE SET active_at = excluded.active_at;
+    v_limit := keyed_effective_limit(v_name, v_now);
+    SELECT s.shard INTO v_room FROM keyed_slots s
+     WHERE s.key = p_key AND s.used + 1 <= keyed_shard_share(v_limit, v_shards, s.shard)
+     ORDER BY s.shard LIMIT 1;
+    IF EXISTS (SELECT 1 FROM keyed_waiting w
+                WHERE w.key = p_key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
+                  AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now)) THEN
+        IF v_room IS NOT NULL THEN
+            -- Room with a line in front of it: the general path starts the line's head first (admit.admit).
+            RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
+            RETURN;
+        END IF;
+    ELSIF v_room IS NOT NULL THEN
+        -- The bound (D1): the guarded take under the row's lock.
+        UPDATE keyed_slots s SET used = s.used + 1
+         WHERE s.key = p_key AND s.shard = v_room AND s.used + 1 <= keyed_shard_share(v_limit, v_shards, s.shard)
+        RETURNING s.shard INTO v_room;
+        IF v_room IS NOT NULL THEN
+            INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
+                                      lease_expires_at, claimed_at, cost, fair_key)
+            VALUES (p_task_id, p_attempt, p_key, v_room, NULL, 'running', nextval('keyed_fence_seq'), p_holder,
+                    v_now + make_interval(secs => p_lease), v_now, 1, p_fair_key)
+            RETURNING keyed_claims.fence INTO v_fence;
+            RETURN QUERY SELECT 'admitted'::text, v_new, v_fence, v_room, ''::text;
+            RETURN;
+        END IF;
+    END IF;
+    -- Park: a place in the waiting room (max_waiting, the guarded increment of keys.KEYS_ADD_WAITING).
+    UPDATE keyed_keys k SET waiting = k.waiting + 1
+     WHERE k.key = p_key
+       AND k.waiting < COALESCE((SELECT c.max_waiting FROM keyed_names c WHERE c.name = v_name), 2147483647);
+    IF NOT FOUND THEN
+        SELECT c.overflow INTO v_policy FROM keyed_names c WHERE c.name = v_name;
+        IF v_policy = 'supersede' THEN
+            RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
+            RETURN;
+        END IF;
+        -- The one final outcome (books.BOOKS_FINISH: outcome IS NULL).
+        UPDATE keyed_tasks t SET outcome = 'rejected', finished_at = v_now,
+               detail = 'waiting room of ' || p_key || ' is full', finished_attempt = GREATEST(t.finished_attempt, p_attempt)
+         WHERE t.task_id = p_task_id AND t.outcome IS NULL;
+        RETURN QUERY SELECT 'rejected'::text, v_new, NULL::bigint, NULL::integer,
+                            'waiting room of ' || p_key || ' is full';
+        RETURN;
+    END IF;
+    -- The parked row (waiting.WAITING_INSERT): latest start = the earlier of expires and arrival + max_wait.
+    INSERT INTO keyed_waiting (task_id, attempt, key, group_key, group_seq, priority, arrival, arrived_at, not_before,
+                               deadline, supersede_key, shadow, group_blocked, queue, message, keys, cost,
+                               reserved_keys, reserved_shards, reserved_at, fair_key)
+    VALUES (p_task_id, p_attempt, p_key, NULL, NULL, p_priority, nextval('keyed_arrival_seq'), v_now, NULL,
+            LEAST(p_deadline, v_now + (SELECT make_interval(secs => c.max_wait) FROM keyed_names c WHERE c.name = v_name)),
+            NULL, false, false, p_queue, p_message, NULL, 1, NULL, NULL, NULL, p_fair_key);
+    RETURN QUERY SELECT 'parked'::text, v_new, NULL::bigint, NULL::integer, ''::text;
+END
+$$;

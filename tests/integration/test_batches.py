@@ -1,0 +1,343 @@
+"""Batches on real Postgres (issue 12): ``Ledger.admit_many`` / ``Ledger.release_many`` and the server-side paths
+(migration 0005) they and the single calls run on.
+
+Each element of a batch gets its own verdict, in input order; arrivals of one key are decided in input order; one
+refused value does not fail the others; N uncontended arrivals / releases cost one round trip; two batches never
+deadlock (no retry here: a deadlock fails the test); a batch racing a release never strands a waiter (D2).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_keyed.ledger import (
+    Arrival,
+    Ledger,
+    NameConfig,
+    Outcome,
+    ReleaseRequest,
+    Token,
+    Verdict,
+    admit,
+    check_counters_once,
+    release,
+)
+from tests.integration.test_races import Side, count
+
+HOLDER = "batch:1:aaaa"
+
+
+class NoRetry(Ledger):
+    """A ledger that does not retry a deadlock: Postgres' deadlock detector failing a call fails the test."""
+
+    def transaction(self, work: Callable[[sa.Connection], Any], *, attempts: int = 5) -> Any:
+        return super().transaction(work, attempts=1)
+
+    def autocommitted(self, work: Callable[[sa.Connection], Any], *, attempts: int = 5) -> Any:
+        return super().autocommitted(work, attempts=1)
+
+
+@pytest.fixture
+def ledger(engine: sa.Engine) -> Ledger:
+    return NoRetry(engine, holder=HOLDER, lease=30.0, dispatch=10.0)
+
+
+def wait_for_lock_waiter(engine: sa.Engine, timeout: float = 10.0) -> None:
+    """Return once a backend of this test's database waits for a lock (the ledger's calls use connections of
+    their own, so the waiter is not the Side's connection)."""
+    deadline = time.monotonic() + timeout
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            n = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND datname = current_database()"
+                )
+            ).scalar_one()
+            if n:
+                return
+            conn.rollback()
+            time.sleep(0.005)
+    pytest.fail("nobody blocked on a lock")
+
+
+@contextmanager
+def statements(engine: sa.Engine) -> Iterator[list[str]]:
+    """The statements sent to the database inside the block (one round trip each)."""
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield sent
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+
+
+def touch(ledger: Ledger, keys: list[str]) -> None:
+    """First use of a key creates its rows on the general path; afterwards the batch call admits it."""
+    for key in keys:
+        a = ledger.admit(Arrival(f"touch-{key}", key=key))
+        assert a.fence is not None
+        assert ledger.release(Token(f"touch-{key}", 0), a.fence, Outcome.COMPLETED).released
+
+
+def used(engine: sa.Engine, key: str) -> int:
+    return int(count(engine, "SELECT COALESCE(sum(used), 0) FROM keyed_slots WHERE key = :k", k=key))
+
+
+def parked(engine: sa.Engine, key: str) -> list[str]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text("SELECT task_id FROM keyed_waiting WHERE key = :k ORDER BY priority DESC, arrival"), {"k": key}
+            ).scalars()
+        )
+
+
+def test_admit_many_one_round_trip_for_uncontended_keys(engine: sa.Engine, ledger: Ledger) -> None:
+    keys = [f"acct:{i}" for i in range(8)]
+    touch(ledger, keys)
+    with statements(engine) as sent:
+        admissions = ledger.admit_many([Arrival(f"t{i}", key=k) for i, k in enumerate(keys)])
+    assert [a.verdict for a in admissions] == [Verdict.ADMITTED] * 8
+    assert len(sent) == 1, sent
+    assert len({a.fence for a in admissions}) == 8
+    with statements(engine) as sent:
+        reports = ledger.release_many(
+            [ReleaseRequest(Token(f"t{i}", 0), a.fence or 0, Outcome.COMPLETED) for i, a in enumerate(admissions)]
+        )
+    assert len(sent) == 1, sent
+    assert [r.released for r in reports] == [True] * 8
+    assert [r.finished for r in reports] == [[(f"t{i}", "completed")] for i in range(8)]
+    assert all(used(engine, k) == 0 for k in keys)
+    assert ledger.books() == {"completed": 16, "arrivals": 16}
+
+
+def test_batch_where_some_rows_are_admitted_and_others_park(engine: sa.Engine, ledger: Ledger) -> None:
+    ledger.configure({"gate": NameConfig("gate", limit=2)})
+    touch(ledger, ["gate:x", "acct:1", "acct:2"])
+    batch = [
+        Arrival("g1", key="gate:x"),
+        Arrival("a1", key="acct:1"),
+        Arrival("g2", key="gate:x"),
+        Arrival("a2", key="acct:1"),
+        Arrival("g3", key="gate:x"),
+        Arrival("b1", key="acct:2"),
+        Arrival("new1", key="acct:never-seen"),  # first use: decided on its own
+    ]
+    got = ledger.admit_many(batch)
+    assert [a.verdict for a in got] == [
+        Verdict.ADMITTED,
+        Verdict.ADMITTED,
+        Verdict.ADMITTED,
+        Verdict.PARKED,
+        Verdict.PARKED,
+        Verdict.ADMITTED,
+        Verdict.ADMITTED,
+    ]
+    assert used(engine, "gate:x") == 2 and used(engine, "acct:1") == 1 and used(engine, "acct:2") == 1
+    assert parked(engine, "gate:x") == ["g3"] and parked(engine, "acct:1") == ["a2"]
+    assert count(engine, "SELECT waiting FROM keyed_keys WHERE key = 'gate:x'") == 1
+    # The parked ones start when room frees, through the batched release.
+    reports = ledger.release_many(
+        [
+            ReleaseRequest(Token("g1", 0), got[0].fence or 0, Outcome.COMPLETED),
+            ReleaseRequest(Token("a1", 0), got[1].fence or 0, Outcome.COMPLETED),
+        ]
+    )
+    assert [[p.task_id for p in r.promotions] for r in reports] == [["g3"], ["a2"]]
+    assert parked(engine, "gate:x") == [] and parked(engine, "acct:1") == []
+    assert check_counters_once(engine) == []  # no drift
+
+
+def test_fifo_within_a_key_in_the_batch_call(engine: sa.Engine, ledger: Ledger) -> None:
+    """A retry (a known task: the batch call leaves it to the general path) comes first; the new arrival of the
+    same key behind it must not take the free slot ahead of it."""
+    touch(ledger, ["acct:9"])
+    first = ledger.admit(Arrival("r", key="acct:9"))
+    assert ledger.release(Token("r", 0), first.fence or 0, Outcome.RETRY).released
+    got = ledger.admit_many([Arrival("r", attempt=1, key="acct:9"), Arrival("n", key="acct:9")])
+    assert [a.verdict for a in got] == [Verdict.ADMITTED, Verdict.PARKED]
+    assert parked(engine, "acct:9") == ["n"]
+
+
+def test_fifo_within_a_key_across_batched_and_per_arrival_rows(engine: sa.Engine, ledger: Ledger, clock) -> None:
+    """An arrival the batch call cannot take (a not-before time, here already passed) is decided before the later
+    arrival of its key that the call could have admitted at once."""
+    touch(ledger, ["acct:7"])
+    got = ledger.admit_many(
+        [Arrival("early", key="acct:7", not_before=clock() - timedelta(seconds=1)), Arrival("late", key="acct:7")],
+        now=clock(),
+    )
+    assert [a.verdict for a in got] == [Verdict.ADMITTED, Verdict.PARKED]
+
+
+def test_fifo_within_a_key_parks_in_input_order(engine: sa.Engine, ledger: Ledger) -> None:
+    touch(ledger, ["acct:5"])
+    holder = ledger.admit(Arrival("h", key="acct:5"))
+    names = [f"w{i}" for i in range(6)]
+    got = ledger.admit_many([Arrival(n, key="acct:5") for n in names])
+    assert [a.verdict for a in got] == [Verdict.PARKED] * 6
+    assert parked(engine, "acct:5") == names
+    fence, task = holder.fence or 0, "h"
+    started = []
+    for _ in names:
+        report = ledger.release(Token(task, 0), fence, Outcome.COMPLETED)
+        assert len(report.promotions) == 1
+        promotion = report.promotions[0]
+        assert promotion.nonce is not None
+        fence = ledger.bind(promotion.token, promotion.nonce) or 0
+        task = promotion.task_id
+        started.append(task)
+    assert started == names
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [
+        Arrival("bad", key="acct:\x00bad"),  # the database refuses a NUL character
+        Arrival("bad", attempt=2**31, key="acct:2"),  # out of the integer range
+    ],
+    ids=["nul-in-key", "attempt-out-of-range"],
+)
+def test_a_poison_row_does_not_lose_the_others(engine: sa.Engine, ledger: Ledger, poison: Arrival) -> None:
+    touch(ledger, ["acct:1", "acct:2", "acct:3"])
+    got = ledger.admit_many([Arrival("ok1", key="acct:1"), poison, Arrival("ok3", key="acct:3")])
+    assert [a.verdict for a in got] == [Verdict.ADMITTED, Verdict.REJECTED, Verdict.ADMITTED]
+    assert got[1].detail.startswith("refused by the ledger's database"), got[1].detail
+    assert used(engine, "acct:1") == 1 and used(engine, "acct:3") == 1
+    # Booked as rejected (its task id could be stored), so the books balance.
+    assert count(engine, "SELECT outcome FROM keyed_tasks WHERE task_id = 'bad'") == "rejected"
+
+
+def test_a_poison_task_id_is_rejected_and_not_booked(engine: sa.Engine, ledger: Ledger) -> None:
+    touch(ledger, ["acct:1"])
+    got = ledger.admit_many([Arrival("bad\x00", key="acct:1"), Arrival("ok", key="acct:1")])
+    assert [a.verdict for a in got] == [Verdict.REJECTED, Verdict.ADMITTED]
+    assert got[0].detail.endswith("(not booked)")
+
+
+def test_release_many_mixed_requests_each_get_their_own_report(engine: sa.Engine, ledger: Ledger) -> None:
+    touch(ledger, ["acct:1", "acct:2", "acct:3"])
+    a = ledger.admit_many([Arrival("a", key="acct:1"), Arrival("b", key="acct:2"), Arrival("c", key="acct:3")])
+    g = ledger.admit(Arrival("g", key="acct:4", group_key="order:1"))
+    reports = ledger.release_many(
+        [
+            ReleaseRequest(Token("a", 0), a[0].fence or 0, Outcome.COMPLETED),
+            ReleaseRequest(Token("b", 0), (a[1].fence or 0) + 1000, Outcome.COMPLETED),  # stale fence
+            ReleaseRequest(Token("g", 0), g.fence or 0, Outcome.FAILED),  # a group: the general path
+            ReleaseRequest(Token("c", 0), a[2].fence or 0, Outcome.WORKER_LOST),  # lost: the general path
+            ReleaseRequest(Token("a", 0), a[0].fence or 0, Outcome.COMPLETED),  # the same twice: released once
+        ]
+    )
+    assert [r.released for r in reports] == [True, False, True, True, False]
+    assert reports[0].finished == [("a", "completed")]
+    assert reports[2].finished == [("g", "dead_lettered")]
+    assert used(engine, "acct:1") == 0 and used(engine, "acct:2") == 1 and used(engine, "acct:3") == 0
+    assert count(engine, "SELECT count(*) FROM keyed_claims") == 1  # b's
+
+
+def test_release_many_promotes_locally_when_asked(engine: sa.Engine, ledger: Ledger) -> None:
+    touch(ledger, ["acct:1", "acct:2"])
+    held = ledger.admit_many([Arrival("h1", key="acct:1"), Arrival("h2", key="acct:2")])
+    for i, key in enumerate(["acct:1", "acct:1", "acct:2"]):
+        message = {"task": "proj.sync"}
+        assert ledger.admit(Arrival(f"w{i}", key=key, queue="q", message=message)).verdict is Verdict.PARKED
+    reports = ledger.release_many(
+        [
+            ReleaseRequest(
+                Token(f"h{i + 1}", 0),
+                held[i].fence or 0,
+                Outcome.COMPLETED,
+                local_queues=frozenset({"q"}),
+                local_tasks=frozenset({"proj.sync"}),
+                contended=contended,
+            )
+            for i, contended in enumerate([True, False])
+        ]
+    )
+    promotions = [p for r in reports for p in r.promotions]
+    assert sorted(p.task_id for p in promotions) == ["w0", "w2"]
+    assert all(p.nonce is None for p in promotions)  # both run here (D4): running claims of this holder
+    assert count(engine, "SELECT count(*) FROM keyed_claims WHERE state = 'running' AND holder = :h", h=HOLDER) == 2
+    assert parked(engine, "acct:1") == ["w1"]
+
+
+def test_batch_racing_a_release_is_admitted_not_parked(engine: sa.Engine, ledger: Ledger) -> None:
+    """A release holds the key's slot row; the batch call waits for it and takes the freed slot (D2: never parked
+    next to a free slot)."""
+    touch(ledger, ["acct:1", "acct:2"])
+    holder = ledger.admit(Arrival("h", key="acct:1"))
+    with engine.connect() as conn, conn.begin():
+        assert release.release(conn, Token("h", 0), holder.fence or 0, Outcome.COMPLETED).released
+        batch = Side(engine, lambda c: ledger.admit_many([Arrival("x", key="acct:2"), Arrival("y", key="acct:1")]))
+        batch.start()
+        wait_for_lock_waiter(engine)
+    got = batch.finish()
+    assert [a.verdict for a in got] == [Verdict.ADMITTED, Verdict.ADMITTED]
+    assert used(engine, "acct:1") == 1 and parked(engine, "acct:1") == []
+
+
+def test_release_many_racing_a_park_promotes_the_parked(engine: sa.Engine, ledger: Ledger) -> None:
+    """A park holds the key's slot row; the batched release waits for it and, reading the waiters in a later
+    statement (D2), promotes the parked attempt instead of leaving it stranded next to a free slot."""
+    touch(ledger, ["acct:1", "acct:2"])
+    held = ledger.admit_many([Arrival("h1", key="acct:1"), Arrival("h2", key="acct:2")])
+    with engine.connect() as conn, conn.begin():
+        parked_now = admit.admit(conn, Arrival("p", key="acct:1"), holder=HOLDER, lease=30.0)
+        assert parked_now.verdict is Verdict.PARKED
+        requests = [ReleaseRequest(Token(f"h{i + 1}", 0), held[i].fence or 0, Outcome.COMPLETED) for i in range(2)]
+        releaser = Side(engine, lambda c: ledger.release_many(requests))
+        releaser.start()
+        wait_for_lock_waiter(engine)
+    reports = releaser.finish()
+    assert [[p.task_id for p in r.promotions] for r in reports] == [["p"], []]
+    assert count(engine, "SELECT state FROM keyed_claims WHERE task_id = 'p'") == "promoted"
+    assert used(engine, "acct:1") == 1 and parked(engine, "acct:1") == []
+
+
+def test_two_batches_with_overlapping_keys_in_opposite_orders_never_deadlock(
+    engine: sa.Engine, ledger: Ledger
+) -> None:
+    ledger.configure({"gate": NameConfig("gate", limit=1000), "wide": NameConfig("wide", limit=1000, shards=4)})
+    keys = [f"gate:{i}" for i in range(12)] + [f"wide:{i}" for i in range(4)]
+    touch(ledger, keys)
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def run(side: int, order: list[str]) -> None:
+        try:
+            for round_ in range(40):
+                start.wait(timeout=30)
+                arrivals = [Arrival(f"s{side}-{round_}-{i}", key=k) for i, k in enumerate(order)]
+                got = ledger.admit_many(arrivals)
+                assert all(a.verdict is Verdict.ADMITTED for a in got), got
+                start.wait(timeout=30)
+                done = zip(arrivals, got, strict=True)
+                ledger.release_many([ReleaseRequest(a.token, g.fence or 0, Outcome.COMPLETED) for a, g in done])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            start.abort()
+
+    threads = [
+        threading.Thread(target=run, args=(0, keys)),
+        threading.Thread(target=run, args=(1, list(reversed(keys)))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+    assert all(used(engine, k) == 0 for k in keys)
+    assert check_counters_once(engine) == []  # no drift
