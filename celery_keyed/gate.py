@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from celery.worker.strategy import default as default_strategy
 from celery_keyed import exceptions, metrics, signals
 from celery_keyed.engine import create_ledger_engine
 from celery_keyed.ledger import (
+    Admission,
     Arrival,
     HeldClaim,
     InvalidKey,
@@ -64,6 +65,7 @@ from celery_keyed.task import (
     evaluate_keys,
     key_spec,
 )
+from celery_keyed.worker.admission import AdmissionService, Job
 
 logger = logging.getLogger("celery_keyed")
 
@@ -186,6 +188,11 @@ class GateService:
         self._releaser_accepting = False  # a releaser thread runs and takes new releases
         self._threads: list[threading.Thread] = []
         self._timers: list[Any] = []
+        # Admission off the loop (worker/admission.py): on when the pool semaphore keeps a pool process for a
+        # request while its admission is decided (prefork on the event loop); else admission runs on the loop.
+        self._admission: AdmissionService | None = None
+        self._pool_release: Callable[[], None] | None = None
+        self._generation = 0  # consumer starts: a decision handed back after a restart is stale
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -227,10 +234,16 @@ class GateService:
             self._threads.append(thread)
         with self._release_lock:
             self._releaser_accepting = True
+        self._generation += 1
         timer = getattr(self.consumer, "timer", None)
         hub = getattr(self.consumer, "hub", None)
         if hub is not None:
             self._attach_waker(hub)
+        self._pool_release = self._pool_semaphore_release()
+        if hub is not None and self._pool_release is not None and self.settings.admission_batch > 0:
+            if self._admission is None:
+                self._admission = AdmissionService(self._decide, self._deliver, batch=self.settings.admission_batch)
+            self._admission.start()
         if timer is not None:
             self._timers.append(timer.call_repeatedly(self.settings.probe_interval, self._resubmit_held))
             if hub is None:  # a polling transport (no event loop to wake): drain on a short timer
@@ -242,9 +255,11 @@ class GateService:
         heartbeat (renewal and self-fencing) goes on (D13), and running attempts keep their claims (their outcome
         hooks release them). Safe to call twice (it runs from signal handlers). The releaser finishes the
         releases handed to it; later ones run in the caller's thread."""
+        self._stop.set()
+        if self._admission is not None:
+            self._admission.stop()  # decides what was handed over; the loop's part (below) gives it back
         with self._release_lock:
             self._releaser_accepting = False
-        self._stop.set()
         self._release_ready.set()
         for entry in self._timers:
             with contextlib.suppress(Exception):
@@ -349,22 +364,45 @@ class GateService:
         if self._breaker_open:
             self._hold(request)
             raise TaskRevokedError(request.id)
+        request.keyed_arrival_key = arrival.key
+        admission_service = self._admission
+        if admission_service is not None and admission_service.submit(
+            Job(request, arrival, submit, extra={"generation": self._generation})
+        ):
+            return None  # decided off the loop; the pool semaphore stays taken for it until then
         try:
-            fence = self._start_prebound(arrival.token)
-            if fence is None:
-                fence = self._bind_promoted(request, arrival)
-            admission = None if fence is not None else self.ledger.admit(arrival)
+            fence, admission = self._claim(request, arrival)
         except _UNREACHABLE as exc:
             self._open_breaker(exc)
             self._hold(request)
             raise TaskRevokedError(request.id) from None
         except Exception as exc:  # D16: the ledger refused the message's data (a value out of range...)
-            logger.exception("celery-keyed: could not admit %s[%s]", request.name, request.id)
-            self._finish_without_running(request, "rejected", _unkeyable(exc), record_in_ledger=True)
-            metrics.admission("rejected")
+            self._refused(request, exc)
             raise TaskRevokedError(request.id) from None
+        if not self._conclude(request, arrival, fence, admission):
+            raise TaskRevokedError(request.id)
+        return submit()
+
+    def _claim(self, request: Any, arrival: Arrival) -> tuple[int | None, Admission | None]:
+        """The ledger's part of an admission (any thread): confirm a promotion bound here earlier (D14), bind a
+        promotion's nonce (D5), or admit the arrival. (fence, None) for a bound promotion, else (None, admission)."""
+        fence = self._start_prebound(arrival.token)
+        if fence is None:
+            fence = self._bind_promoted(request, arrival)
+        if fence is not None:
+            return fence, None
+        return None, self.ledger.admit(arrival)
+
+    def _refused(self, request: Any, exc: BaseException) -> None:
+        info = (type(exc), exc, exc.__traceback__)
+        logger.error("celery-keyed: could not admit %s[%s]", request.name, request.id, exc_info=info)
+        self._finish_without_running(request, "rejected", _unkeyable(exc), record_in_ledger=True)
+        metrics.admission("rejected")
+
+    def _conclude(self, request: Any, arrival: Arrival, fence: int | None, admission: Admission | None) -> bool:
+        """Loop thread: act on a decided admission. True: the request holds a slot (``fence``) and is tracked;
+        the caller starts it. False: parked, dropped or refused (acked and announced here)."""
         metrics.started(arrival.token, None if admission is None else admission.verdict)
-        request.keyed_arrival_key = arrival.key
         if admission is None and arrival.key is not None:  # bound a promotion: the key has a line
             self._contended[arrival.key] = time.monotonic()
         if admission is not None and admission.promotions:  # waiters ahead of it started with the room it found
@@ -374,13 +412,149 @@ class GateService:
                 fence = admission.fence
             else:
                 self._not_admitted(request, admission)
-                raise TaskRevokedError(request.id)
+                return False
         assert fence is not None
-        request.keyed_claim = (arrival.token, fence)
+        self._track(request, arrival.token, fence)
         request._request_dict["keyed_fence"] = fence  # the task reads it (self.request.keyed_fence, D7)
+        return True
+
+    def _track(self, request: Any, token: Token, fence: int) -> None:
+        """Any thread: ``request`` holds the claim (token, fence); the heartbeat renews it from now on."""
+        if request.keyed_claim == (token, fence):
+            return
+        request.keyed_claim = (token, fence)
         with self._lock:
-            self._running[arrival.token] = _Running(request, arrival.token, fence)
-        return submit()
+            self._running[token] = _Running(request, token, fence)
+
+    # -- admission off the loop (celery_keyed/worker/admission.py) ---------------------------------------
+
+    def _decide(self, jobs: Sequence[Job]) -> None:
+        """The admission thread: decide a batch. Promotions (bound earlier, or carrying a nonce) are bound one by
+        one (a guarded statement each, D14); the ordinary arrivals in one ``admit_many``, in the order they
+        reached the pool. A claim is tracked (renewed by the heartbeat) from the moment it is taken."""
+        plain: list[Job] = []
+        for job in jobs:
+            try:
+                fence = self._start_prebound(job.arrival.token)
+                if fence is None:
+                    fence = self._bind_promoted(job.request, job.arrival)
+            except Exception as exc:
+                job.error = exc
+                continue
+            if fence is not None:
+                job.result = (fence, None)
+                self._track(job.request, job.arrival.token, fence)
+            else:
+                plain.append(job)
+        if not plain:
+            return
+        admissions: list[Admission | None]
+        try:
+            admissions = list(self._admit_many([job.arrival for job in plain]))
+        except _UNREACHABLE as exc:
+            for job in plain:
+                job.error = exc
+            return
+        except Exception:  # one message's data refused: decide them one by one, so that only it is refused
+            admissions = []
+            for job in plain:
+                try:
+                    admissions.append(self.ledger.admit(job.arrival))
+                except Exception as exc:
+                    admissions.append(None)
+                    job.error = exc
+        for job, admission in zip(plain, admissions, strict=True):
+            if admission is None:
+                continue
+            job.result = (None, admission)
+            if admission.verdict is Verdict.ADMITTED and admission.fence is not None:
+                self._track(job.request, job.arrival.token, admission.fence)
+
+    def _admit_many(self, arrivals: list[Arrival]) -> list[Admission]:
+        admit_many = getattr(self.ledger, "admit_many", None)
+        if admit_many is not None and len(arrivals) > 1:
+            return list(admit_many(arrivals))
+        return [self.ledger.admit(arrival) for arrival in arrivals]
+
+    def _deliver(self, jobs: list[Job]) -> None:
+        """The admission thread: hand the decided batch to the loop."""
+        self._call_on_loop(lambda: self._admitted(jobs))
+
+    def _admitted(self, jobs: list[Job]) -> None:
+        """Loop thread: start the admitted requests of a decided batch in the pool processes kept for them; ack,
+        park or drop the others and give their pool process back."""
+        for job in jobs:
+            try:
+                self._start_decided(job)
+            except Exception:
+                logger.exception("celery-keyed: could not act on the admission of %s", job.request.id)
+
+    def _start_decided(self, job: Job) -> None:
+        request = job.request
+        # The consumer stopped since the hand-over (a broker reconnect, shutdown): Celery has reset its pool
+        # semaphore and forgotten the request; its unacked message comes back from the broker.
+        stale = self._stop.is_set() or self._closed or job.extra.get("generation") != self._generation
+        free = (lambda: None) if stale else self._free_pool_slot
+        if job.error is not None:
+            free()
+            if isinstance(job.error, _UNREACHABLE):
+                self._open_breaker(job.error)
+                if not stale:
+                    self._hold(request)
+            else:  # D16: the ledger refused the message's data
+                self._refused(request, job.error)
+            return
+        fence, admission = job.result
+        if not self._conclude(request, job.arrival, fence, admission):
+            free()
+            return
+        if stale:
+            self._give_back(request, Outcome.WORKER_LOST)
+            return
+        if request.id in worker_state.revoked:  # revoked while its admission was decided
+            self.release(request, Outcome.REVOKED)
+            free()
+            request.revoked()
+            return
+        try:
+            job.submit()
+        except TaskRevokedError:  # Celery's own check: revoked or expired meanwhile
+            self.release(request, Outcome.REVOKED)
+            free()
+        except Exception:
+            logger.exception("celery-keyed: could not start %s[%s]", request.name, request.id)
+            self.release(request, Outcome.WORKER_LOST)
+            free()
+
+    def _give_back(self, request: Any, outcome: Outcome) -> None:
+        """Release the claim of a request that will not start here, its promotions published (nothing here
+        starts them: the consumer is stopped)."""
+        claim, request.keyed_claim = request.keyed_claim, None
+        if claim is None:
+            return
+        with self._lock:
+            self._running.pop(claim[0], None)
+        self._hand_over(
+            claim[0], claim[1], outcome, key=request.keyed_arrival_key, name=request.name, contended=True, on_loop=False
+        )
+
+    def _free_pool_slot(self) -> None:
+        """Give back the pool semaphore Celery took for a request that does not start after all (what raising
+        ``TaskRevokedError`` from ``execute_using_pool`` does on the loop's own path)."""
+        if self._pool_release is not None:
+            self._pool_release()
+
+    def _pool_semaphore_release(self) -> Callable[[], None] | None:
+        """Celery's release of the pool semaphore when the worker guards pool puts with it (prefork on the event
+        loop), else None: then admission stays on the loop (no semaphore keeps a pool process for a request
+        whose admission is decided elsewhere)."""
+        controller = getattr(self.consumer, "controller", None)
+        if controller is None or getattr(controller, "semaphore", None) is None:
+            return None
+        if getattr(controller, "process_task", None) != getattr(controller, "_process_task_sem", None):
+            return None
+        release = getattr(controller, "_quick_release", None)
+        return release if callable(release) else None
 
     def _start_prebound(self, token: Token) -> int | None:
         """D14: a promotion bound to this worker earlier (D4) starts only if its claim is still this worker's,
@@ -706,7 +880,9 @@ class GateService:
         outcome ``revoked``. Every worker gets the broadcast: the first transaction to lock the task's row takes
         its parked rows, the others find none (idempotent). The ``KeyedRevoked`` result is stored here, before
         Celery's own handler runs; that handler leaves a finished result alone instead of storing a plain
-        REVOKED. With the ledger unreachable the revokes are kept and stored when it is back (heartbeat)."""
+        REVOKED. With the ledger unreachable the revokes are kept and stored when it is back (heartbeat).
+        This is the one ledger call left on the consumer loop (a control command, not the task path): Celery's
+        handler, right after it, stores REVOKED for a task it does not know, so ours must come first."""
         ids = [str(task_id) for task_id in task_ids]
         if not ids:
             return

@@ -51,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "statement_timeout": 5.0,  # seconds a ledger statement may take (bounds a blocked consumer loop)
     "pool_size": 5,  # ledger connections per worker process
     "queues": (),  # queues that carry only keyed tasks: not consumed while the ledger is unreachable (D9)
+    "admission_batch": 64,  # most arrivals one ledger call admits, off the consumer loop; 0: admit on the loop
 }
 
 
@@ -79,6 +80,7 @@ class KeyedSettings:
     statement_timeout: float = 5.0
     pool_size: int = 5
     queues: tuple[str, ...] = ()
+    admission_batch: int = 64
 
 
 def read_settings(conf: Any) -> KeyedSettings:
@@ -136,6 +138,7 @@ def read_settings(conf: Any) -> KeyedSettings:
         statement_timeout=statement_timeout,
         pool_size=_pool_size(get("pool_size")),
         queues=_queue_names(get("queues")),
+        admission_batch=check_int(get("admission_batch"), "keyed_admission_batch", minimum=0, maximum=10_000),
     )
 
 

@@ -1,0 +1,133 @@
+"""The admission service: keyed requests are admitted off the consumer loop, in batches.
+
+The consumer loop calls ``GateService.execute`` when a pool process is free for a request (D3: Celery's pool
+semaphore is taken for it). Instead of waiting there on PostgreSQL, the gate hands the request to this service
+and returns; the semaphore stays taken, so the pool process stays reserved for the request while its admission
+is decided. The service's thread takes every request handed to it so far (up to ``keyed_admission_batch``),
+decides them with as few ledger calls as it can (``Ledger.admit_many`` for ordinary arrivals; a guarded
+statement each for promotions bound earlier, D14), and hands the verdicts back to the loop, which starts the
+admitted ones in their pool process and acks, parks or drops the others (kombu's channel and Celery's pool
+belong to the loop thread).
+
+Order: requests are decided in the order the loop handed them over (one thread, one queue, ``admit_many``
+keeps the order of its input), so two arrivals of one key are decided in the order they reached the pool.
+
+Thread ownership: ``_jobs`` is shared (appends from the loop, pops on the service's thread, under ``_lock``);
+everything a ``Job`` carries is read on the loop before the hand-over or written once by the thread before the
+verdict goes back to the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("celery_keyed")
+
+
+@dataclass
+class Job:
+    """One request waiting for its admission: what the loop knew when it handed it over, and the verdict the
+    service's thread found (``result``)."""
+
+    request: Any
+    arrival: Any  # celery_keyed.ledger.Arrival
+    submit: Callable[[], Any]  # Celery's own execute_using_pool: starts the request in its pool process
+    result: Any = None  # set by the thread (see GateService._decide)
+    error: BaseException | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AdmissionService:
+    """A thread that decides batches of ``Job`` with ``decide(jobs)`` and hands each decided batch to
+    ``deliver(jobs)`` (which runs the loop's part, on the loop). ``start`` / ``stop`` are safe to call twice;
+    ``admit_once`` decides what is queued now, in the caller's thread (tests)."""
+
+    def __init__(
+        self,
+        decide: Callable[[Sequence[Job]], None],
+        deliver: Callable[[list[Job]], None],
+        *,
+        batch: int,
+    ) -> None:
+        self._decide = decide
+        self._deliver = deliver
+        self._batch = max(1, batch)
+        self._lock = threading.Lock()
+        self._jobs: deque[Job] = deque()
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self._accepting = True
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="keyed-admission", daemon=True)
+            self._accepting = True
+        self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        """Loop thread: queue ``job``; False when the service takes no new work (stopped)."""
+        with self._lock:
+            if not self._accepting:
+                return False
+            self._jobs.append(job)
+        self._ready.set()
+        return True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Take no new work, decide and deliver what was handed over, end the thread."""
+        with self._lock:
+            self._accepting = False
+            thread = self._thread
+        self._stop.set()
+        self._ready.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout)
+        with self._lock:
+            if self._thread is thread and (thread is None or not thread.is_alive()):
+                self._thread = None
+        self.admit_once()  # anything queued after the thread's last look (none when it ended normally)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def admit_once(self) -> int:
+        """Decide and deliver one batch of what is queued now; the number of jobs it took."""
+        with self._lock:
+            jobs = [self._jobs.popleft() for _ in range(min(self._batch, len(self._jobs)))]
+        if not jobs:
+            return 0
+        try:
+            self._decide(jobs)
+        except BaseException as exc:  # decide reports per job; this is a bug: every job of the batch fails
+            logger.exception("celery-keyed: admission of a batch of %d failed", len(jobs))
+            for job in jobs:
+                if job.result is None and job.error is None:
+                    job.error = exc
+        self._deliver(jobs)
+        return len(jobs)
+
+    def _run(self) -> None:
+        while True:
+            self._ready.wait()
+            self._ready.clear()
+            while self.admit_once():
+                pass
+            if self._stop.is_set():
+                while self.admit_once():
+                    pass
+                return
