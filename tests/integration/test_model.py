@@ -42,12 +42,14 @@ from hypothesis.stateful import (
 )
 
 from celery_keyed.ledger import (
+    Admission,
     Arrival,
     HeldClaim,
     Ledger,
     NameConfig,
     Outcome,
     Promotion,
+    ReleaseRequest,
     Token,
     Verdict,
 )
@@ -398,14 +400,21 @@ class LedgerMachine(RuleBasedStateMachine):
             self.fences_seen.add((p.token, p.fence))
             self.received.append(p)
 
-    def arrive(self, task: Task, attempt: int, not_before: datetime | None) -> Verdict:
-        """Deliver ``attempt`` of ``task`` and check the verdict against the model's."""
-        m, now = self.model, self.now
-        token = Token(task.task_id, attempt)
-        arrival = Arrival(
+    @staticmethod
+    def arrival_of(task: Task, attempt: int, not_before: datetime | None) -> Arrival:
+        return Arrival(
             task.task_id, attempt, key=task.key, priority=task.priority, deadline=task.deadline, not_before=not_before
         )
-        result = self.ledger.admit(arrival, now=now)
+
+    def arrive(
+        self, task: Task, attempt: int, not_before: datetime | None, *, result: Admission | None = None
+    ) -> Verdict:
+        """Deliver ``attempt`` of ``task`` and check the verdict against the model's (``result``: the ledger's
+        answer already given, by a batch)."""
+        m, now = self.model, self.now
+        token = Token(task.task_id, attempt)
+        if result is None:
+            result = self.ledger.admit(self.arrival_of(task, attempt, not_before), now=now)
 
         known = task.task_id in m.tasks
         if known and (task.outcome is not None or task.finished_attempt >= attempt):
@@ -495,6 +504,27 @@ class LedgerMachine(RuleBasedStateMachine):
             )
             self.arrive(task, 0, None if eta is None else self.now + timedelta(seconds=eta))
 
+    @rule(burst=BURST)
+    def arrive_new_batch(self, burst: list[tuple[str, int, int | None, int | None]]) -> None:
+        """New tasks arrive together (``admit_many``): each verdict is the one the model gives arrivals in input
+        order (FIFO within a key; keys are independent)."""
+        tasks = [
+            (
+                Task(
+                    f"t{next(self.task_ids)}",
+                    key,
+                    None if deadline is None else self.now + timedelta(seconds=deadline),
+                    priority,
+                ),
+                None if eta is None else self.now + timedelta(seconds=eta),
+            )
+            for key, priority, deadline, eta in burst
+        ]
+        results = self.ledger.admit_many([self.arrival_of(t, 0, nb) for t, nb in tasks], now=self.now)
+        assert len(results) == len(tasks)
+        for (task, nb), result in zip(tasks, results, strict=True):
+            self.arrive(task, 0, nb, result=result)
+
     def _idle_tasks(self) -> list[Task]:
         """Open tasks none of whose attempts holds a claim or a waiting row: a retry or a redelivery is due."""
         held = {t.task_id for t in itertools.chain(self.model.claims, self.model.waiting)}
@@ -535,17 +565,23 @@ class LedgerMachine(RuleBasedStateMachine):
         data=st.data(),
         outcome=st.sampled_from([Outcome.COMPLETED, Outcome.FAILED, Outcome.RETRY, Outcome.WORKER_LOST]),
         contended=st.booleans(),
+        batched=st.booleans(),
     )
-    def release(self, data: st.DataObject, outcome: Outcome, contended: bool) -> None:
+    def release(self, data: st.DataObject, outcome: Outcome, contended: bool, batched: bool) -> None:
         """An attempt ends. ``contended``: the worker saw its key park attempts lately and releases and promotes
-        in one transaction instead of the self-committing fast path; the answer must be the same."""
-        self._release(data.draw(st.sampled_from(self._running())), outcome, contended=contended)
+        in one transaction instead of the self-committing fast path; ``batched``: through ``release_many`` (a
+        batch of one); the answer must be the same."""
+        self._release(data.draw(st.sampled_from(self._running())), outcome, contended=contended, batched=batched)
 
-    def _release(self, claim: Claim, outcome: Outcome, *, contended: bool = False) -> None:
+    def _release(self, claim: Claim, outcome: Outcome, *, contended: bool = False, batched: bool = False) -> None:
         m, now = self.model, self.now
         if claim.must_retry and outcome is not Outcome.WORKER_LOST:
             outcome = Outcome.RETRY
-        report = self.ledger.release(claim.token, claim.fence, outcome, contended=contended, now=now)
+        if batched:
+            request = ReleaseRequest(claim.token, claim.fence, outcome, contended=contended)
+            report = self.ledger.release_many([request], now=now)[0]
+        else:
+            report = self.ledger.release(claim.token, claim.fence, outcome, contended=contended, now=now)
         assert report.released
         if outcome is Outcome.WORKER_LOST:
             assert report.finished == []
