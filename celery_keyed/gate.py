@@ -39,6 +39,8 @@ from celery_keyed.ledger import (
     Ledger,
     Outcome,
     Promotion,
+    ReleaseReport,
+    ReleaseRequest,
     Token,
     Verdict,
     books_mark_notified,
@@ -75,6 +77,9 @@ _current: GateService | None = None
 #: transaction (no window where the freed slot is visible to another worker's sweeper).
 _CONTENDED_FOR = 5.0
 
+
+#: Most releases the releaser thread gives back in one ``Ledger.release_many``.
+_RELEASE_BATCH = 64
 
 #: Errors that mean "the ledger cannot be reached now" (the breaker opens, the request is held, D9), as opposed
 #: to the ledger refusing a message's data (a recorded rejection, D16).
@@ -776,15 +781,44 @@ class GateService:
             self._release_ready.clear()
             stopping = self._stop.is_set()
             while self._releases:
-                job = self._releases.popleft()
+                jobs = [self._releases.popleft() for _ in range(min(_RELEASE_BATCH, len(self._releases)))]
                 try:
-                    self._release_now(job, local=False)
+                    self._release_batch(jobs)
                 except Exception:
-                    logger.exception(
-                        "celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt
-                    )
+                    logger.exception("celery-keyed: a batch of %d releases failed", len(jobs))
             if stopping:
                 return
+
+    def _release_batch(self, jobs: list[_Release]) -> None:
+        """The releaser thread: the releases handed over since its last look, in one ``release_many`` (one round
+        trip for releases without waiters; the freed rooms with waiters promoted together)."""
+        if len(jobs) == 1:
+            self._release_now(jobs[0], local=False)
+            return
+        requests = [
+            ReleaseRequest(
+                token=job.token,
+                fence=job.fence,
+                outcome=job.outcome,
+                contended=job.contended,
+                local_queues=None if job.local_queues is None else frozenset(job.local_queues),
+                local_tasks=None if job.local_tasks is None else frozenset(job.local_tasks),
+                uncertain=job.uncertain,
+                hold=job.hold,
+            )
+            for job in jobs
+        ]
+        try:
+            reports = self.ledger.release_many(requests)
+        except sa.exc.DBAPIError as exc:
+            if isinstance(exc, _UNREACHABLE):
+                self._open_breaker(exc)
+            else:
+                logger.exception("celery-keyed: a batch of %d releases failed", len(jobs))
+            self._pending_releases.extend(jobs)  # retried by the heartbeat; a release may be repeated safely
+            return
+        for job, report in zip(jobs, reports, strict=True):
+            self._released(job, report, local=False)
 
     def _release_now(self, job: _Release, *, local: bool) -> None:
         try:
@@ -810,6 +844,10 @@ class GateService:
             logger.exception("celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt)
             self._after_release(job, local=local)
             return
+        self._released(job, report, local=local)
+
+    def _released(self, job: _Release, report: ReleaseReport, *, local: bool) -> None:
+        """A release has committed: its deferred ack, its promotions."""
         self._after_release(job, local=local)
         if report.promotions and job.key is not None:
             self._contended[job.key] = time.monotonic()

@@ -1,0 +1,121 @@
+"""The admission service's own rules (celery_keyed/worker/admission.py): batches in hand-over order, a batch at
+most ``batch`` long, start/stop safe twice, nothing handed over is lost at stop, a failing ``decide`` fails its
+batch's jobs instead of the thread. The ledger side of a batch is tested in tests/integration/test_batches.py,
+the worker side with real workers in tests/acceptance/test_admission.py."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from celery_keyed.worker.admission import AdmissionService, Job
+
+
+def job(n: int) -> Job:
+    return Job(request=n, arrival=n, submit=lambda: None)
+
+
+class Recorder:
+    def __init__(self, *, block: threading.Event | None = None, fail: bool = False) -> None:
+        self.decided: list[list[int]] = []
+        self.delivered: list[list[int]] = []
+        self.block = block
+        self.fail = fail
+        self.done = threading.Event()
+
+    def decide(self, jobs: Sequence[Job]) -> None:
+        if self.block is not None:
+            self.block.wait(10)
+        if self.fail:
+            raise RuntimeError("decide broke")
+        self.decided.append([j.request for j in jobs])
+        for j in jobs:
+            j.result = ("ok", j.request)
+
+    def deliver(self, jobs: list[Job]) -> None:
+        self.delivered.append([j.request for j in jobs])
+        self.done.set()
+
+
+def test_admit_once_decides_in_hand_over_order_in_batches_of_at_most_batch() -> None:
+    rec = Recorder()
+    service = AdmissionService(rec.decide, rec.deliver, batch=3)
+    service._accepting = True  # as start() does, without the thread: admit_once is called by the test
+    for n in range(7):
+        assert service.submit(job(n))
+    while service.admit_once():
+        pass
+    assert rec.decided == [[0, 1, 2], [3, 4, 5], [6]]
+    assert rec.delivered == rec.decided
+
+
+def test_the_thread_batches_what_arrived_while_it_was_busy() -> None:
+    release = threading.Event()
+    rec = Recorder(block=release)
+    service = AdmissionService(rec.decide, rec.deliver, batch=64)
+    service.start()
+    try:
+        service.submit(job(0))
+        # job 0 is being decided (blocked); 1..5 arrive meanwhile and are decided together after it
+        for n in range(1, 6):
+            service.submit(job(n))
+        release.set()
+        deadline = threading.Event()
+        for _ in range(200):
+            if sum(len(b) for b in rec.delivered) == 6:
+                break
+            deadline.wait(0.02)
+    finally:
+        service.stop()
+    assert [n for batch in rec.delivered for n in batch] == list(range(6))
+    assert len(rec.delivered) <= 3  # not one call per job
+
+
+def test_start_and_stop_twice_and_nothing_handed_over_is_lost_at_stop() -> None:
+    release = threading.Event()
+    rec = Recorder(block=release)
+    service = AdmissionService(rec.decide, rec.deliver, batch=2)
+    service.start()
+    service.start()
+    for n in range(5):
+        service.submit(job(n))
+    release.set()
+    service.stop()
+    service.stop()
+    assert [n for batch in rec.delivered for n in batch] == list(range(5))
+    assert not service.submit(job(99)), "a stopped service must refuse new work (the gate admits on the loop)"
+    assert service.pending() == 0
+    service.start()  # a consumer restart (broker reconnect) starts it again
+    assert service.submit(job(7))
+    service.stop()
+    assert rec.delivered[-1] == [7]
+
+
+def test_a_failing_decide_fails_its_jobs_not_the_thread() -> None:
+    rec = Recorder(fail=True)
+    delivered: list[Job] = []
+
+    def deliver(jobs: list[Job]) -> None:
+        delivered.extend(jobs)
+
+    service = AdmissionService(rec.decide, deliver, batch=8)
+    service._accepting = True
+    service.submit(job(1))
+    service.submit(job(2))
+    assert service.admit_once() == 2
+    assert [j.request for j in delivered] == [1, 2]
+    assert all(isinstance(j.error, RuntimeError) and j.result is None for j in delivered)
+
+
+@pytest.mark.parametrize("batch", [0, -5])
+def test_a_batch_below_one_still_decides_one_at_a_time(batch: int) -> None:
+    rec = Recorder()
+    service = AdmissionService(rec.decide, rec.deliver, batch=batch)
+    service._accepting = True
+    service.submit(job(1))
+    service.submit(job(2))
+    while service.admit_once():
+        pass
+    assert rec.decided == [[1], [2]]
