@@ -341,3 +341,78 @@ def test_two_batches_with_overlapping_keys_in_opposite_orders_never_deadlock(
     assert not errors, errors[0]
     assert all(used(engine, k) == 0 for k in keys)
     assert check_counters_once(engine) == []  # no drift
+
+
+# -- one round trip per transaction on the hot path (issue 12 item 2) ------------------------------------------------
+
+
+def test_park_of_a_plain_arrival_is_the_fast_claim_and_one_call(engine: sa.Engine, ledger: Ledger) -> None:
+    touch(ledger, ["acct:1"])
+    ledger.admit(Arrival("h", key="acct:1"))
+    with statements(engine) as sent:
+        assert ledger.admit(Arrival("p", key="acct:1", queue="q", message={"task": "t"})).verdict is Verdict.PARKED
+    assert len(sent) == 2, sent  # CLAIM_NEW (no room), then keyed_admit_plain
+    assert "keyed_admit_plain" in sent[1]
+    assert parked(engine, "acct:1") == ["p"]
+    assert count(engine, "SELECT waiting FROM keyed_keys WHERE key = 'acct:1'") == 1
+    assert count(engine, "SELECT message ->> 'task' FROM keyed_waiting WHERE task_id = 'p'") == "t"
+
+
+def test_first_use_of_a_key_is_admitted_by_one_call(engine: sa.Engine, ledger: Ledger) -> None:
+    with statements(engine) as sent:
+        assert ledger.admit(Arrival("a", key="acct:new")).verdict is Verdict.ADMITTED
+    assert len(sent) == 2, sent  # CLAIM_NEW (no slot rows yet), then keyed_admit_plain creates and takes them
+    assert used(engine, "acct:new") == 1
+    assert count(engine, "SELECT count(*) FROM keyed_keys WHERE key = 'acct:new'") == 1  # seen (prefix capture)
+
+
+def test_a_full_waiting_room_rejects_in_one_call(engine: sa.Engine, ledger: Ledger) -> None:
+    ledger.configure({"acct": NameConfig("acct", limit=1, max_waiting=1)})
+    touch(ledger, ["acct:1"])
+    ledger.admit(Arrival("h", key="acct:1"))
+    assert ledger.admit(Arrival("p", key="acct:1")).verdict is Verdict.PARKED
+    with statements(engine) as sent:
+        got = ledger.admit(Arrival("r", key="acct:1"))
+    assert got.verdict is Verdict.REJECTED and got.detail == "waiting room of acct:1 is full"
+    assert len(sent) == 2, sent
+    assert count(engine, "SELECT outcome FROM keyed_tasks WHERE task_id = 'r'") == "rejected"
+    assert count(engine, "SELECT waiting FROM keyed_keys WHERE key = 'acct:1'") == 1
+
+
+@pytest.mark.parametrize("contended", [False, True])
+def test_release_and_promote_of_one_plain_key(engine: sa.Engine, ledger: Ledger, contended: bool) -> None:
+    touch(ledger, ["acct:1"])
+    holder = ledger.admit(Arrival("h", key="acct:1"))
+    ledger.admit(Arrival("p", key="acct:1", queue="q", message={"task": "proj.sync"}))
+    with statements(engine) as sent:
+        report = ledger.release(
+            Token("h", 0), holder.fence or 0, Outcome.COMPLETED, contended=contended, local_queues=["q"],
+            local_tasks=["proj.sync"],
+        )
+    assert [p.task_id for p in report.promotions] == ["p"] and report.promotions[0].nonce is None  # local (D4)
+    assert [s.split("(")[0].split()[-1] for s in sent] == ["keyed_release_many", "keyed_promote_plain"], sent
+    assert count(engine, "SELECT holder FROM keyed_claims WHERE task_id = 'p' AND state = 'running'") == HOLDER
+    assert used(engine, "acct:1") == 1 and parked(engine, "acct:1") == []
+    assert count(engine, "SELECT waiting FROM keyed_keys WHERE key = 'acct:1'") == 0
+
+
+def test_release_without_waiters_is_one_call(engine: sa.Engine, ledger: Ledger) -> None:
+    touch(ledger, ["acct:1"])
+    holder = ledger.admit(Arrival("h", key="acct:1"))
+    with statements(engine) as sent:
+        report = ledger.release(Token("h", 0), holder.fence or 0, Outcome.COMPLETED)
+    assert report.released and report.finished == [("h", "completed")]
+    assert len(sent) == 1, sent
+
+
+def test_a_line_whose_head_is_not_plain_is_promoted_by_the_general_path(engine: sa.Engine, ledger: Ledger) -> None:
+    """keyed_promote_plain stops at a head with a group; the rest of the line is promoted in the same
+    transaction by promote.promote_waiters (the grouped head first: FIFO)."""
+    touch(ledger, ["acct:1"])
+    holder = ledger.admit(Arrival("h", key="acct:1"))
+    assert ledger.admit(Arrival("g", key="acct:1", group_key="order:1")).verdict is Verdict.PARKED
+    assert ledger.admit(Arrival("p", key="acct:1")).verdict is Verdict.PARKED
+    report = ledger.release(Token("h", 0), holder.fence or 0, Outcome.COMPLETED, contended=True)
+    assert [(p.task_id, p.group_key) for p in report.promotions] == [("g", "order:1")]
+    assert count(engine, "SELECT group_key FROM keyed_claims WHERE task_id = 'g'") == "order:1"  # the group's slot
+    assert parked(engine, "acct:1") == ["p"]
