@@ -1,6 +1,6 @@
 """The Celery gate with real prefork workers, side by side with plain Celery in one run (DESIGN §8).
 
-    python -m bench.gate [--quick] [--tasks 2000] [--pairs 5] [--keyed-pairs 3] [--control]
+    python -m bench.gate [--quick] [--tasks 2000] [--pairs 5] [--keyed-pairs 3] [--control] [--loop-admission]
 
 Starts its own durable PostgreSQL (fsync on) and a Redis broker (``celery_keyed.testbed``) unless
 ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL`` name servers; creates and migrates a database of its own. Every
@@ -16,6 +16,8 @@ a. Unkeyed tasks, worker with celery-keyed installed (B) vs without (A): interle
    also runs the same pairs as A then A again: the ratio's noise floor on this machine.
 b. Keyed tasks on 1,000 distinct uncontended keys (``concurrency_key="k:{i}"``) vs the same task as plain
    Celery on the same broker, the same way (target ≥ 0.8). The keys' ledger rows are created before (warm keys).
+   ``--loop-admission`` also runs b with admission on the consumer loop (``keyed_admission_batch = 0``, the path
+   before the admission thread): what the thread buys, in the same run.
 c. Handoff on one contended key, K = 1: two c=2 workers already running, a burst of small tasks (5 ms) of one
    key. Handoff = start of a task - end of the task before it on that key (the end is taken just before the task
    returns; the slot is released after that, in the worker's main process). p50 / p99 (target ≤ 5 / ≤ 25 ms),
@@ -91,11 +93,13 @@ def make_app(variant: str, broker_url: str, database_url: str, observer_url: str
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
     )
-    keyed = variant == "keyed"
+    keyed = variant in ("keyed", "keyed-loop")
     if keyed:
         import celery_keyed
 
         app.conf.update(keyed_database_url=database_url, keyed_concurrency_limits=LIMITS)
+        if variant == "keyed-loop":  # admission on the consumer loop, one at a time (the path before issue 13)
+            app.conf.update(keyed_admission_batch=0)
         celery_keyed.install(app)
 
     def task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
@@ -410,7 +414,7 @@ def ratio_pairs(bench: Bench, pairs: int, task: str, n: int, keyed_args: bool, l
         rates.append((a, b))
         ratios.append(b / a)
         published.append(per_task)
-        name = "B keyed" if second == "keyed" else "A again"
+        name = {"keyed": "B keyed", "keyed-loop": "B' keyed, loop admission"}.get(second, "A again")
         print(f"  {label} pair {p + 1}: A plain {a:6.0f} tasks/s, {name} {b:6.0f} tasks/s, ratio {b / a:.3f}",
               flush=True)
     return ratios, rates, published
@@ -460,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keyed-pairs", type=int, help="interleaved pairs of b (default 3, quick 1)")
     parser.add_argument("--handoff-tasks", type=int, help="tasks of c per run (default 200, quick 100)")
     parser.add_argument("--repeats", type=int, help="runs of c and of d (default 2 and 3, quick 1)")
+    parser.add_argument("--loop-admission", action="store_true",
+                        help="also run b's pairs with admission on the consumer loop (keyed_admission_batch = 0)")
     parser.add_argument("--control", action="store_true",
                         help="also run a's pairs as A then A again: the noise floor of a ratio on this machine")
     args = parser.parse_args(argv)
@@ -493,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
               f"tasks, c=2 (warming {KEYS} keys first)", flush=True)
         warm_keys(database_url)
         b_ratios, b_rates, b_published = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b")
+        loop_ratios: list[float] = []
+        if args.loop_admission:
+            print(f"\nb'. the same, admission on the consumer loop (keyed_admission_batch = 0): {keyed_pairs} pairs",
+                  flush=True)
+            loop_ratios, _, _ = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b'", second="keyed-loop")
 
         print(f"\nc. handoff, one key, K = 1: {c_runs} run(s) of {handoff_tasks} tasks of 5 ms, 2 workers c=2",
               flush=True)
@@ -526,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(report(a_ratios, a_rates, b_ratios, b_rates, b_published, c_results, d_results, control))
+    if loop_ratios:
+        print(f"b'. keyed with admission on the loop / plain: median {statistics.median(loop_ratios):.3f} "
+              f"(admission thread: {statistics.median(b_ratios):.3f})")
     print(f"\nload average {load[0]:.1f} at start, {load_end[0]:.1f} at end; total {time.monotonic() - started:.0f} s")
     return 0
 
