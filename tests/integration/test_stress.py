@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, ReleaseRequest, Token, Verdict
 
 KEY = "gate:hot"
 LIMIT = 3
@@ -56,8 +56,10 @@ def _worker(
     lock: Any,
     results: Any,
     start: Any,
+    batch: int = 1,
 ) -> None:
-    """One process of the stress run (module level so that ``spawn`` can import it)."""
+    """One process of the stress run (module level so that ``spawn`` can import it). ``batch`` > 1: arrivals come
+    in batches of that many (``admit_many``) and the attempts admitted together end together (``release_many``)."""
     rng = random.Random(seed)
     engine = sa.create_engine(database_url, pool_size=1, max_overflow=0)
     ledger = Ledger(engine, lease=60)
@@ -66,34 +68,43 @@ def _worker(
     start.wait(timeout=60)
     counts = {"admitted": 0, "parked": 0, "promoted": 0, "released": 0, "unbound": 0, "not_released": 0}
 
-    def run(token: Token, fence: int) -> list[Any]:
-        """Execute an attempt that holds a slot, release it, and return the promotions the release made."""
+    def run(held: list[tuple[Token, int]]) -> list[Any]:
+        """Execute attempts that hold a slot, release them, and return the promotions the releases made."""
         with lock:
-            in_flight.value += 1
+            in_flight.value += len(held)
             if in_flight.value > peak.value:
                 peak.value = in_flight.value
         time.sleep(rng.uniform(0.0, HOLD_MAX))
         with lock:
-            in_flight.value -= 1
-        report = ledger.release(token, fence, Outcome.COMPLETED)
-        if report.released:
-            counts["released"] += 1
+            in_flight.value -= len(held)
+        if batch > 1:
+            reports = ledger.release_many([ReleaseRequest(t, f, Outcome.COMPLETED) for t, f in held])
         else:
-            counts["not_released"] += 1
-        return list(report.promotions)
+            reports = [ledger.release(t, f, Outcome.COMPLETED) for t, f in held]
+        for report in reports:
+            counts["released" if report.released else "not_released"] += 1
+        return [p for report in reports for p in report.promotions]
 
     try:
-        for cycle in range(cycles):
-            arrival = Arrival(task_id=f"p{index}-c{cycle}", attempt=0, key=KEY, message={"p": index, "c": cycle})
-            admission = ledger.admit(arrival)
-            pending = list(admission.promotions)  # attempts ahead of it it started with the room it found
-            if admission.verdict is Verdict.PARKED:
-                counts["parked"] += 1
-            else:
-                assert admission.verdict is Verdict.ADMITTED, admission
-                assert admission.fence is not None
-                counts["admitted"] += 1
-                pending += run(arrival.token, admission.fence)
+        for first in range(0, cycles, batch):
+            arrivals = [
+                Arrival(task_id=f"p{index}-c{cycle}", attempt=0, key=KEY, message={"p": index, "c": cycle})
+                for cycle in range(first, min(first + batch, cycles))
+            ]
+            admissions = ledger.admit_many(arrivals) if batch > 1 else [ledger.admit(arrivals[0])]
+            held = []
+            pending = []
+            for arrival, admission in zip(arrivals, admissions, strict=True):
+                pending += list(admission.promotions)  # attempts ahead of it it started with the room it found
+                if admission.verdict is Verdict.PARKED:
+                    counts["parked"] += 1
+                else:
+                    assert admission.verdict is Verdict.ADMITTED, admission
+                    assert admission.fence is not None
+                    counts["admitted"] += 1
+                    held.append((arrival.token, admission.fence))
+            if held:
+                pending += run(held)
             while pending:  # promotions this process was handed: bind and run them here (D4)
                 promotion = pending.pop()
                 fence = ledger.bind(promotion.token, promotion.nonce)
@@ -101,7 +112,7 @@ def _worker(
                     counts["unbound"] += 1
                     continue
                 counts["promoted"] += 1
-                pending += run(promotion.token, fence)
+                pending += run([(promotion.token, fence)])
     finally:
         engine.dispose()
     results.put((index, counts))
@@ -117,7 +128,7 @@ def _deadlocks(engine: sa.Engine) -> int:
         )
 
 
-def stress(database_url: str, processes: int, cycles: int) -> StressResult:
+def stress(database_url: str, processes: int, cycles: int, *, batch: int = 1) -> StressResult:
     """Run the stress workload on a migrated database and check every invariant; what was observed."""
     engine = sa.create_engine(database_url)
     try:
@@ -135,7 +146,7 @@ def stress(database_url: str, processes: int, cycles: int) -> StressResult:
     workers = [
         ctx.Process(
             target=_worker,
-            args=(database_url, i, cycles, 1000 + i, in_flight, peak, lock, results, start),
+            args=(database_url, i, cycles, 1000 + i, in_flight, peak, lock, results, start, batch),
             name=f"stress-{i}",
         )
         for i in range(processes)
@@ -210,6 +221,13 @@ def stress(database_url: str, processes: int, cycles: int) -> StressResult:
 def test_stress_hot_gate_small(database_url: str) -> None:
     """4 processes x 150 cycles on one gate, K = 3, 2 shards (the default suite's version)."""
     result = stress(database_url, processes=4, cycles=150)
+    assert result.parked > 0, "no attempt was ever parked: the run did not contend"
+
+
+def test_stress_hot_gate_batched(database_url: str) -> None:
+    """The same with arrivals in batches of 3 (admit_many) and the attempts admitted together released together
+    (release_many)."""
+    result = stress(database_url, processes=4, cycles=150, batch=3)
     assert result.parked > 0, "no attempt was ever parked: the run did not contend"
 
 
