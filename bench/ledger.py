@@ -16,12 +16,19 @@ connection):
   self-committing statement (no BEGIN / COMMIT round trips) — the fair baseline for the ledger's fast paths,
   which run that way too (``Ledger.admit`` / ``Ledger.release``: ``admit_autocommit`` / ``release_autocommit``).
 
+- ledger, batch of 8 — ``admit_many`` of 8 arrivals on 8 of the client's mutex keys, then ``release_many`` of the 8
+  (one ``keyed_claim_many`` and one ``keyed_release_many`` call); its rate is reported in batches/s and compared,
+  as 8 x batches/s, with the unbatched mutex cycle rate (target ≥ 3x).
+
 A cycle is one claim then one release; the claim latency is the wall time of the first. Ratios: mutex keys vs
 raw 1,000 rows, hot gate vs raw single row, each against both raw patterns (target ≥ 0.7), 8 shards vs 1 shard
 (target ≥ 1.25). With ``--rounds N`` the scenarios are interleaved N times and the medians are reported.
 
 A profile (one client, no contention) follows the table: the statements each claim and release sends, their
-mean time, and the WAL each cycle writes — the "why" when a ratio misses its target.
+mean time, and the WAL each cycle writes — the "why" when a ratio misses its target. Then the hot path, one client:
+the p50 / p99 of a park (an arrival on a held mutex key: the fast claim, then ``keyed_admit_plain``) and of a
+release-and-promote of that key (``keyed_release_many`` then ``keyed_promote_plain``), with and without
+``contended`` (targets ≤ 2 ms p50).
 """
 
 from __future__ import annotations
@@ -42,10 +49,11 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, migrate
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, ReleaseRequest, Token, Verdict, migrate
 
 KEYS = 1000
 GATE_LIMIT = 100
+BATCH = 8
 
 RAW_CREATE = sa.text("CREATE TABLE counter (id integer PRIMARY KEY, n bigint NOT NULL DEFAULT 0)")
 RAW_FILL = sa.text("INSERT INTO counter (id) SELECT g FROM generate_series(1, :rows) AS g")
@@ -72,6 +80,7 @@ SCENARIOS = [
     Scenario("gate1", f"ledger, hot gate K={GATE_LIMIT}, 1 shard", "ledger", key="gate1:stripe"),
     Scenario("gate8", f"ledger, hot gate K={GATE_LIMIT}, 8 shards", "ledger", key="gate8:stripe"),
     Scenario("multi", "ledger, 1,000 keys + a 2nd key each (multi-key)", "ledger"),
+    Scenario("batch8", f"ledger, batch of {BATCH}, 1,000 mutex keys (batches/s)", "ledger"),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 NAMES = {
@@ -116,6 +125,10 @@ class Driver:
         if scenario.key is not None:
             key = scenario.key
             return lambda i: self.ledger_cycle(key)
+        if scenario.name == "batch8":
+            return lambda i: self.batch_cycle(
+                [f"acct:{self.mine[(i * BATCH + j) % len(self.mine)]}" for j in range(BATCH)]
+            )
         if scenario.name == "multi":
             return lambda i: self.ledger_cycle(
                 f"tenant:{self.mine[i % len(self.mine)]}", (f"region:{self.mine[i % len(self.mine)] % 8}",)
@@ -143,6 +156,27 @@ class Driver:
         report = self.ledger.release(Token(task_id, 0), admission.fence, Outcome.COMPLETED)
         if not report.released or report.promotions:
             raise RuntimeError(f"{key}: unexpected release report {report}")
+        self.counted["release"] += self.statements - sent
+        return claim
+
+    def batch_cycle(self, keys: list[str]) -> float:
+        """admit_many of one arrival per key, then release_many of them all; the admit_many's wall time."""
+        arrivals = []
+        for key in keys:
+            self.seq += 1
+            arrivals.append(Arrival(task_id=f"{self.prefix}-{self.seq}", key=key))
+        sent = self.statements
+        started = time.perf_counter()
+        admissions = self.ledger.admit_many(arrivals)
+        claim = time.perf_counter() - started
+        if any(a.verdict is not Verdict.ADMITTED or a.fence is None for a in admissions):
+            raise RuntimeError(f"batch: {admissions} (the benchmark never fills a key)")
+        self.counted["claim"] += self.statements - sent
+        sent = self.statements
+        done = zip(arrivals, admissions, strict=True)
+        reports = self.ledger.release_many([ReleaseRequest(a.token, m.fence or 0, Outcome.COMPLETED) for a, m in done])
+        if not all(r.released and not r.promotions for r in reports):
+            raise RuntimeError(f"batch: unexpected release reports {reports}")
         self.counted["release"] += self.statements - sent
         return claim
 
@@ -389,6 +423,58 @@ def profile(url: str, cycles: int = 300) -> list[str]:
     return lines
 
 
+def hot_path(url: str, samples: int = 300) -> list[str]:
+    """One client on one mutex key: the latency of a park (an arrival while the key is held) and of the
+    release-and-promote that hands the key to it (bound by its nonce afterwards, untimed), alternately with and
+    without ``contended``; p50 / p99 against the targets (≤ 2 ms p50)."""
+    engine = sa.create_engine(url, pool_size=1, max_overflow=0)
+    ledger = Ledger(engine, lease=60)
+    prefix = f"hot-{uuid.uuid4().hex[:8]}"
+    key = f"acct:{prefix}"
+    park: list[float] = []
+    handoff: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        holder = ledger.admit(Arrival(task_id=f"{prefix}-0", key=key))
+        token, fence = Token(f"{prefix}-0", 0), holder.fence or 0
+        for i in range(1, samples + 21):
+            arrival = Arrival(task_id=f"{prefix}-{i}", key=key)
+            started = time.perf_counter()
+            admission = ledger.admit(arrival)
+            parked_in = time.perf_counter() - started
+            if admission.verdict is not Verdict.PARKED:
+                raise RuntimeError(f"hot path: the arrival was not parked: {admission}")
+            contended = bool(i % 2)
+            started = time.perf_counter()
+            report = ledger.release(token, fence, Outcome.COMPLETED, contended=contended)
+            promoted_in = time.perf_counter() - started
+            if len(report.promotions) != 1 or report.promotions[0].nonce is None:
+                raise RuntimeError(f"hot path: the release did not promote the parked arrival: {report}")
+            promotion = report.promotions[0]
+            fence = ledger.bind(promotion.token, promotion.nonce) or 0
+            token = promotion.token
+            if i > 20:  # warm: psycopg prepares a statement after 5 executions
+                park.append(parked_in)
+                handoff[contended].append(promoted_in)
+        ledger.release(token, fence, Outcome.COMPLETED)
+    finally:
+        engine.dispose()
+
+    def p(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+    return [
+        f"  park: p50 {p(park, 0.5):.2f} ms, p99 {p(park, 0.99):.2f} ms (target p50 ≤ 2 ms; fast claim + "
+        "keyed_admit_plain)",
+        *(
+            f"  release-and-promote{' (contended: one transaction)' if c else ' (uncontended)'}: "
+            f"p50 {p(handoff[c], 0.5):.2f} ms, p99 {p(handoff[c], 0.99):.2f} ms (target p50 ≤ 2 ms; "
+            "keyed_release_many + keyed_promote_plain)"
+            for c in (True, False)
+        ),
+    ]
+
+
 # -- main ---------------------------------------------------------------------------------------------------------
 
 
@@ -422,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             clients.close()
             engine.dispose()
         lines = [] if args.no_profile else profile(url)
+        hot = hot_path(url)
 
     print()
     print(table(measures, args.rounds))
@@ -429,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("Profile (single client, no contention):")
         print("\n".join(lines))
+    print()
+    print("Hot path (single client, one mutex key):")
+    print("\n".join(hot))
     print(f"\n(total {time.monotonic() - started:.0f} s)")
     return 0
 
@@ -460,8 +550,14 @@ def table(measures: dict[str, Measure], rounds: int) -> str:
         rows.append(f"| {s.label} | {m.rate:.0f}{spread} | {m.percentile(0.50):.2f} | {m.percentile(0.99):.2f} "
                     f"| {sent} | {statistics.median(m.wal):.0f} | {ratio} |")
     g1, g8 = measures["gate1"], measures["gate8"]
-    multi, mutex = measures["multi"], measures["mutex"]
+    multi, mutex, batch = measures["multi"], measures["mutex"], measures["batch8"]
     rows.append("")
+    rows.append(
+        f"batch of {BATCH} vs the unbatched mutex cycle: {BATCH * batch.rate / mutex.rate:.2f}x claim+release "
+        f"cycles/s ({BATCH} x {batch.rate:.0f} batches/s vs {mutex.rate:.0f}; target ≥ 3x); statements per batch "
+        f"{statistics.mean(x['claim'] for x in batch.statements):.2f} admit_many / "
+        f"{statistics.mean(x['release'] for x in batch.statements):.2f} release_many"
+    )
     rows.append(
         f"multi-key (2 keys per claim) vs single-key, 1,000 keys: {multi.rate / mutex.rate:.2f}x throughput; "
         f"statements per claim {statistics.mean(x['claim'] for x in multi.statements):.2f} vs "
