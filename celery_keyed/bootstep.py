@@ -1,4 +1,5 @@
-"""``KeyedGate``: the consumer bootstep that owns the gate service (ledger pool, heartbeat, sweeper, breaker).
+"""``KeyedGate``: the consumer bootstep that owns the gate service (its ledger pool and the services of
+celery_keyed/worker/: admission, releaser, heartbeat, sweeper, handoff, breaker, revokes).
 
 Like Celery's own consumer steps it is a thin start/stop wrapper; it restarts with the consumer on every
 broker reconnect, and ``stop``/``shutdown`` are safe to call twice. It also makes Celery's ``revoke`` remote

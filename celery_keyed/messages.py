@@ -8,7 +8,7 @@ from typing import Any
 
 from kombu.message import Message
 
-from celery_keyed.task import HEADER_NONCE
+from celery_keyed.headers import HEADER_NONCE
 
 #: Message properties worth keeping (the rest are per-delivery: delivery tags, body encoding…).
 _KEPT_PROPERTIES = ("priority", "correlation_id", "reply_to")

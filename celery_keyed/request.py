@@ -16,7 +16,7 @@ from billiard.exceptions import WorkerLostError
 from celery.exceptions import Ignore, Reject, Retry, Terminated, TimeLimitExceeded
 from celery.worker.request import Request
 
-from celery_keyed.ledger.attempts import Outcome
+from celery_keyed.ledger import Outcome
 
 
 class KeyedRequest(Request):

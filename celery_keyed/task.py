@@ -16,19 +16,22 @@ from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, over
 
 from celery import Task, shared_task
 
+from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names are part of task.py's API)
+    GATE_HEADERS,
+    HEADER_COST,
+    HEADER_FAIR,
+    HEADER_GROUP,
+    HEADER_GROUP_SEQ,
+    HEADER_KEY,
+    HEADER_NONCE,
+    HEADER_SUPERSEDE,
+    INHERITED,
+    NOT_INHERITED,
+    OPTION_OF_HEADER,
+)
 from celery_keyed.ledger import InvalidKey, normalize_key
 
 logger = logging.getLogger("celery_keyed")
-
-#: Message headers of the gate. ``keyed_nonce`` is an admission token (D5) and never survives a retry or a copy.
-HEADER_KEY = "keyed_key"
-HEADER_GROUP = "keyed_group"
-HEADER_GROUP_SEQ = "keyed_group_seq"
-HEADER_SUPERSEDE = "keyed_supersede"
-HEADER_NONCE = "keyed_nonce"
-HEADER_COST = "keyed_cost"
-HEADER_FAIR = "keyed_fair"
-GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR)
 
 KeySpec = str | tuple[str, Any] | Callable[..., Any] | list[Any] | None
 
@@ -75,22 +78,12 @@ class KeyedTask(Task):
             if name in options
         }
         connection = options.pop("keyed_connection", None)
-        stripped = (HEADER_NONCE, "keyed_fence")  # an admission token and a fence never survive a retry or a copy
-        headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in stripped}
-        inherited = {
-            h: headers.pop(h)
-            for h in (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR)
-            if h in headers
-        }
+        # An admission token and a fence never survive a retry or a copy (headers.NOT_INHERITED).
+        headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in NOT_INHERITED}
+        inherited = {h: headers.pop(h) for h in INHERITED if h in headers}
         computed = self.keyed_headers(args, kwargs, explicit)
         # A retry or a copy keeps the keys it was sent with, unless the call names new ones.
-        for header, option in (
-            (HEADER_KEY, "concurrency_key"),
-            (HEADER_GROUP, "group_key"),
-            (HEADER_SUPERSEDE, "supersede_key"),
-            (HEADER_COST, "concurrency_cost"),
-            (HEADER_FAIR, "fair_key"),
-        ):
+        for header, option in OPTION_OF_HEADER.items():
             if option not in explicit and header in inherited:
                 computed[header] = inherited[header]
         if HEADER_GROUP in computed:

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_keyed.gate import GateService, _Running
+from celery_keyed.gate import GateService, Running
 from celery_keyed.ledger import Arrival, Token
 from celery_keyed.settings import read_settings
 
@@ -32,7 +32,7 @@ def _track(gate: GateService, task_id: str, key: str, *, started: bool, age: flo
     request = SimpleNamespace(
         name="t", keyed_started=started, keyed_claim=(token, admission.fence), keyed_arrival_key=key
     )
-    gate._running[token] = _Running(request, token, admission.fence, claimed_at=time.monotonic() - age)
+    gate.running[token] = Running(request, token, admission.fence, claimed_at=time.monotonic() - age)
     return request
 
 
@@ -55,7 +55,7 @@ def test_a_reclaimed_slot_is_noticed_and_no_longer_tracked(gate: GateService, en
         conn.execute(sa.text("DELETE FROM keyed_claims WHERE task_id = 'lost'"))
     gate.heartbeat_once()
     assert request.keyed_claim is None
-    assert Token("lost", 0) not in gate._running
+    assert Token("lost", 0) not in gate.running
 
 
 def test_a_release_on_the_releaser_thread_hands_its_local_promotion_to_the_woken_loop(database_url: str) -> None:
@@ -121,13 +121,13 @@ def test_a_release_on_the_releaser_thread_hands_its_local_promotion_to_the_woken
         gate.release(request, Outcome.COMPLETED)
         assert started.wait(10), "the promotion did not reach the loop"
         assert seen == {"thread": loop_thread.ident, "task_id": "next"}
-        assert Token("next", 0) in gate._prebound  # bound to this worker in the promotion's transaction
+        assert Token("next", 0) in gate.handoff.prebound  # bound to this worker in the promotion's transaction
         with gate.engine.connect() as conn:
             claims = conn.execute(sa.text("SELECT task_id, holder FROM keyed_claims")).all()
         assert [(c.task_id, c.holder) for c in claims] == [("next", gate.ledger.holder)]
     finally:
         stop.set()
-        gate._wake_loop()
+        gate.handoff.wake_loop()
         loop_thread.join(timeout=5)
         gate.close()
         hub.close()
@@ -180,7 +180,7 @@ def test_a_local_promotion_celery_discards_as_revoked_gives_its_slot_back(databa
             used = conn.execute(sa.text("SELECT coalesce(sum(used), 0) FROM keyed_slots")).scalar()
             outcome = conn.execute(sa.text("SELECT outcome FROM keyed_tasks WHERE task_id = 'gone'")).scalar()
         assert (claims, used, outcome) == (0, 0, "revoked")
-        assert Token("gone", 0) not in gate._prebound
+        assert Token("gone", 0) not in gate.handoff.prebound
     finally:
         worker_state.revoked.discard("gone")
         gate.close()

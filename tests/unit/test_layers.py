@@ -41,17 +41,12 @@ IMPORTERS = ("celery_keyed", "django_app", "example_project", "bench")
 
 #: SQL outside the ledger that stays, each with why. Everything else goes through celery_keyed.ledger.
 SQL_EXCEPTIONS = {
-    # The circuit breaker's probe (D9), twice: Ledger.ping() is the seam for it; gate.py is being reworked
-    # (issue 13), which moves it there.
-    ("celery_keyed/gate.py", "SELECT 1"): 2,
     # The throwaway server's readiness probe (psycopg, before any ledger exists): not a ledger statement.
     ("celery_keyed/testbed.py", "SELECT 1"): 1,
 }
 
 #: Ledger modules imported directly from outside it, each with why (to be routed through celery_keyed.ledger).
 IMPORT_EXCEPTIONS = {
-    # request.py is being reworked with gate.py (issue 13); Outcome is exported by celery_keyed.ledger.
-    ("celery_keyed/request.py", "celery_keyed.ledger.attempts"),
     # The Django app (being reworked: admin split, keyed_limits): all of these are exported by celery_keyed.ledger
     # except force_release.
     ("django_app/celery_keyed_django/ledger.py", "celery_keyed.ledger.bounds"),

@@ -1,0 +1,46 @@
+"""Every message header of the gate, and what survives a retry or a copy. Imports nothing of celery-keyed, so
+the producer side (task.py), the stored messages (messages.py) and the worker (worker/intake.py) share it
+without importing each other.
+
+A keyed call carries its keys at the top level of the message headers (Celery hands them to ``task.request``);
+a worker that gets a message without them (``send_task`` from a foreign producer) computes them from the
+arguments again.
+"""
+
+from __future__ import annotations
+
+#: The concurrency key (a string) or keys (a list, claimed all-or-nothing).
+HEADER_KEY = "keyed_key"
+#: The group key (ordered stream per group).
+HEADER_GROUP = "keyed_group"
+#: The group sequence number allocated at publish (D10).
+HEADER_GROUP_SEQ = "keyed_group_seq"
+#: The supersede key (overflow policy ``supersede``).
+HEADER_SUPERSEDE = "keyed_supersede"
+#: A promotion's admission token (D5): never survives a retry or a copy.
+HEADER_NONCE = "keyed_nonce"
+#: Slots the attempt takes of each of its keys (sent only when not 1).
+HEADER_COST = "keyed_cost"
+#: Whose share of a ``fair`` name's slots the call uses.
+HEADER_FAIR = "keyed_fair"
+#: The attempt's fence number, set by the worker in the request it runs (``self.request.keyed_fence``, D7); Celery
+#: copies request fields into a retry's headers, so it is stripped there like the nonce.
+HEADER_FENCE = "keyed_fence"
+
+GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR)
+
+#: Never survive a retry or a copy: an admission token and a fence belong to one attempt.
+NOT_INHERITED = (HEADER_NONCE, HEADER_FENCE)
+
+#: What a retry or a copy keeps from the headers it was sent with, unless the call names new keys.
+INHERITED = (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR)
+
+#: The task option (class attribute or ``apply_async`` keyword) each header is computed from, in the order the
+#: producer computes them. ``keyed_group_seq`` has no option: it is allocated at publish.
+OPTION_OF_HEADER = {
+    HEADER_KEY: "concurrency_key",
+    HEADER_GROUP: "group_key",
+    HEADER_SUPERSEDE: "supersede_key",
+    HEADER_COST: "concurrency_cost",
+    HEADER_FAIR: "fair_key",
+}

@@ -1,0 +1,396 @@
+"""Handoff and wake-up: how promotions start (D4, D5), and how the other threads hand work to the consumer loop.
+
+A promotion is an attempt given a slot by the ledger (a release, a sweep, a reclaim, an admission that found
+room for waiters ahead of it). ``route`` is the one dispatch policy: run it here from its stored message (local
+handoff: this worker consumes its queue, on the consumer loop), hand it to the loop first (found off the loop),
+or republish it with its nonce for any worker. A promotion bound to this worker in its releaser's transaction
+(no nonce) waits in ``prebound`` until a pool process starts it; it is renewed by the heartbeat (D13),
+confirmed by a guarded statement when it starts (D14, ``confirm_prebound``), and given back when it waited too
+long or the worker shuts down (``give_back_prebound``).
+
+The loop-calls pipe: kombu's channel and Celery's consumer belong to the loop thread, so other threads never
+touch them. They append to ``_to_loop`` (promotions to start here) or ``_loop_calls`` (deferred broker acks,
+admission verdicts, events) and write a byte to a pipe whose read end the loop's hub watches (``attach``); the
+loop drains both when it wakes (``drain``). On a transport without a hub (polling), a short loop timer drains.
+
+Threads and fields:
+
+- ``prebound``: under ``lock`` (the gate's lock, shared with its running table so the heartbeat copies both at
+  once); written by the loop (``run_here``, admission), the admission thread (``confirm_prebound``) and the
+  heartbeat (lapsed or stale entries).
+- ``_to_loop``, ``_loop_calls``: appended by any thread, popped by the loop only (deques: thread-safe ends).
+- ``_waker``: (hub, read fd, write fd); set on the loop at every consumer start, read by any thread to wake
+  the loop, closed at shutdown once the other threads are stopped.
+- ``_handoff_strategies``: the loop's only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from celery.worker import state as worker_state
+from celery.worker.strategy import default as default_strategy
+
+from celery_keyed.ledger import Outcome, Promotion, Token
+from celery_keyed.messages import republish, restore_message
+from celery_keyed.worker.breaker import UNREACHABLE
+
+if TYPE_CHECKING:
+    from celery_keyed.gate import GateService
+
+logger = logging.getLogger("celery_keyed")
+
+
+@dataclass
+class Prebound:
+    """A promotion bound to this worker in its releaser's transaction (D4), whose request waits for a pool
+    process. Its claim is renewed like a running one (D13); it is confirmed by a guarded statement when it
+    starts (D14), and given back when it has waited too long (the line must not stay pinned to a busy pool)."""
+
+    fence: int
+    key: str | None
+    since: float = field(default_factory=time.monotonic)
+
+
+class Route(enum.Enum):
+    """Where a promotion goes (``route``)."""
+
+    RUN_HERE = "run here"  # on the consumer loop, from its stored message
+    TO_LOOP = "to the loop"  # found off the loop: queued for the loop, which runs it here
+    REPUBLISH = "republish"  # published with its nonce for any worker (or, bound here, back in line)
+
+
+def route(
+    promotion: Promotion,
+    *,
+    on_loop: bool,
+    closed: bool,
+    local_handoff: bool,
+    consumes: bool,
+    pool_has_room: bool,
+    loop_runs: bool,
+) -> Route:
+    """The dispatch policy of promotions, in one place.
+
+    - Shutting down (``closed``): this worker starts nothing new — republish.
+    - A promotion with a nonce (not bound here yet) while the pool is busy: a busy pool would keep it waiting
+      while other workers idle — republish for any worker.
+    - Local handoff off (``keyed_local_handoff``), or a queue or task this worker does not consume — republish.
+    - On the loop: run it here (D4, no broker round trip); off the loop: hand it to the loop when one runs for
+      us (its timers), else republish.
+    """
+    if closed:
+        return Route.REPUBLISH
+    if promotion.nonce is not None and not pool_has_room:
+        return Route.REPUBLISH
+    if not (local_handoff and consumes):
+        return Route.REPUBLISH
+    if on_loop:
+        return Route.RUN_HERE
+    return Route.TO_LOOP if loop_runs else Route.REPUBLISH
+
+
+class Handoff:
+    """Dispatch of promotions and the loop-calls pipe of one gate. ``drain`` is the loop's ``*_once``: it runs
+    what the threads handed over; ``attach`` / ``detach`` are safe to call twice."""
+
+    def __init__(self, gate: GateService, lock: threading.Lock) -> None:
+        self.gate = gate
+        self.lock = lock
+        self.prebound: dict[Token, Prebound] = {}  # promotions bound to us at promotion time (D4); under lock
+        self._to_loop: deque[Promotion] = deque()  # promotions found off the loop, to start on it (D4)
+        self._loop_calls: deque[Callable[[], None]] = deque()  # work for the loop thread (deferred broker acks)
+        self._waker: tuple[Any, int, int] | None = None  # (hub, read fd, write fd): threads wake the loop
+        self._handoff_strategies: dict[str, tuple[Any, Any, Any]] = {}  # task name -> (strategy, dispatcher, ours)
+
+    # -- the loop-calls pipe -----------------------------------------------------------------------------
+
+    def attach(self, hub: Any) -> None:
+        """Let the threads wake the consumer loop the moment they hand it work (a pipe the hub reads): no
+        polling timer between a promotion found off the loop and its start. Re-attached on every consumer
+        start (the hub forgets its readers when the connection resets); the pipe lives as long as the gate."""
+        if self._waker is None:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(read_fd, False)
+            os.set_blocking(write_fd, False)
+            self._waker = (hub, read_fd, write_fd)
+        else:
+            self._waker = (hub, self._waker[1], self._waker[2])
+        hub.add_reader(self._waker[1], self._on_wake)
+
+    def detach(self) -> None:
+        """The consumer stops: its hub no longer reads the pipe (which stays, for the next start)."""
+        if self._waker is not None:
+            with contextlib.suppress(Exception):
+                self._waker[0].remove_reader(self._waker[1])
+
+    def close(self) -> None:
+        """Shutdown, once the threads are stopped (nobody writes to the pipe any more): close it."""
+        waker, self._waker = self._waker, None
+        if waker is not None:
+            for fd in waker[1:]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def loop_runs(self) -> bool:
+        """Whether a consumer loop takes work from us (the pipe, or the gate's loop timers)."""
+        return self._waker is not None or bool(self.gate.timers)
+
+    def wake_loop(self) -> None:
+        """Any thread: make the consumer loop run ``drain`` soon."""
+        waker = self._waker
+        if waker is None:
+            return
+        with contextlib.suppress(OSError):  # BlockingIOError: the pipe is full, so a wakeup is pending anyway
+            os.write(waker[2], b"\0")
+
+    def call_on_loop(self, call: Callable[[], None]) -> None:
+        """Any thread: run ``call`` on the consumer loop soon (woken through the pipe, or the polling timer);
+        at once when no loop runs for us (the consumer is stopped: the caller is then Celery's own thread)."""
+        if not self.loop_runs():
+            call()
+            return
+        self.defer(call)
+
+    def defer(self, call: Callable[[], None]) -> None:
+        """Any thread: queue ``call`` for the loop and wake it (the caller knows a loop runs for us)."""
+        self._loop_calls.append(call)
+        self.wake_loop()
+
+    def run_loop_calls(self) -> None:
+        """Loop thread: run the calls the threads handed over, in order."""
+        while self._loop_calls:
+            call = self._loop_calls.popleft()
+            try:
+                call()
+            except Exception:
+                logger.exception("celery-keyed: deferred work on the consumer loop failed")
+
+    def _on_wake(self, *args: Any) -> None:
+        waker = self._waker
+        if waker is not None:
+            with contextlib.suppress(OSError):
+                while os.read(waker[1], 4096):  # read before draining: a later write wakes us again
+                    pass
+        self.drain()
+
+    def drain(self) -> None:
+        """Consumer loop (woken by a thread, or on a timer): run the calls handed over, start the promotions the
+        threads found; follow the breaker with the keyed-only queues."""
+        self.run_loop_calls()
+        while self._to_loop:
+            self.dispatch([self._to_loop.popleft()], local=True)
+        self.gate.breaker.sync_keyed_queues()
+
+    # -- dispatch of promotions --------------------------------------------------------------------------
+
+    def dispatch(self, promotions: list[Promotion], *, local: bool) -> None:
+        """Start promoted attempts where ``route`` says. ``local``: the caller is the consumer loop's thread."""
+        gate = self.gate
+        for promotion in promotions:
+            closed, local_handoff = gate.closed, gate.settings.local_handoff
+            where = route(
+                promotion,
+                on_loop=local,
+                closed=closed,
+                local_handoff=local_handoff,
+                consumes=local_handoff and not closed and self.consumes(promotion),  # looked up only when it counts
+                pool_has_room=promotion.nonce is None or self.pool_has_room(),
+                loop_runs=bool(gate.timers),
+            )
+            if where is Route.TO_LOOP:
+                self._to_loop.append(promotion)
+                self.wake_loop()
+                continue
+            if where is Route.RUN_HERE:
+                try:
+                    self.run_here(promotion)
+                    continue
+                except Exception:
+                    logger.exception("celery-keyed: local handoff of %s failed; republishing", promotion.task_id)
+            self.republish_now(promotion)
+
+    def local_handoff(self) -> tuple[list[str] | None, list[str] | None]:
+        """Queues (names and routing keys) and tasks this worker consumes, for promotions bound to it at once
+        (D4, no bind round trip); None when local handoff is off."""
+        gate = self.gate
+        consumer = gate.consumer
+        task_consumer = getattr(consumer, "task_consumer", None)
+        if not gate.settings.local_handoff or task_consumer is None or gate.closed or not self.pool_has_room():
+            return None, None
+        queues = getattr(task_consumer, "queues", ())
+        return [q.name for q in queues] + [q.routing_key for q in queues], list(consumer.strategies)
+
+    def pool_has_room(self) -> bool:
+        """Whether a pool process is free for one more request now: fewer requests received and not finished
+        than pool processes. A promotion bound here while the pool is busy would hold its slot and keep its
+        line waiting on this worker while others idle; it is published for any worker instead."""
+        pool = getattr(self.gate.consumer, "pool", None)
+        size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
+        if not isinstance(size, int) or size <= 0:
+            return True
+        return len(worker_state.reserved_requests) < size
+
+    def consumes(self, promotion: Promotion) -> bool:
+        """Whether this worker consumes the promotion's queue and knows its task."""
+        consumer = self.gate.consumer
+        record = promotion.message or {}
+        task_consumer = getattr(consumer, "task_consumer", None)
+        if task_consumer is None or record.get("task") not in consumer.strategies:
+            return False
+        names = {q.name for q in getattr(task_consumer, "queues", ())}
+        routing_keys = {q.routing_key for q in getattr(task_consumer, "queues", ())}
+        return record.get("routing_key") in names | routing_keys
+
+    def run_here(self, promotion: Promotion) -> None:
+        """Loop thread: start the promotion from its stored message through the consumer's strategy."""
+        record = promotion.message
+        if promotion.nonce is None:  # already bound to this worker in the promotion's transaction
+            with self.lock:
+                self.prebound[promotion.token] = Prebound(promotion.fence, promotion.key)
+        message = restore_message(record, nonce=None if promotion.nonce is None else str(promotion.nonce))
+        strategy = self._handoff_strategy(record["task"])
+        try:
+            strategy(message, None, _already_acked, _already_acked, set())
+        except Exception:
+            with self.lock:
+                self.prebound.pop(promotion.token, None)
+            raise
+        self.gate.announce_promoted(promotion, local=True)
+        if promotion.token in self.prebound and promotion.task_id in worker_state.revoked:
+            self.revoked_before_start(promotion.token, promotion.key)  # Celery's strategy discarded it
+
+    def _handoff_strategy(self, task_name: str) -> Any:
+        """The consumer's strategy for ``task_name``, built once more with an event dispatcher that leaves out
+        ``task-received``: a promotion started here was received (and announced) when it first arrived; every
+        later event of its request (started, succeeded…) is sent as usual. Rebuilt when Celery rebuilds its
+        strategies (on every broker reconnect)."""
+        consumer = self.gate.consumer
+        strategy = consumer.strategies[task_name]
+        dispatcher = getattr(consumer, "event_dispatcher", None)
+        if dispatcher is None or not getattr(dispatcher, "enabled", False):
+            return strategy
+        cached = self._handoff_strategies.get(task_name)
+        if cached is not None and cached[0] is strategy and cached[1] is dispatcher:
+            return cached[2]
+        app = self.gate.app
+        task = app.tasks[task_name]
+        handoff = default_strategy(task, app, _HandoffConsumer(consumer, _NoReceivedEvent(dispatcher)))
+        self._handoff_strategies[task_name] = (strategy, dispatcher, handoff)
+        return handoff
+
+    def republish_now(self, promotion: Promotion) -> None:
+        """Any thread: publish the promotion for any worker; bound here (no nonce): back in line."""
+        if promotion.nonce is None:
+            # Bound to this worker but it cannot start it here: it goes back in line from its stored message.
+            logger.warning("celery-keyed: could not start promoted %s here; it goes back in line", promotion.task_id)
+            self.gate.releaser.hand_over(
+                promotion.token,
+                promotion.fence,
+                Outcome.WORKER_LOST,
+                key=promotion.key,
+                name="",
+                contended=True,
+                on_loop=False,
+            )
+            return
+        try:
+            republish(self.gate.app, promotion.message, nonce=str(promotion.nonce))
+            self.gate.announce_promoted(promotion, local=False)
+        except Exception:
+            # The promotion stays in the ledger; the reaper re-parks it after the dispatch timeout (D5).
+            logger.exception("celery-keyed: could not republish promoted %s", promotion.task_id)
+
+    # -- promotions bound here (D4, D14) -----------------------------------------------------------------
+
+    def confirm_prebound(self, token: Token) -> int | None:
+        """D14: a promotion bound to this worker earlier (D4) starts only if its claim is still this worker's,
+        with the same fence (one guarded statement, which also renews the lease). None: not bound here, or its
+        claim lapsed while it waited (then it is admitted as usual: the ledger has put it back in line, so this
+        copy is a duplicate)."""
+        with self.lock:
+            prebound = self.prebound.pop(token, None)
+        if prebound is None:
+            return None
+        try:
+            confirmed = self.gate.ledger.confirm(token, prebound.fence)
+        except UNREACHABLE:
+            with self.lock:
+                self.prebound.setdefault(token, prebound)  # held with the request; confirmed when resubmitted
+            raise
+        if not confirmed:
+            logger.warning(
+                "celery-keyed: the claim of promoted %s attempt %d lapsed before a pool process could start it; "
+                "admitting it as usual",
+                token.task_id,
+                token.attempt,
+            )
+            return None
+        return prebound.fence
+
+    def revoked_before_start(self, token: Token, key: str | None) -> None:
+        """A promotion bound to this worker (D4) whose request Celery discarded as revoked: give its slot back
+        with outcome ``revoked``."""
+        with self.lock:
+            prebound = self.prebound.pop(token, None)
+        if prebound is not None:
+            self.gate.releaser.hand_over(token, prebound.fence, Outcome.REVOKED, key=key, name="", contended=True)
+
+    def give_back_prebound(self, stale: Callable[[Prebound], bool], why: str, *, on_loop: bool = True) -> None:
+        """Promotions bound here (D4) whose request has not started go back in line (outcome "worker lost": the
+        ledger restores them from their stored message and gives the slot to the next in line, which may be
+        another worker). The request, if it reaches a pool process later, is then a duplicate (D14, D8)."""
+        with self.lock:
+            taken = [(token, p) for token, p in self.prebound.items() if stale(p)]
+            for token, _ in taken:
+                del self.prebound[token]
+        for token, p in taken:
+            logger.warning(
+                "celery-keyed: promoted %s attempt %d goes back in line: %s", token.task_id, token.attempt, why
+            )
+            self.gate.releaser.hand_over(
+                token, p.fence, Outcome.WORKER_LOST, key=p.key, name="", contended=True, on_loop=on_loop
+            )
+
+
+class _NoReceivedEvent:
+    """An event dispatcher that forwards every event but ``task-received`` (see ``_handoff_strategy``)."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self._dispatcher = dispatcher
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._dispatcher.enabled)
+
+    def send(self, type: str, *args: Any, **fields: Any) -> Any:
+        if type == "task-received":
+            return None
+        return self._dispatcher.send(type, *args, **fields)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dispatcher, name)
+
+
+class _HandoffConsumer:
+    """The consumer as Celery's strategy sees it, with another event dispatcher."""
+
+    def __init__(self, consumer: Any, event_dispatcher: Any) -> None:
+        self._consumer = consumer
+        self.event_dispatcher = event_dispatcher
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def _already_acked(*args: Any, **kwargs: Any) -> None:
+    """ack/reject of a message restored from the ledger: it was acked when it was parked."""

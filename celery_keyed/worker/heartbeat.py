@@ -1,0 +1,192 @@
+"""The heartbeat and self-fencing (D7, D13): leases renewed for as long as a keyed body may run in a process we own.
+
+Every ``keyed_heartbeat_interval`` its thread runs ``heartbeat_once``: renew the claims of the attempts this
+process runs and of the promotions bound to it that wait for a pool process (never "all claims of this
+hostname", D6); notice a slot that was reclaimed (its attempt is no longer tracked, and is self-fenced); when the
+ledger has been unreachable until the last success + lease - margin (monotonic clock), self-fence: on the
+prefork pool kill the pool process of every keyed attempt, which may have lost its slot (``keyed_self_fence``, on
+by default); give back promotions bound here that no pool process took within a heartbeat, and claims of
+requests admitted but never started (D6); retry the releases and revokes that failed; probe the breaker.
+
+Threads and fields: the heartbeat's thread belongs to the **process**, not to the consumer (D13): it starts at
+the first consumer start and goes on through consumer restarts (broker reconnects), warm shutdown and broker
+outages, until shutdown has begun and nothing it tracks is left (running attempts, promotions bound here,
+releases not yet committed), or ``stop`` ends it now. ``last_renewal`` and ``pids`` are its thread's (``pids``
+also set once by the gate's start, before the thread runs; ``last_renewal`` read by the gate's snapshot). The
+running table and the promotions bound here it reads under the gate's lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+from celery.worker import state as worker_state
+
+from celery_keyed.ledger import HeldClaim, Outcome
+
+if TYPE_CHECKING:
+    from celery_keyed.gate import GateService, Running
+
+logger = logging.getLogger("celery_keyed")
+
+
+class Heartbeat:
+    """The heartbeat of one gate. ``heartbeat_once`` is one beat, in the caller's thread; ``start`` / ``stop``
+    are safe to call twice."""
+
+    def __init__(self, gate: GateService) -> None:
+        self.gate = gate
+        self.last_renewal = time.monotonic()
+        self.pids: list[int] = []  # this process and its pool processes, as last recorded in the ledger
+        self._exit = threading.Event()  # end the heartbeat now (tests, interpreter exit)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread unless it runs (a consumer restart finds it running, D13)."""
+        if self._thread is None or not self._thread.is_alive():
+            self.last_renewal = time.monotonic()
+            self._exit.clear()
+            self._thread = threading.Thread(target=self._run, name="keyed-heartbeat", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread now, whatever it still tracks."""
+        self._exit.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        """D13: runs from the first consumer start until the worker has shut down and no claim it tracks is
+        left (running attempts, promotions bound here, releases not yet committed)."""
+        gate = self.gate
+        while not self._exit.wait(gate.settings.heartbeat_interval):
+            if gate.closed and not (gate.running or gate.handoff.prebound or gate.releaser.pending):
+                return
+            try:
+                self.heartbeat_once()
+            except Exception:
+                logger.exception("celery-keyed: heartbeat failed")
+
+    def heartbeat_once(self) -> None:
+        """Renew the leases of the attempts this process runs and of the promotions bound to it that wait for
+        a pool process; notice lost slots; self-fence when the ledger has been unreachable for too long; give
+        back promotions that waited too long; retry releases that failed; probe the breaker."""
+        gate = self.gate
+        settings, ledger, handoff = gate.settings, gate.ledger, gate.handoff
+        with gate.lock:
+            running = list(gate.running.values())
+            prebound = dict(handoff.prebound)
+        held = {HeldClaim(r.token.task_id, r.token.attempt, r.fence): r for r in running}
+        waiting = {HeldClaim(t.task_id, t.attempt, p.fence): (t, p) for t, p in prebound.items()}
+        try:
+            if held or waiting:
+                renewed = ledger.renew([*held, *waiting])
+            else:  # nothing to renew: still find out whether the ledger is reachable (the breaker's probe)
+                renewed = set()
+                ledger.ping()
+        except sa.exc.OperationalError as exc:
+            gate.breaker.open(exc)
+            deadline = self.last_renewal + settings.lease - settings.self_fence_margin
+            if time.monotonic() > deadline:
+                self._self_fence([r for r in running if not r.fenced], "the ledger has been unreachable for a lease")
+            return
+        self.last_renewal = time.monotonic()
+        gate.breaker.close()
+        pids = self.process_ids()
+        if pids != self.pids:  # a pool process was replaced: a successor must know every pid to check (item 8)
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                ledger.record_pids(pids)
+                self.pids = pids
+        lost = [r for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
+        for r in lost:  # reclaimed: our release would be fenced anyway; stop tracking it
+            with gate.lock:
+                gate.running.pop(r.token, None)
+            r.request.keyed_claim = None
+        if lost:
+            self._self_fence(lost, "its slot was reclaimed (lease expired)")
+        with gate.lock:
+            for claim, (token, p) in waiting.items():
+                if claim not in renewed and handoff.prebound.get(token) is p:
+                    del handoff.prebound[token]  # lapsed: its request, if it starts, is admitted as usual (D14)
+        # A promotion bound here that no pool process took within a heartbeat: its line must not wait on this
+        # worker's busy pool while others idle.
+        now = time.monotonic()
+        handoff.give_back_prebound(
+            lambda p: now - p.since >= settings.heartbeat_interval, "no pool process took it", on_loop=False
+        )
+        self._release_never_started(running)
+        gate.releaser.flush_pending()
+        gate.revokes.flush_pending()
+
+    def _release_never_started(self, running: list[Running]) -> None:
+        """D6: a request admitted but dropped before a pool process accepted it (the consumer reset on a broker
+        reconnect forgets reserved requests; the broker redelivers their messages) would otherwise keep its
+        claim renewed for ever. Such claims are released as "worker lost" once they are older than half a
+        lease and their request is neither started nor reserved any more."""
+        gate = self.gate
+        reserved = worker_state.reserved_requests
+        for r in running:
+            request = r.request
+            if request.keyed_started or request in reserved or r.fenced:
+                continue
+            if time.monotonic() - r.claimed_at < gate.settings.lease / 2:
+                continue
+            logger.warning(
+                "celery-keyed: %s[%s] was admitted but never started; releasing its slot", request.name, r.token.task_id
+            )
+            claim = request.keyed_claim
+            request.keyed_claim = None
+            with gate.lock:
+                gate.running.pop(r.token, None)
+            if claim is None:
+                continue
+            gate.releaser.hand_over(
+                claim[0],
+                claim[1],
+                Outcome.WORKER_LOST,
+                key=request.keyed_arrival_key,
+                name=request.name,
+                contended=True,
+                on_loop=False,
+            )
+
+    def _self_fence(self, running: list[Running], why: str) -> None:
+        """D7: an attempt that may have lost its slot must not go on running. On the prefork pool it is
+        terminated (``keyed_self_fence``, on by default); elsewhere the bound is best-effort, and we say so."""
+        for r in running:
+            r.fenced = True
+            if self.gate.settings.self_fence and self._can_terminate():
+                logger.error("celery-keyed: terminating %s[%s]: %s", r.request.name, r.token.task_id, why)
+                # Kill the pool child rather than revoke: the attempt ends as "worker lost", so with acks_late
+                # its message is redelivered and it runs again once it holds a slot (a revoke would be final).
+                pid = getattr(r.request, "worker_pid", None)
+                if pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            else:
+                logger.error(
+                    "celery-keyed: %s[%s] keeps running although %s; the bound is best-effort until it ends",
+                    r.request.name,
+                    r.token.task_id,
+                    why,
+                )
+
+    def process_ids(self) -> list[int]:
+        """This process and the pool processes that may run its keyed bodies (prefork), sorted."""
+        pids = {os.getpid()}
+        pool = getattr(self.gate.consumer, "pool", None)
+        with contextlib.suppress(Exception):
+            pids.update(int(p) for p in (pool.info or {}).get("processes") or ())  # type: ignore[union-attr]
+        return sorted(pids)
+
+    def _can_terminate(self) -> bool:
+        pool = getattr(self.gate.consumer, "pool", None)
+        return pool is not None and type(pool).__module__.startswith("celery.concurrency.prefork")

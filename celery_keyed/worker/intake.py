@@ -1,0 +1,110 @@
+"""Intake: what the gate reads from a received request before it decides anything — whether the call is keyed,
+and the ledger's view of it (``Arrival``): token, keys (from the headers, else computed from the arguments:
+``send_task`` sends none), deadline and stored message. Everything computed from a message is checked here,
+at the gate's edge (D16): a malformed key or a header out of the ledger's range raises ``InvalidKey``, which
+the gate turns into a recorded rejection; nothing else reaches the consumer loop as an exception.
+
+Threads: no thread and no state of its own. It runs on the consumer loop (``GateService.execute``), before the
+request is handed to admission.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_keyed.headers import (
+    HEADER_COST,
+    HEADER_FAIR,
+    HEADER_GROUP,
+    HEADER_GROUP_SEQ,
+    HEADER_KEY,
+    HEADER_SUPERSEDE,
+)
+from celery_keyed.ledger import INT_MAX, Arrival, InvalidKey, normalize_key
+from celery_keyed.messages import record_message
+from celery_keyed.task import check_cost, evaluate_key, evaluate_keys, key_spec
+
+#: PostgreSQL's bigint (the ledger's group sequence numbers); attempt numbers and priorities are integers (INT_MAX).
+BIGINT_MAX = 2**63 - 1
+
+
+def is_keyed(request: Any) -> bool:
+    """Whether ``request`` may carry a key: a gate header, or a key option on its task. (A call whose options
+    evaluate to no key is found out by ``arrival_for``, which then returns None.)"""
+    headers = request._request_dict
+    if any(h in headers for h in (HEADER_KEY, HEADER_GROUP)):
+        return True
+    task = request.task
+    return key_spec(task, "concurrency_key") is not None or key_spec(task, "group_key") is not None
+
+
+def unkeyable(exc: BaseException) -> str:
+    """The recorded detail of a message whose keys could not be computed or admitted (D16)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"keys could not be computed or admitted: {type(exc).__name__}{': ' + text[:300] if text else ''}"
+
+
+def arrival_for(request: Any) -> Arrival | None:
+    """The ledger's view of a request: its token, keys (from headers, else computed from the arguments:
+    ``send_task`` sends none), deadline and stored message. None: the call carries no key after all (Celery's own
+    path). Malformed keys, and integers out of the ledger's range, raise ``InvalidKey``."""
+    # A gate header that is present but null is treated as absent (a foreign producer's ``None``): the keys
+    # are then computed from the arguments, never skipped.
+    headers = {k: v for k, v in request._request_dict.items() if v is not None}
+    task = request.task
+    key = headers.get(HEADER_KEY)
+    group = headers.get(HEADER_GROUP)
+    supersede = headers.get(HEADER_SUPERSEDE)
+    if key is None and group is None:
+        args, kwargs = tuple(request.args), dict(request.kwargs)
+        key = evaluate_keys(key_spec(task, "concurrency_key"), task, args, kwargs)
+        group = evaluate_key(key_spec(task, "group_key"), task, args, kwargs, option="group_key")
+        supersede = evaluate_key(key_spec(task, "supersede_key"), task, args, kwargs, option="supersede_key")
+        fair = evaluate_key(key_spec(task, "fair_key"), task, args, kwargs, option="fair_key")
+    else:
+        key = header_keys(key)
+        group = None if group is None else normalize_key(group)
+        supersede = None if supersede is None else str(supersede)
+        fair = headers.get(HEADER_FAIR)
+        fair = None if fair is None else normalize_key(fair)
+    if key is None and group is None:
+        return None
+    keys = [key] if isinstance(key, str) else list(key or [])
+    cost = check_cost(headers.get(HEADER_COST, getattr(task, "concurrency_cost", 1)), task)
+    seq = headers.get(HEADER_GROUP_SEQ)
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= BIGINT_MAX):
+        raise InvalidKey(f"header {HEADER_GROUP_SEQ} must be an integer from 0 to {BIGINT_MAX}, got {seq!r}")
+    retries = headers.get("retries") or 0
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= INT_MAX:
+        raise InvalidKey(f"header retries must be an integer from 0 to {INT_MAX}, got {retries!r}")
+    priority = (request.delivery_info or {}).get("priority") or 0
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -INT_MAX <= priority <= INT_MAX:
+        raise InvalidKey(f"message priority must be an integer, got {priority!r}")
+    return Arrival(
+        task_id=request.id,
+        attempt=retries,
+        key=keys[0] if keys else None,
+        extra_keys=tuple(keys[1:]),
+        cost=cost,
+        fair_key=fair,
+        group_key=group,
+        group_seq=seq,
+        task_name=request.name,
+        priority=int(priority),
+        deadline=request._expires,
+        supersede_key=supersede,
+        queue=(request.delivery_info or {}).get("routing_key"),
+        message=record_message(request._message, task_name=request.name),
+    )
+
+
+def header_keys(value: Any) -> str | list[str] | None:
+    """The concurrency key header: one key, or a list of keys (a task with several). Malformed → InvalidKey."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        keys = [normalize_key(v) for v in value]
+        if not keys or len(set(keys)) != len(keys):
+            raise InvalidKey(f"header {HEADER_KEY} must list distinct keys, got {value!r}")
+        return keys[0] if len(keys) == 1 else keys
+    return normalize_key(value)

@@ -1,0 +1,301 @@
+"""The releaser: slots given back off the consumer loop, in batches.
+
+An outcome hook (on the consumer loop) forgets the claim and hands the release here (``hand_over``); the
+releaser's thread gives back everything handed to it since its last look in one ``Ledger.release_many`` (a
+batch of one: ``Ledger.release``), on a connection of its own (DESIGN §5: a release need not block the loop; a
+late release only keeps the bound stricter for a moment). The promotions a release makes go to the handoff
+(``Handoff.dispatch``): those bound to this worker come back to the loop through the loop-calls pipe. An
+``acks_late`` task's broker ack waits here until its release has committed (D15) and then goes back to the loop
+too. A release that cannot commit (the ledger unreachable, D9) is kept in ``pending`` and retried by the
+heartbeat with its ack (``flush_pending``): a slot held longer is safe. Without a running releaser (not
+started, or stopped) a release runs in the caller's thread.
+
+Threads and fields:
+
+- ``_releases``: appended by any thread that releases (the loop's outcome hooks, the heartbeat, the admission
+  thread's callers), popped by the releaser's thread; ``_accepting`` says whether the thread takes new ones;
+  both under ``_lock``.
+- ``pending``: appended by whichever thread's release failed, flushed by the heartbeat (a deque: thread-safe
+  ends; only the heartbeat pops).
+- ``_contended``: key -> when it last parked or promoted (monotonic); written by the loop (admission) and the
+  releaser's thread, read by the loop (one item set or get each).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from celery_keyed import metrics
+from celery_keyed.ledger import Outcome, ReleaseReport, ReleaseRequest, Token
+from celery_keyed.worker.breaker import UNREACHABLE
+
+if TYPE_CHECKING:
+    from celery_keyed.gate import GateService
+
+logger = logging.getLogger("celery_keyed")
+
+#: Most releases the releaser thread gives back in one ``Ledger.release_many``.
+RELEASE_BATCH = 64
+
+#: Seconds after a key last parked or promoted an attempt during which its releases promote in the same
+#: transaction (no window where the freed slot is visible to another worker's sweeper).
+CONTENDED_FOR = 5.0
+
+
+@dataclass
+class Release:
+    """A release handed to the releaser (everything read by the caller, on its thread)."""
+
+    token: Token
+    fence: int
+    outcome: Outcome
+    key: str | None
+    name: str
+    contended: bool
+    local_queues: list[str] | None
+    local_tasks: list[str] | None
+    uncertain: bool
+    hold: Any
+    released_at: float
+    after: Callable[[], None] | None = None  # the broker ack, deferred until the release commits (D15)
+
+
+class Releaser:
+    """The releaser of one gate. ``release_once`` gives back one batch of what was handed over, in the caller's
+    thread (tests); ``start`` / ``stop`` are safe to call twice."""
+
+    def __init__(self, gate: GateService, *, batch: int = RELEASE_BATCH) -> None:
+        self.gate = gate
+        self.batch = max(1, batch)
+        self.pending: deque[Release] = deque()  # failed releases, retried by the heartbeat
+        self._contended: dict[str, float] = {}
+        self._releases: deque[Release] = deque()
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._accepting = False  # a releaser thread runs and takes new releases
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()  # the current thread's; a new one per start
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if self._accepting:
+                return
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(self._stop,), name="keyed-releaser", daemon=True)
+            self._accepting = True
+        self._thread.start()
+
+    def stop(self, *, join: bool = True) -> None:
+        """Take no new releases (later ones run in the caller's thread); the thread gives back the ones already
+        handed over, then ends. ``join=False``: do not wait for it (``join`` later)."""
+        with self._lock:
+            self._accepting = False
+            self._stop.set()
+        self._ready.set()
+        if join:
+            self.join()
+
+    def join(self, timeout: float = 5.0) -> None:
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout)
+
+    # -- contention --------------------------------------------------------------------------------------
+
+    def mark_contended(self, key: str | None) -> None:
+        """The key has a line now (an arrival parked, a promotion bound)."""
+        if key is not None:
+            self._contended[key] = time.monotonic()
+
+    def is_contended(self, key: str | None) -> bool:
+        return key is not None and time.monotonic() - self._contended.get(key, -1e9) < CONTENDED_FOR
+
+    # -- the hand-over -----------------------------------------------------------------------------------
+
+    def hand_over(
+        self,
+        token: Token,
+        fence: int,
+        outcome: Outcome,
+        *,
+        key: str | None,
+        name: str,
+        contended: bool,
+        uncertain: bool = False,
+        hold: Any = None,
+        after: Callable[[], None] | None = None,
+        on_loop: bool = True,
+    ) -> None:
+        """Give the release to the releaser thread, or run it here when none runs (``on_loop``: the caller is
+        the consumer loop's thread, which may start a promotion itself). ``after``: the broker ack
+        of an ``acks_late`` task, run once the release has committed (D15: a finished body's outcome is in the
+        books before its message leaves the broker; a crash in between redelivers a copy the ledger drops)."""
+        local_queues, local_tasks = self.gate.handoff.local_handoff()
+        job = Release(
+            token=token,
+            fence=fence,
+            outcome=outcome,
+            key=key,
+            name=name,
+            contended=contended,
+            local_queues=local_queues,
+            local_tasks=local_tasks,
+            uncertain=uncertain,
+            hold=hold,
+            released_at=metrics.clock(),
+            after=after,
+        )
+        with self._lock:
+            if self._accepting:
+                self._releases.append(job)
+                self._ready.set()
+                return
+        local = on_loop and not self.gate.closed
+        if not local:  # nobody here can start a promotion bound to us: every promotion is published (D5)
+            job.local_queues = job.local_tasks = None
+        self._release_now(job, local=local)
+
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._releases)
+
+    def release_once(self) -> int:
+        """Give back one batch of the releases handed over (in order); the number it took."""
+        with self._lock:
+            jobs = [self._releases.popleft() for _ in range(min(self.batch, len(self._releases)))]
+        if not jobs:
+            return 0
+        try:
+            self._release_batch(jobs)
+        except Exception:
+            logger.exception("celery-keyed: a batch of %d releases failed", len(jobs))
+        return len(jobs)
+
+    def _run(self, stop: threading.Event) -> None:
+        """The releaser thread: runs the releases handed to it, in order; on stop, the ones already handed over
+        (``stop`` closes the hand-over first, so none is left behind)."""
+        while True:
+            self._ready.wait()
+            self._ready.clear()
+            stopping = stop.is_set()
+            while self.release_once():
+                pass
+            if stopping:
+                return
+
+    # -- releases ----------------------------------------------------------------------------------------
+
+    def _release_batch(self, jobs: list[Release]) -> None:
+        """The releaser thread: the releases handed over since its last look, in one ``release_many`` (one round
+        trip for releases without waiters; the freed rooms with waiters promoted together)."""
+        if len(jobs) == 1:
+            self._release_now(jobs[0], local=False)
+            return
+        requests = [
+            ReleaseRequest(
+                token=job.token,
+                fence=job.fence,
+                outcome=job.outcome,
+                contended=job.contended,
+                local_queues=None if job.local_queues is None else frozenset(job.local_queues),
+                local_tasks=None if job.local_tasks is None else frozenset(job.local_tasks),
+                uncertain=job.uncertain,
+                hold=job.hold,
+            )
+            for job in jobs
+        ]
+        try:
+            reports = self.gate.ledger.release_many(requests)
+        except sa.exc.DBAPIError as exc:
+            if isinstance(exc, UNREACHABLE):
+                self.gate.breaker.open(exc)
+            else:
+                logger.exception("celery-keyed: a batch of %d releases failed", len(jobs))
+            self.pending.extend(jobs)  # retried by the heartbeat; a release may be repeated safely
+            return
+        for job, report in zip(jobs, reports, strict=True):
+            self._released(job, report, local=False)
+
+    def _release_now(self, job: Release, *, local: bool) -> None:
+        try:
+            report = self.gate.ledger.release(
+                job.token,
+                job.fence,
+                job.outcome,
+                contended=job.contended,
+                local_queues=job.local_queues,
+                local_tasks=job.local_tasks,
+                uncertain=job.uncertain,
+                hold=job.hold,
+            )
+        except sa.exc.DBAPIError as exc:
+            if isinstance(exc, UNREACHABLE):
+                self.gate.breaker.open(exc)
+            else:
+                logger.exception("celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt)
+            # Kept and retried by the heartbeat: a slot held longer is safe (D9); the ack waits with it (D15).
+            self.pending.append(job)
+            return
+        except Exception:
+            logger.exception("celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt)
+            self._after_release(job, local=local)
+            return
+        self._released(job, report, local=local)
+
+    def _released(self, job: Release, report: ReleaseReport, *, local: bool) -> None:
+        """A release has committed: its deferred ack, its promotions."""
+        self._after_release(job, local=local)
+        if report.promotions:
+            self.mark_contended(job.key)
+        for task_id, final in report.finished:
+            if final == "dead_lettered":
+                logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", job.name, task_id)
+        metrics.promoted(report.promotions, job.released_at)
+        self.gate.handoff.dispatch(report.promotions, local=local)
+
+    def _after_release(self, job: Release, *, local: bool) -> None:
+        """Run the release's deferred ack: here when on the loop thread, else on the loop (kombu's channel is
+        not thread-safe)."""
+        if job.after is None:
+            return
+        after, job.after = job.after, None
+        if local:
+            after()
+        else:
+            self.gate.handoff.call_on_loop(after)
+
+    def flush_pending(self) -> None:
+        """Heartbeat thread: retry the releases that failed while the ledger was unreachable, in order; stop at
+        the first that still fails."""
+        while self.pending:
+            job = self.pending[0]
+            try:
+                report = self.gate.ledger.release(job.token, job.fence, job.outcome)
+            except sa.exc.DBAPIError as exc:
+                logger.info(
+                    "celery-keyed: release of %s attempt %d still pending (%s)",
+                    job.token.task_id,
+                    job.token.attempt,
+                    type(exc).__name__,
+                )
+                return
+            self.pending.popleft()
+            logger.info(
+                "celery-keyed: pending release of %s attempt %d done (%s); %d promoted",
+                job.token.task_id,
+                job.token.attempt,
+                "released" if report.released else "already released",
+                len(report.promotions),
+            )
+            self._after_release(job, local=False)
+            self.gate.handoff.dispatch(report.promotions, local=False)

@@ -1,0 +1,65 @@
+"""Revoke commands: Celery's ``revoke`` / ``terminate`` broadcasts stored in the ledger (D11).
+
+A parked task's message lives in the ledger and in no worker's memory, so Celery's in-memory revoke list never
+reaches it: the bootstep wraps Celery's revoke commands (``bootstep.wrap_revoke_commands``) to call
+``Revokes.record`` first, which stores each revoke in the ledger so that the parked task leaves the waiting room
+with outcome ``revoked`` (and its group moves on). Every worker gets the broadcast: the first transaction to lock
+the task's row takes its parked rows, the others find none (idempotent). With the ledger unreachable the revokes
+are kept in ``pending`` and stored by the heartbeat once it is back (``flush_pending``).
+
+Threads and fields: ``record`` runs on the consumer loop (Celery's control commands run there); ``pending`` is
+appended by the loop and popped by the heartbeat (a deque: thread-safe ends). No thread of its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+
+if TYPE_CHECKING:
+    from celery_keyed.gate import GateService
+
+
+class Revokes:
+    """The revokes of one gate."""
+
+    def __init__(self, gate: GateService) -> None:
+        self.gate = gate
+        self.pending: deque[str] = deque()  # revokes not yet stored (ledger unreachable)
+
+    def record(self, task_ids: Iterable[str]) -> None:
+        """Consumer loop: store each revoke in the ledger, then store the ``KeyedRevoked`` results. This is the
+        one ledger call left on the consumer loop (a control command, not the task path): Celery's handler,
+        right after it, stores REVOKED for a task it does not know, so ours must come first; Celery's handler
+        leaves a finished result alone."""
+        ids = [str(task_id) for task_id in task_ids]
+        if not ids:
+            return
+        gate = self.gate
+        if gate.breaker.is_open:
+            self.pending.extend(ids)
+            return
+        try:
+            self._store(ids, local=True)
+        except sa.exc.OperationalError as exc:
+            gate.breaker.open(exc)
+            self.pending.extend(ids)
+
+    def _store(self, task_ids: list[str], *, local: bool) -> None:
+        gate = self.gate
+        for task_id in task_ids:  # a revoked group member: its group moves on (its promotions)
+            gate.handoff.dispatch(gate.ledger.revoke(task_id), local=local)
+        gate.sweeper.notify_never_ran()
+
+    def flush_pending(self) -> None:
+        """Heartbeat thread: store the revokes received while the ledger was unreachable."""
+        while self.pending:
+            task_id = self.pending[0]
+            try:
+                self._store([task_id], local=False)
+            except sa.exc.DBAPIError:
+                return
+            self.pending.popleft()
