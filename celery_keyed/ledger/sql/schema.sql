@@ -654,9 +654,9 @@ BEGIN
     RETURNING (kt.xmax = 0), kt.outcome, kt.finished_attempt INTO v_new, v_outcome, v_finished;
     IF NOT v_new AND (v_outcome IS NOT NULL OR v_finished >= p_attempt
                       OR EXISTS (SELECT 1 FROM keyed_claims k WHERE k.task_id = p_task_id AND k.attempt = p_attempt)
-                      OR EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = p_task_id AND w.attempt = p_attempt)
-                      OR EXISTS (SELECT 1 FROM keyed_group_members m WHERE m.task_id = p_task_id))
-       OR p_deadline <= v_now THEN
+                      OR EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = p_task_id AND w.attempt = p_attempt))
+       OR p_deadline <= v_now
+       OR EXISTS (SELECT 1 FROM keyed_group_members m WHERE m.task_id = p_task_id) THEN
         RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
         RETURN;
     END IF;
