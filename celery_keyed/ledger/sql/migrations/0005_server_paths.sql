@@ -187,7 +187,17 @@ BEGIN
      WHERE sl.key = g.key AND sl.shard = g.shard;
 
     -- Who waits, read now (after the slot rows' locks: an attempt parked by a transaction that held them before us
-    -- is seen, D2), and where there is room for them.
+    -- is seen, D2), and where there is room for them. Without waiters (the common case) no room is reported.
+    IF NOT EXISTS (SELECT 1 FROM keyed_keys k WHERE k.key = ANY(h_key) AND k.waiting > 0) THEN
+        RETURN QUERY
+        SELECT i::integer, v_released[i], v_recorded[i],
+               v_released[i] AND EXISTS (
+                   SELECT 1 FROM keyed_waiting w
+                    WHERE w.task_id = p_task_ids[i] AND w.attempt = p_attempts[i] AND w.shadow),
+               v_first[i], '{}'::text[], '{}'::integer[], '{}'::integer[]
+          FROM generate_series(1, n) AS i;
+        RETURN;
+    END IF;
     RETURN QUERY
     WITH gave AS (
         SELECT x.key, x.shard, min(x.ord) AS ord FROM unnest(h_ord, h_key, h_shard) AS x(ord, key, shard)
