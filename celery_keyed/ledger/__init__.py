@@ -354,7 +354,8 @@ class Ledger:
             return Admission(Verdict.REJECTED, detail=detail)
 
     def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:
-        return self.transaction(
+        """Bind a promotion by its nonce (D5): one guarded, self-committing statement; its fence, or None."""
+        return self.autocommitted(
             lambda conn: admit.bind(conn, token, nonce, holder=self.holder, lease=self.lease, now=now)
         )
 

@@ -416,3 +416,15 @@ def test_a_line_whose_head_is_not_plain_is_promoted_by_the_general_path(engine: 
     assert [(p.task_id, p.group_key) for p in report.promotions] == [("g", "order:1")]
     assert count(engine, "SELECT group_key FROM keyed_claims WHERE task_id = 'g'") == "order:1"  # the group's slot
     assert parked(engine, "acct:1") == ["p"]
+
+
+def test_bind_of_a_promotion_is_one_statement(engine: sa.Engine, ledger: Ledger) -> None:
+    touch(ledger, ["acct:1"])
+    holder = ledger.admit(Arrival("h", key="acct:1"))
+    ledger.admit(Arrival("p", key="acct:1"))
+    promotion = ledger.release(Token("h", 0), holder.fence or 0, Outcome.COMPLETED).promotions[0]
+    assert promotion.nonce is not None
+    with statements(engine) as sent:
+        assert ledger.bind(promotion.token, promotion.nonce) == promotion.fence
+    assert len(sent) == 1, sent
+    assert count(engine, "SELECT state FROM keyed_claims WHERE task_id = 'p'") == "running"
