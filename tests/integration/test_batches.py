@@ -418,12 +418,19 @@ def test_a_line_whose_head_is_not_plain_is_promoted_by_the_general_path(engine: 
     assert parked(engine, "acct:1") == ["p"]
 
 
-def test_bind_of_a_promotion_is_one_statement(engine: sa.Engine, ledger: Ledger) -> None:
+def test_bind_of_a_promotion_is_one_statement(
+    engine: sa.Engine, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
     touch(ledger, ["acct:1"])
     holder = ledger.admit(Arrival("h", key="acct:1"))
     ledger.admit(Arrival("p", key="acct:1"))
     promotion = ledger.release(Token("h", 0), holder.fence or 0, Outcome.COMPLETED).promotions[0]
     assert promotion.nonce is not None
+
+    def no_transaction(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("bind opened a transaction (BEGIN / COMMIT round trips)")
+
+    monkeypatch.setattr(ledger, "transaction", no_transaction)
     with statements(engine) as sent:
         assert ledger.bind(promotion.token, promotion.nonce) == promotion.fence
     assert len(sent) == 1, sent
