@@ -1,0 +1,151 @@
+"""The worker's services driven directly, with a stand-in gate and ledger (no database, no worker): the one
+dispatch policy of promotions, and the releaser's batches, order, start / stop twice and kept releases."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_keyed.ledger import Outcome, Promotion, ReleaseReport, Token
+from celery_keyed.worker.handoff import Route, route
+from celery_keyed.worker.heartbeat import Heartbeat
+from celery_keyed.worker.releaser import Releaser
+from celery_keyed.worker.sweeper import Sweeper
+
+
+def promotion(*, nonce: bool) -> Promotion:
+    return Promotion("t", 0, uuid.uuid4() if nonce else None, 7, "k:1", None, "celery", {"task": "t"})
+
+
+def decide(p: Promotion, **changes: bool) -> Route:
+    given = dict(on_loop=True, closed=False, local_handoff=True, consumes=True, pool_has_room=True, loop_runs=True)
+    given.update(changes)
+    return route(p, **given)
+
+
+@pytest.mark.parametrize("nonce", [True, False])
+def test_the_dispatch_policy(nonce: bool) -> None:
+    p = promotion(nonce=nonce)
+    assert decide(p) is Route.RUN_HERE  # on the loop, this worker consumes its queue: local handoff (D4)
+    assert decide(p, on_loop=False) is Route.TO_LOOP  # found off the loop: the loop runs it
+    assert decide(p, on_loop=False, loop_runs=False) is Route.REPUBLISH  # no loop takes work from us
+    assert decide(p, closed=True) is Route.REPUBLISH  # shutting down: nothing new starts here
+    assert decide(p, local_handoff=False) is Route.REPUBLISH
+    assert decide(p, consumes=False) is Route.REPUBLISH
+    # A busy pool: a promotion with a nonce goes to any worker; one already bound here (no nonce) is run here,
+    # where it waits for a pool process (the heartbeat gives it back if none takes it).
+    assert decide(p, pool_has_room=False) is (Route.REPUBLISH if nonce else Route.RUN_HERE)
+
+
+class FakeLedger:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+        self.fail: BaseException | None = None
+
+    def release(self, token: Token, fence: int, outcome: Outcome, **kw: Any) -> ReleaseReport:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(("release", [token.task_id]))
+        return ReleaseReport(released=True)
+
+    def release_many(self, requests: list[Any]) -> list[ReleaseReport]:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(("release_many", [r.token.task_id for r in requests]))
+        return [ReleaseReport(released=True) for _ in requests]
+
+
+def fake_gate() -> SimpleNamespace:
+    on_loop: list[Any] = []
+    gate = SimpleNamespace(
+        closed=False,
+        ledger=FakeLedger(),
+        on_loop=on_loop,
+        handoff=SimpleNamespace(
+            local_handoff=lambda: (None, None),
+            call_on_loop=on_loop.append,
+            dispatch=lambda promotions, local: None,
+        ),
+        breaker=SimpleNamespace(open=lambda exc: None),
+    )
+    return gate
+
+
+def hand(releaser: Releaser, task_id: str, after: Any = None) -> None:
+    releaser.hand_over(Token(task_id, 0), 1, Outcome.COMPLETED, key="k:1", name="t", contended=False, after=after)
+
+
+def test_the_releaser_gives_back_in_batches_in_order() -> None:
+    gate = fake_gate()
+    releaser = Releaser(gate, batch=3)  # type: ignore[arg-type]
+    releaser._accepting = True  # as start() does, without the thread: release_once is called by the test
+    for n in range(7):
+        hand(releaser, f"r{n}")
+    while releaser.release_once():
+        pass
+    assert gate.ledger.calls == [
+        ("release_many", ["r0", "r1", "r2"]),
+        ("release_many", ["r3", "r4", "r5"]),
+        ("release", ["r6"]),  # a batch of one: the single release
+    ]
+
+
+def test_the_releaser_starts_and_stops_twice_and_loses_nothing() -> None:
+    gate = fake_gate()
+    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser.start()
+    releaser.start()
+    assert [t.name for t in threading.enumerate()].count("keyed-releaser") == 1
+    for n in range(20):
+        hand(releaser, f"r{n}")
+    releaser.stop()
+    releaser.stop()
+    assert [t.name for t in threading.enumerate()].count("keyed-releaser") == 0
+    assert [task for _, tasks in gate.ledger.calls for task in tasks] == [f"r{n}" for n in range(20)]
+    assert releaser.queued() == 0
+    hand(releaser, "late")  # stopped: runs in the caller's thread
+    assert gate.ledger.calls[-1] == ("release", ["late"])
+    releaser.start()  # a consumer restart (broker reconnect) starts it again
+    hand(releaser, "again")
+    releaser.stop()
+    assert gate.ledger.calls[-1] == ("release", ["again"])
+
+
+def test_a_release_that_cannot_commit_is_kept_with_its_ack_and_retried() -> None:
+    gate = fake_gate()
+    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser._accepting = True
+    acked: list[str] = []
+    gate.ledger.fail = sa.exc.OperationalError("SELECT 1", {}, Exception("down"))
+    hand(releaser, "a", after=lambda: acked.append("a"))
+    hand(releaser, "b", after=lambda: acked.append("b"))
+    releaser.release_once()
+    assert [j.token.task_id for j in releaser.pending] == ["a", "b"] and acked == []  # D15: no ack before commit
+    releaser.flush_pending()  # still down
+    assert len(releaser.pending) == 2
+    gate.ledger.fail = None
+    releaser.flush_pending()
+    assert not releaser.pending
+    for call in gate.on_loop:  # the acks go back to the loop (kombu's channel is the loop's)
+        call()
+    assert acked == ["a", "b"]
+
+
+def test_the_heartbeat_and_the_sweeper_start_and_stop_twice() -> None:
+    gate = SimpleNamespace(
+        settings=SimpleNamespace(heartbeat_interval=60.0, sweep_interval=60.0),
+        consumer=SimpleNamespace(pool=None),
+    )
+    heartbeat, sweeper = Heartbeat(gate), Sweeper(gate)  # type: ignore[arg-type]
+    for service, name in ((heartbeat, "keyed-heartbeat"), (sweeper, "keyed-sweeper")):
+        service.start()
+        service.start()
+        assert [t.name for t in threading.enumerate()].count(name) == 1
+        service.stop()
+        service.stop()
+        assert [t.name for t in threading.enumerate()].count(name) == 0
