@@ -17,10 +17,14 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --progress-bar off -e '.[dev]'
 	touch $(STAMP)
 
-# The fast suite: what CI runs.
+# The fast suite: what CI runs. On TEST_WORKERS pytest-xdist workers, each with its own PostgreSQL and Redis: most
+# tests wait on real worker subprocesses, so 3 pay even on 2 cores. --dist loadscope: the tests of one module run on
+# one worker, in file order (modules whose tests rely on an earlier one's, one demo or chaos run at a time), modules
+# handed out in file order. TEST_WORKERS=0 runs the suite in this process, one test after another.
+TEST_WORKERS ?= 3
 test: venv
 	$(VPY) -m ruff check .
-	$(VPY) -m pytest -m "not slow"
+	$(VPY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # Long-running tests (stress, soak). pytest exits 5 when none are collected yet: not a failure here.
 test-slow: venv

@@ -6,7 +6,8 @@
   per session), dropped after the test.
 - ``blank_database_url`` (function): a new empty database, dropped after the test (migration tests).
 - ``engine`` (function): a SQLAlchemy engine on ``database_url``, disposed after the test.
-- ``redis_url`` (function): a Redis database number of its own, flushed before the test.
+- ``redis_url`` (function): a Redis database number of its own, flushed before the test (under pytest-xdist, on a
+  Redis named by ``CELERY_BROKER_URL``, from this worker's share of the 16 numbers).
 - ``rabbitmq_server`` (session): a throwaway RabbitMQ (Debian's rabbitmq-server; a few seconds to start), or the
   broker named by ``KEYED_AMQP_URL`` / an ``amqp://`` ``CELERY_BROKER_URL``. Skips the test when RabbitMQ is not
   installed (fails instead when ``CI`` is set: .ci/run installs it).
@@ -125,11 +126,25 @@ def engine(database_url: str) -> Iterator[sqlalchemy.Engine]:
     engine.dispose()
 
 
-_redis_db_numbers = itertools.cycle(range(REDIS_DATABASES))
+def _xdist_share(count: int) -> range:
+    """The part of ``range(count)`` this process may use on a server shared by the session's xdist workers (every
+    number without xdist). Each worker starts servers of its own, so this matters only for servers named by the
+    environment."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or workers <= 1:
+        return range(count)
+    return range(int(worker[2:]) % workers, count, workers)
+
+
+@pytest.fixture(scope="session")
+def _redis_db_numbers(redis_server: RedisTarget) -> Iterator[int]:
+    """Database numbers in turn: all 16 of a throwaway Redis; of a Redis named by ``CELERY_BROKER_URL``, this xdist
+    worker's share, so that parallel workers never empty each other's."""
+    return itertools.cycle(range(REDIS_DATABASES) if redis_server.managed else _xdist_share(REDIS_DATABASES))
 
 
 @pytest.fixture
-def redis_url(redis_server: RedisTarget) -> str:
+def redis_url(redis_server: RedisTarget, _redis_db_numbers: Iterator[int]) -> str:
     """URL of an emptied Redis database; consecutive tests get different numbers (0-15, then round again)."""
     import redis
 

