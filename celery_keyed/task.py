@@ -50,7 +50,13 @@ class KeyedTask(Task):
     - ``concurrency_cost``: slots the attempt takes of each of its keys (a weighted slot; default 1);
     - ``fair_key``: whose share of a ``fair`` name's slots the call uses (e.g. ``"tenant:{tenant_id}"``);
     - ``uncertain_hold``: seconds its slots stay held after a hard time limit or a lost worker, because the
-      remote call it made may still be running (default: the names' ``uncertain_hold``, else none).
+      remote call it made may still be running (default: the names' ``uncertain_hold``, else none);
+    - ``admit_at_send``: ask the ledger before publishing (one round trip in the caller's process) and raise
+      ``KeyedRejected`` (``celery_keyed.publisher.SendRefused``) instead of publishing when the key's waiting
+      room is full or the call's ``dedupe_key`` is live (also per call: ``keyed_admit_at_send=True``; per name:
+      ``admit_at_send`` in ``keyed_concurrency_limits``);
+    - ``dedupe_key``: a key like the others (template, callable, tuple); at most one task per dedupe key is
+      waiting or running (checked at send, so it implies ``admit_at_send``).
 
     ``concurrency_key`` may be a list of keys: all are claimed at once or none (``["tenant:{tenant_id}",
     "stripe"]``; list the narrow keys first, see docs/ledger.md). Per call, ``apply_async(...,
@@ -66,6 +72,8 @@ class KeyedTask(Task):
     concurrency_cost: int = 1
     fair_key: KeySpec = None
     uncertain_hold: float | None = None
+    admit_at_send: bool = False
+    dedupe_key: KeySpec = None
     Strategy = "celery_keyed.gate:keyed_strategy"
     Request = "celery_keyed.request:KeyedRequest"
 
@@ -78,6 +86,8 @@ class KeyedTask(Task):
             if name in options
         }
         connection = options.pop("keyed_connection", None)
+        at_send = options.pop("keyed_admit_at_send", None)
+        dedupe_spec = options.pop("dedupe_key") if "dedupe_key" in options else key_spec(self, "dedupe_key")
         # An admission token and a fence never survive a retry or a copy (headers.NOT_INHERITED).
         headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in NOT_INHERITED}
         inherited = {h: headers.pop(h) for h in INHERITED if h in headers}
@@ -86,6 +96,19 @@ class KeyedTask(Task):
         for header, option in OPTION_OF_HEADER.items():
             if option not in explicit and header in inherited:
                 computed[header] = inherited[header]
+        reserved = False
+        if at_send is not False:
+            dedupe = evaluate_key(dedupe_spec, self, args, kwargs, option="dedupe_key")
+            keys = computed.get(HEADER_KEY)
+            first = keys[0] if isinstance(keys, list) else keys
+            if dedupe is not None and first is None:
+                raise InvalidKey(f"{self.name}: dedupe_key {dedupe!r} needs a concurrency key")
+            if first is not None and (at_send or dedupe is not None or self._admits_at_send(first)):
+                from celery_keyed.publisher import admit_at_send
+
+                task_id = task_id or str(uuid.uuid4())
+                # Before the group number: a refused send registers nothing (D10's lost numbers stay real losses).
+                reserved = admit_at_send(self.app, task_id, first, dedupe_key=dedupe, connection=connection)
         if HEADER_GROUP in computed:
             same_group = inherited.get(HEADER_GROUP) == computed[HEADER_GROUP]
             if same_group and HEADER_GROUP_SEQ in inherited:
@@ -97,7 +120,22 @@ class KeyedTask(Task):
                     computed[HEADER_GROUP_SEQ] = seq
         headers.update(computed)
         options["headers"] = headers
-        return super().apply_async(args, kwargs, task_id=task_id, **options)
+        try:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        except BaseException:
+            if reserved and connection is None and task_id is not None:  # never published: give its place back
+                from celery_keyed.publisher import forget_send
+
+                forget_send(self.app, task_id)
+            raise
+
+    def _admits_at_send(self, key: str) -> bool:
+        """``admit_at_send`` of the class, else of the key's name in ``keyed_concurrency_limits``."""
+        if self.admit_at_send:
+            return True
+        from celery_keyed.publisher import admits_at_send
+
+        return admits_at_send(self.app, key.split(":", 1)[0])
 
     def keyed_headers(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: Mapping[str, Any] | None = None
@@ -283,6 +321,8 @@ def keyed_task(
     *,
     bind: Literal[True],
     concurrency_key: KeySpec = ...,
+    dedupe_key: KeySpec = ...,
+    admit_at_send: bool = ...,
     group_key: KeySpec = ...,
     supersede_key: KeySpec = ...,
     fair_key: KeySpec = ...,
@@ -296,6 +336,8 @@ def keyed_task(
     *,
     bind: Literal[False] = ...,
     concurrency_key: KeySpec = ...,
+    dedupe_key: KeySpec = ...,
+    admit_at_send: bool = ...,
     group_key: KeySpec = ...,
     supersede_key: KeySpec = ...,
     fair_key: KeySpec = ...,
@@ -310,8 +352,9 @@ def keyed_task(*args: Any, **options: Any) -> Any:
     For a type checker the result keeps the function's signature (``KeyedTaskFunction``): ``delay``, ``s`` and
     calls are checked against it; with ``bind=True`` the first parameter (the task) is left out.
 
-    Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``group_key`` and
-    ``supersede_key``. Pass ``app=`` to register on a specific app instead of every app (shared_task).
+    Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``group_key``,
+    ``supersede_key``, ``dedupe_key`` and ``admit_at_send``. Pass ``app=`` to register on a specific app instead
+    of every app (shared_task).
     """
     app = options.pop("app", None)
     options.setdefault("base", KeyedTask)

@@ -79,6 +79,7 @@ from celery_keyed.ledger.reconcile import (
     reconcile_once,
     sweep_once,
 )
+from celery_keyed.ledger.sent import SendCounts, SendVerdict, sent_admit, sent_by_name, sent_forget
 from celery_keyed.ledger.status import (
     KeyStatus,
     NameStatus,
@@ -114,6 +115,8 @@ __all__ = [
     "ReleaseRequest",
     "Report",
     "SchemaMissing",
+    "SendCounts",
+    "SendVerdict",
     "TaskOutcome",
     "Token",
     "Verdict",
@@ -143,6 +146,7 @@ __all__ = [
     "reclaim_once",
     "reconcile_once",
     "schema_missing",
+    "sent_admit",
     "set_override",
     "status_key_count",
     "status_keys",
@@ -263,6 +267,37 @@ class Ledger:
     def configure(self, limits: Mapping[str, NameConfig], *, now: datetime | None = None) -> list[Promotion]:
         with schema_required(self.engine):
             return self.transaction(lambda conn: configure_names(conn, limits, dispatch=self.dispatch, now=now))
+
+    def admit_at_send(
+        self,
+        task_id: str,
+        key: str,
+        *,
+        dedupe_key: str | None = None,
+        arrival_timeout: float = 3600.0,
+        now: datetime | None = None,
+    ) -> SendVerdict:
+        """Refusal at send (issue 14 item 3): one self-committing call of ``keyed_admit_at_send`` before a producer
+        publishes ``task_id`` under ``key`` (its first concurrency key). Accepted: the task id's place in the key's
+        waiting room (and its dedupe key) is reserved. Refused (``room_full``: the waiting room plus the sends
+        not parked yet reach ``max_waiting``; ``duplicate``: the dedupe key is live in another task): nothing is
+        reserved or booked. Decided inside Postgres under locks, so concurrent senders never over-fill the room
+        (see ``ledger/sent.py``)."""
+        with schema_required(self.engine):
+            return self.autocommitted(
+                lambda conn: sent_admit(
+                    conn, task_id, key, dedupe_key=dedupe_key, arrival_timeout=arrival_timeout, now=now
+                )
+            )
+
+    def forget_send(self, task_id: str) -> None:
+        """Give back the place of a send accepted but never published (its publish raised)."""
+        self.transaction(lambda conn: sent_forget(conn, task_id))
+
+    def sends(self, *, now: datetime | None = None) -> list[SendCounts]:
+        """Per name: sends accepted and not arrived yet, and the sends refused (room full, duplicate)."""
+        with schema_required(self.engine), self.engine.connect() as conn:
+            return sent_by_name(conn, now=now)
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         """Admit ``arrival`` or park it (see ``admit.admit``). A first arrival with one key and room is one

@@ -31,7 +31,10 @@ from celery_keyed.ledger.keyspec import validate_name
 
 Overflow = Literal["reject", "supersede"]
 
-_KNOWN_OPTIONS = {"limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair"}
+_KNOWN_OPTIONS = {
+    "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair",
+    "admit_at_send",
+}
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -43,7 +46,10 @@ class NameConfig:
     ``uncertain_hold`` seconds a slot stays held after a hard time limit or a lost worker (None = released at
     once), because the remote call may still be running; ``rate`` starts per second allowed per key (a token
     bucket; settings also take "100/m", "6/s", "500/h"), ``burst`` the tokens a key can save up (default 1);
-    ``fair``: waiters share a key's slots round-robin by their fair key instead of one FIFO line."""
+    ``fair``: waiters share a key's slots round-robin by their fair key instead of one FIFO line;
+    ``admit_at_send``: producers ask the ledger before publishing a task of this name and raise ``KeyedRejected``
+    when its waiting room is full or its dedupe key is live (read by the producer from its own settings; not
+    stored in the ledger)."""
 
     name: str
     limit: int = 1
@@ -55,6 +61,7 @@ class NameConfig:
     rate: float | None = None
     burst: float | None = None
     fair: bool = False
+    admit_at_send: bool = False
 
     def __post_init__(self) -> None:
         # Every number is checked against what its column and the clock can hold (ledger/bounds.py), so a value
@@ -78,6 +85,8 @@ class NameConfig:
             check_number(self.burst, f"{self.name}: burst", minimum=1, maximum=BURST_MAX, unit="a number of tokens")
         if not isinstance(self.fair, bool):
             raise InvalidConfig(f"{self.name}: fair must be True or False, got {self.fair!r}")
+        if not isinstance(self.admit_at_send, bool):
+            raise InvalidConfig(f"{self.name}: admit_at_send must be True or False, got {self.admit_at_send!r}")
         if self.overflow not in ("reject", "supersede"):
             raise InvalidConfig(f"{self.name}: overflow must be 'reject' or 'supersede', got {self.overflow!r}")
 

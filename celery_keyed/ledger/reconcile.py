@@ -31,6 +31,7 @@ from celery_keyed.ledger.promote import (
     promote_multi,
 )
 from celery_keyed.ledger.release import after_claim_removed
+from celery_keyed.ledger.sent import sent_drop_over
 
 logger = logging.getLogger("celery_keyed.ledger")
 
@@ -59,11 +60,12 @@ class Report:
     dropped_keys: int = 0
     due: int = 0
     pruned: int = 0  # finished task ids forgotten after the books' retention
+    sends_dropped: int = 0  # reservations of sends (keyed_sent) whose task finished or never arrived
 
     def merge(self, other: Report) -> Report:
         for name in ("promotions", "finished", "reclaimed", "voided", "drift"):
             getattr(self, name).extend(getattr(other, name))
-        for name in ("expired", "lost", "dropped_keys", "due", "pruned"):
+        for name in ("expired", "lost", "dropped_keys", "due", "pruned", "sends_dropped"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
 
@@ -387,8 +389,9 @@ def reconcile_once(
     books_retention: float | None = None,
 ) -> Report:
     """The periodic repair (beat task): reclaim dead leases and void unbound promotions, run the sweep,
-    check counters against the claims that exist, drop idle keys, prune the books after ``books_retention``
-    seconds (None: keep every row). Returns a report."""
+    check counters against the claims that exist, drop idle keys and the reservations of sends that hold
+    nothing any more (their task finished, or never arrived before its ``expires_at``), prune the books after
+    ``books_retention`` seconds (None: keep every row). Returns a report."""
     report = reclaim_once(engine, lease=lease, now=now, dispatch=dispatch)
     report.merge(
         sweep_once(
@@ -401,6 +404,19 @@ def reconcile_once(
     )
     report.drift += check_counters_once(engine)
     report.dropped_keys = drop_idle_keys_once(engine, idle=idle, now=now)
+    report.sends_dropped = drop_sent_once(engine, now=now)
     if books_retention is not None:
         report.pruned = prune_books_once(engine, retention=books_retention, now=now)
     return report
+
+
+def drop_sent_once(engine: sa.Engine, *, now: datetime | None = None) -> int:
+    """Drop reservations of sends accepted at send (``keyed_sent``) whose task has a final outcome or that never
+    arrived before their ``expires_at``, in bounded batches; returns how many."""
+    dropped = 0
+    while True:
+        with engine.begin() as conn:
+            n = sent_drop_over(conn, now=now)
+        dropped += n
+        if n < 1000:
+            return dropped

@@ -52,6 +52,9 @@ class Name(models.Model):
     rate = models.FloatField(null=True, blank=True, help_text="tasks per second per key (token bucket)")
     burst = models.FloatField(null=True, blank=True)
     fair = models.BooleanField(help_text="waiters share a key's slots round-robin by their fair key")
+    config_version = models.IntegerField(
+        "configuration version", help_text="keyed_config_version of the worker that stored it (older never overwrite)"
+    )
 
     class Meta:
         managed = False
@@ -154,11 +157,51 @@ class Holder(models.Model):
     seen_at = models.DateTimeField()
     machine = models.TextField(null=True)
     pids = ArrayField(models.IntegerField(), null=True)
+    config_version = models.IntegerField("configuration version", null=True)
 
     class Meta:
         managed = False
         db_table = "keyed_holders"
         default_permissions = ()
+
+
+class Sent(models.Model):
+    """A send accepted at send (``keyed_sent``, issue 14 item 3): its place in its key's waiting room and its dedupe
+    key, until its task's final outcome (or, never arrived, until ``expires_at``)."""
+
+    task_id = models.TextField(primary_key=True)
+    key = models.TextField()
+    dedupe_key = models.TextField(null=True)
+    sent_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_sent"
+        default_permissions = ("view",)
+        verbose_name = "accepted send"
+        ordering = ("-sent_at",)
+
+    def __str__(self) -> str:
+        return self.task_id
+
+
+class SendRefusals(models.Model):
+    """Sends refused at send, per name and reason (``keyed_send_refusals``): nothing was published or booked."""
+
+    pk = models.CompositePrimaryKey("name", "reason")
+    name = models.TextField()
+    reason = models.TextField(choices=(("room_full", "waiting room full"), ("duplicate", "dedupe key live")))
+    refused = models.BigIntegerField()
+    last_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_send_refusals"
+        default_permissions = ("view",)
+        verbose_name = "refused sends"
+        verbose_name_plural = "refused sends"
+        ordering = ("name", "reason")
 
 
 class TaskRecord(models.Model):

@@ -155,6 +155,17 @@ def _define_tasks(app: Any, ns: Any) -> None:
         """Unkeyed and touching no database: flows while Postgres is down."""
         return note
 
+    @keyed_task(
+        app=app, name="acceptance.feed", bind=True, concurrency_key="{key}", dedupe_key="{dedupe}", admit_at_send=True
+    )
+    def feed(self, key: str, seconds: float, dedupe: str | None = None) -> str:
+        """Admitted at send (issue 14 item 3): refused before publishing when the room is full or dedupe is live."""
+        observe(ns.dsn, "start", self.request.id, key, dedupe or "")
+        time.sleep(seconds)
+        observe(ns.dsn, "end", self.request.id, key, dedupe or "")
+        return dedupe or key
+
+    ns.feed = feed
     ns.hold, ns.ordered, ns.flaky, ns.unkeyed, ns.ping = hold, ordered, flaky, unkeyed, ping
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
