@@ -140,7 +140,7 @@ class GateService:
             self.heartbeat.pids = self.heartbeat.process_ids()
             self.ledger.register_holder(pids=self.heartbeat.pids)
             self._warn_prefix_capture()
-            self.ledger.configure(self.settings.limits)
+            self.ledger.configure(self.settings.limits, version=self.settings.config_version)
             gone = self.ledger.reclaim_gone_predecessors()
         except sa.exc.OperationalError as exc:
             self.breaker.open(exc)

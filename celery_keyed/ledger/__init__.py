@@ -16,6 +16,7 @@ or serialization failure (both are safe to retry: nothing was committed).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -58,7 +59,9 @@ from celery_keyed.ledger.explain import Explanation, explain
 from celery_keyed.ledger.groups import groups_register
 from celery_keyed.ledger.holders import (
     holders_gone,
+    holders_latest,
     holders_register,
+    holders_set_config_version,
     holders_set_pids,
     machine_identity,
     new_holder,
@@ -66,7 +69,7 @@ from celery_keyed.ledger.holders import (
 from celery_keyed.ledger.keys import keys_captured_by
 from celery_keyed.ledger.keyspec import key_name, normalize_key, validate_name
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
-from celery_keyed.ledger.names import NameConfig, configure_names, parse_limits
+from celery_keyed.ledger.names import Configured, NameConfig, configure_names, names_newest_version, parse_limits
 from celery_keyed.ledger.overrides import clear_override, override_get, set_override
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, LocalHandoff
 from celery_keyed.ledger.reconcile import (
@@ -158,6 +161,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+logger = logging.getLogger("celery_keyed")
 
 #: ping: the cheapest round trip, the breaker's probe that the ledger's database answers (D9).
 PING = sa.text("SELECT 1")
@@ -264,9 +269,37 @@ class Ledger:
             gone = holders_gone(conn, self.holder, machine)
         return reconcile.reclaim_gone_holders_once(self.engine, gone, now=now, dispatch=self.dispatch)
 
-    def configure(self, limits: Mapping[str, NameConfig], *, now: datetime | None = None) -> list[Promotion]:
+    def configure(
+        self, limits: Mapping[str, NameConfig], *, version: int = 0, now: datetime | None = None
+    ) -> list[Promotion]:
+        """Store the names' configuration as configuration version ``version`` (``keyed_config_version``; a worker
+        does this at start) and record the version this holder runs. Rolling deploys (issue 14 item 7): a name
+        stored by a newer version is kept as it is (guarded in SQL, ``names.NAMES_UPSERT``), and this is logged:
+        the worker runs older configuration. Equal versions overwrite, as without versions. Returns the promotions
+        a raised limit made."""
+
+        def work(conn: sa.Connection) -> Configured:
+            done = configure_names(conn, limits, version=version, dispatch=self.dispatch, now=now)
+            holders_set_config_version(conn, self.holder, version)
+            return done
+
         with schema_required(self.engine):
-            return self.transaction(lambda conn: configure_names(conn, limits, dispatch=self.dispatch, now=now))
+            done = self.transaction(work)
+        if done.kept or done.newest_version > version:
+            logger.warning(
+                "celery-keyed: this worker runs configuration version %d, older than version %d stored in the ledger"
+                " by a newer worker: its limits are kept%s",
+                version,
+                done.newest_version,
+                f" for {', '.join(done.kept)}" if done.kept else "",
+            )
+        return done.promotions
+
+    def config_versions(self) -> tuple[int, list[sa.Row[Any]]]:
+        """The newest configuration version stored, and the latest start of each hostname with the version it runs
+        (``holders.HOLDERS_LATEST``)."""
+        with schema_required(self.engine), self.engine.connect() as conn:
+            return names_newest_version(conn), holders_latest(conn)
 
     def admit_at_send(
         self,

@@ -30,6 +30,20 @@ HOLDERS_SET_PIDS = sa.text(
     f"UPDATE keyed_holders SET pids = CAST(:pids AS integer[]), seen_at = {NOW} WHERE holder = :holder"
 )
 
+# holders_set_config_version: the keyed_config_version this holder started with (shown by status and the admin).
+HOLDERS_SET_CONFIG_VERSION = sa.text("UPDATE keyed_holders SET config_version = :version WHERE holder = :holder")
+
+# holders_latest: the most recent start of every hostname (a worker's restart is a new holder), with the version
+# it runs and the claims it holds; what operators read as "the workers and their configuration versions".
+HOLDERS_LATEST = sa.text(
+    """
+    SELECT DISTINCT ON (h.hostname) h.holder, h.hostname, h.pid, h.started_at, h.seen_at, h.config_version,
+           (SELECT count(*) FROM keyed_claims c WHERE c.holder = h.holder) AS claims
+      FROM keyed_holders h
+     ORDER BY h.hostname, h.started_at DESC
+    """
+)
+
 # holders_of_machine: the other holders whose pids live in this machine's process namespace and that still
 # hold running claims: the only ones whose death this process can check.
 HOLDERS_OF_MACHINE = sa.text(
@@ -90,3 +104,12 @@ def holders_gone(conn: sa.Connection, holder: str, machine: str) -> list[str]:
     """Other holders of this machine that hold running claims and none of whose processes exist any more."""
     rows = conn.execute(HOLDERS_OF_MACHINE, {"machine": machine, "holder": holder}).all()
     return [r.holder for r in rows if r.pids and all(pid_gone(p) for p in r.pids)]
+
+
+def holders_set_config_version(conn: sa.Connection, holder: str, version: int) -> None:
+    conn.execute(HOLDERS_SET_CONFIG_VERSION, {"holder": holder, "version": version})
+
+
+def holders_latest(conn: sa.Connection) -> list[sa.Row[Any]]:
+    """The latest start of each hostname: holder, hostname, pid, started_at, seen_at, config_version, claims."""
+    return list(conn.execute(HOLDERS_LATEST))

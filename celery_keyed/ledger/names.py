@@ -127,19 +127,29 @@ def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
     return {name: NameConfig.from_setting(validate_name(name), value) for name, value in setting.items()}
 
 
-# names_upsert: write one name's configuration (worker start, tests, admin).
+# names_upsert: write one name's configuration (worker start, tests, admin), stamped with the configuration version
+# of the writer (keyed_config_version). Rolling deploys (issue 14 item 7): a writer with an older version never
+# overwrites a row stored by a newer one (the ON CONFLICT guard, evaluated on the locked row), nor adds a name
+# while the ledger holds any newer configuration (NOT EXISTS). No row returned = not written (a newer one rules).
 NAMES_UPSERT = sa.text(
     f"""
     INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, rate, burst,
-                             fair, updated_at)
-    VALUES (:name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, :rate, :burst, :fair, {NOW})
+                             fair, config_version, updated_at)
+    SELECT :name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, :rate, :burst, :fair,
+           :version, {NOW}
+     WHERE NOT EXISTS (SELECT 1 FROM keyed_names n WHERE n.config_version > :version)
     ON CONFLICT (name) DO UPDATE SET
         slot_limit = excluded.slot_limit, shards = excluded.shards, max_waiting = excluded.max_waiting,
         max_wait = excluded.max_wait, overflow = excluded.overflow, uncertain_hold = excluded.uncertain_hold,
-        rate = excluded.rate, burst = excluded.burst, fair = excluded.fair, updated_at = excluded.updated_at
-    RETURNING (SELECT k.slot_limit FROM keyed_names k WHERE k.name = :name) AS old_limit
+        rate = excluded.rate, burst = excluded.burst, fair = excluded.fair, config_version = excluded.config_version,
+        updated_at = excluded.updated_at
+     WHERE keyed_names.config_version <= excluded.config_version
+    RETURNING name
     """
 )
+
+# names_newest_version: the highest configuration version stored (0 when no name is configured).
+NAMES_NEWEST_VERSION = sa.text("SELECT COALESCE(max(config_version), 0) FROM keyed_names")
 
 # names_largest_share: the most slots one claim can take on a key of each name (a shard's share of the
 # configured limit; an override may lower it for a while, but the configuration is what can ever be had): an
@@ -160,10 +170,11 @@ NAMES_RATED = sa.text("SELECT name FROM keyed_names WHERE name = ANY(:names) AND
 NAMES_OVERFLOW = sa.text("SELECT overflow FROM keyed_names WHERE name = :name")
 
 
-def names_upsert(conn: sa.Connection, config: NameConfig, *, now: Any = None) -> None:
-    """Store ``config``. Raising a limit creates room: the caller runs ``promote_name`` in the same
-    transaction (``configure_names`` does)."""
-    conn.execute(
+def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, now: Any = None) -> bool:
+    """Store ``config`` as configuration version ``version``; False when a newer version is stored (nothing
+    written). Raising a limit creates room: the caller runs ``promote_name`` in the same transaction
+    (``configure_names`` does)."""
+    row = conn.execute(
         NAMES_UPSERT,
         {
             "name": config.name,
@@ -176,20 +187,45 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, now: Any = None) ->
             "rate": config.rate,
             "burst": config.burst,
             "fair": config.fair,
+            "version": version,
             "now": now,
         },
-    )
+    ).first()
+    return row is not None
+
+
+def names_newest_version(conn: sa.Connection) -> int:
+    return int(conn.execute(NAMES_NEWEST_VERSION).scalar_one())
+
+
+@dataclass
+class Configured:
+    """What ``configure_names`` did: the names written, the names kept because a newer configuration stored them
+    (``kept``), the newest version the ledger holds afterwards, and the promotions a raised limit made."""
+
+    written: list[str]
+    kept: list[str]
+    newest_version: int
+    promotions: list[Any]
 
 
 def configure_names(
-    conn: sa.Connection, configs: Mapping[str, NameConfig], *, dispatch: float = 30.0, now: Any = None
-) -> list[Any]:
-    """Store every config (a worker does this at start) and promote waiters a raised limit lets in (D2)."""
+    conn: sa.Connection,
+    configs: Mapping[str, NameConfig],
+    *,
+    version: int = 0,
+    dispatch: float = 30.0,
+    now: Any = None,
+) -> Configured:
+    """Store every config as ``version`` (a worker does this at start; a name stored by a newer version is kept)
+    and promote waiters a raised limit lets in (D2)."""
     from celery_keyed.ledger.overrides import promote_name  # overrides builds on promote, which reads names
 
+    written: list[str] = []
+    kept: list[str] = []
+    for name in sorted(configs):
+        (written if names_upsert(conn, configs[name], version=version, now=now) else kept).append(name)
     promotions: list[Any] = []
-    for name in sorted(configs):
-        names_upsert(conn, configs[name], now=now)
-    for name in sorted(configs):
+    for name in written:
         promotions += promote_name(conn, name, dispatch=dispatch, now=now)
-    return promotions
+    return Configured(written, kept, names_newest_version(conn), promotions)

@@ -67,7 +67,7 @@ STATUS_NAMES = sa.text(
            COALESCE(p.in_flight, 0) AS in_flight, COALESCE(p.waiting, 0) AS waiting,
            w.oldest AS oldest_waiting_at,
            {_AGE} AS oldest_waiting_age,
-           c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold
+           c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version
       FROM names n
       LEFT JOIN keyed_names c ON c.name = n.name
       LEFT JOIN live o ON o.name = n.name
@@ -148,6 +148,7 @@ class NameStatus:
     burst: float | None = None
     fair: bool = False  # slots shared round-robin by fair key
     uncertain_hold: float | None = None
+    config_version: int | None = None  # keyed_config_version that stored its configuration (None: not configured)
 
     @property
     def paused(self) -> bool:
@@ -215,6 +216,7 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             burst=r["burst"],
             fair=bool(r["fair"]),
             uncertain_hold=r["uncertain_hold"],
+            config_version=r["config_version"],
         )
         for r in rows
     ]
