@@ -49,9 +49,12 @@ from celery_keyed.ledger import (
     applied_versions,
     check_counters_once,
     drop_idle_keys_once,
+    holders_latest,
     migrate,
+    names_newest_version,
     override_get,
     schema_missing,
+    sent_by_name,
     status_key_count,
     status_keys,
     status_names,
@@ -285,7 +288,10 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         names = status_names(conn, name=name)
         key_rows = status_keys(conn, name=name, limit=limit, idle=idle) if limit else []
         total = status_key_count(conn, name=name)
-    notes = _config_notes(operator.settings, names, name)
+        newest = names_newest_version(conn)
+        workers = [dict(r._mapping) for r in holders_latest(conn)]
+        sends = [s for s in sent_by_name(conn) if name is None or s.name == name]
+    notes = _config_notes(operator.settings, names, name) + _version_notes(operator.settings, newest, workers)
     if as_json:
         _print_json(
             {
@@ -293,6 +299,9 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
                 "names": [n.as_dict() for n in names],
                 "keys": [k.as_dict() for k in key_rows],
                 "keys_total": total,
+                "config_version": newest,
+                "workers": workers,
+                "sends": [s.as_dict() for s in sends],
                 "notes": notes,
             }
         )
@@ -305,6 +314,13 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         busy = sum(n.busy_keys for n in names)
         shown = f"{len(key_rows)} of {total} keys shown" if idle else f"{len(key_rows)} of {busy} busy keys shown"
         click.echo(f"({shown}; {total} keys in the ledger" + (f" for {name})" if name else ")"))
+    if workers:
+        click.echo()
+        click.echo(f"configuration version stored: {newest}")
+        click.echo(_workers_table(workers, newest))
+    if sends:
+        click.echo()
+        click.echo(_sends_table(sends))
     for note in notes:
         click.echo(f"note: {note}", err=True)
 
@@ -325,6 +341,44 @@ def _config_notes(settings: KeyedSettings, names: list[NameStatus], only: str | 
                 + ": workers store the configuration when they start"
             )
     return notes
+
+
+def _version_notes(settings: KeyedSettings, newest: int, workers: list[dict[str, Any]]) -> list[str]:
+    """Rolling deploys (issue 14 item 7): workers whose latest start runs an older configuration version than the
+    one stored, and this app's own version when it is older."""
+    notes = [
+        f"worker {w['hostname']} runs configuration version {w['config_version']}, older than the stored {newest}"
+        for w in workers
+        if w["config_version"] is not None and w["config_version"] < newest
+    ]
+    if settings.config_version < newest:
+        notes.append(
+            f"this app's keyed_config_version is {settings.config_version}, older than the stored {newest}: workers"
+            " started with it keep the newer limits"
+        )
+    return notes
+
+
+def _workers_table(workers: list[dict[str, Any]], newest: int) -> str:
+    rows = [
+        (
+            w["hostname"],
+            w["pid"],
+            _when(w["started_at"]),
+            "-" if w["config_version"] is None else w["config_version"],
+            "older" if w["config_version"] is not None and w["config_version"] < newest else "",
+            w["claims"],
+        )
+        for w in workers
+    ]
+    return render_table(("WORKER", "PID", "STARTED", "CONFIG VERSION", "", "CLAIMS"), rows, right=(1, 3, 5))
+
+
+def _sends_table(sends: list[Any]) -> str:
+    rows = [(s.name, s.in_flight, s.refused_full, s.refused_duplicate) for s in sends]
+    return render_table(
+        ("NAME", "SENT NOT ARRIVED", "REFUSED ROOM FULL", "REFUSED DUPLICATE"), rows, right=(1, 2, 3)
+    )
 
 
 def _names_table(names: list[NameStatus]) -> str:
