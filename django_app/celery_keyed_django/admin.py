@@ -17,7 +17,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
 from django.core.exceptions import PermissionDenied
-from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
@@ -35,10 +35,13 @@ from celery_keyed_django.models import (
     OUTCOMES,
     Claim,
     Event,
+    Holder,
     Key,
     Name,
     Override,
     OverrideLog,
+    SendRefusals,
+    Sent,
     Slot,
     TaskRecord,
     Waiting,
@@ -409,13 +412,15 @@ class OverrideLogAdmin(ReadOnlyAdmin):
 @admin.register(Name)
 class NameAdmin(ReadOnlyAdmin):
     list_display = ("name", "slot_limit", "override_display", "effective_display", "shards", "max_waiting",
-                    "max_wait", "overflow", "rate", "fair", "updated_at")
+                    "max_wait", "overflow", "rate", "fair", "config_version", "updated_at")
     search_fields = ("name",)
     ordering = ("name",)
     list_title = "Configured names"
     page_help = (
         "Names configured in keyed_concurrency_limits, as the workers synced them at start. A key "
-        "“name:ident” of a name not listed here is a mutex (limit 1)."
+        "“name:ident” of a name not listed here is a mutex (limit 1). Configuration version: the "
+        "keyed_config_version of the worker that stored it; a worker with an older version never overwrites it "
+        "(see Workers for the version each worker runs)."
     )
     empty_state = "No configured names yet: workers sync keyed_concurrency_limits here when they start."
 
@@ -1032,3 +1037,81 @@ class EventAdmin(ReadOnlyAdmin):
     def task_display(self, obj: Event) -> str:
         return "—" if obj.task_id is None else explain_link(obj.task_id)
 
+
+
+# -- workers and their configuration versions (issue 14 item 7) ----------------------------------------------------
+
+
+@admin.register(Holder)
+class HolderAdmin(ReadOnlyAdmin):
+    list_display = ("hostname", "pid", "started_at", "latest_display", "config_version_display", "claims_display")
+    search_fields = ("hostname", "=holder")
+    ordering = ("-started_at",)
+    list_title = "Workers"
+    page_help = (
+        "Every worker process start (a restart is a new row) and the keyed_config_version it started with. "
+        "A worker running an older version than the one stored never overwrites the stored limits: it runs with "
+        "the newer ones the ledger holds."
+    )
+    empty_state = "No worker has started against this ledger yet."
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Holder]:
+        newer = Holder.objects.filter(hostname=OuterRef("hostname"), started_at__gt=OuterRef("started_at"))
+        claims = Claim.objects.filter(holder=OuterRef("holder")).order_by().values("holder")
+        return super().get_queryset(request).annotate(
+            superseded=Exists(newer),
+            claims=Coalesce(Subquery(claims.annotate(n=Count("*")).values("n")[:1]), 0),
+        )
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        newest = Name.objects.aggregate(v=Max("config_version"))["v"] or 0
+        self._newest = newest
+        help_text = f"{self.page_help} Configuration version stored: {newest}."
+        return super().changelist_view(request, extra_context={"page_help": help_text, **(extra_context or {})})
+
+    @admin.display(description="Latest start of its host", boolean=True)
+    def latest_display(self, obj: Any) -> bool:
+        return not obj.superseded
+
+    @admin.display(description="Configuration version", ordering="config_version")
+    def config_version_display(self, obj: Holder) -> str:
+        if obj.config_version is None:
+            return "—"
+        newest = getattr(self, "_newest", 0)
+        if obj.config_version < newest:
+            return format_html('{} <strong style="color:#ba2121">older than stored {}</strong>', obj.config_version,
+                               newest)
+        return str(obj.config_version)
+
+    @admin.display(description="Claims held")
+    def claims_display(self, obj: Any) -> int:
+        return int(obj.claims)
+
+
+# -- refusal at send (issue 14 item 3) ---------------------------------------------------------------------------
+
+
+@admin.register(Sent)
+class SentAdmin(ReadOnlyAdmin):
+    list_display = ("task_display", "key", "dedupe_key", "sent_at", "expires_at")
+    search_fields = ("=task_id", "=key", "=dedupe_key")
+    ordering = ("-sent_at",)
+    list_title = "Accepted sends"
+    page_help = (
+        "Tasks accepted at send (keyed_admit_at_send): each holds a place in its key's waiting room until it parks "
+        "or runs, and its dedupe key until its final outcome. One that never arrives stops counting at its expiry; "
+        "reconcile drops the rows that hold nothing any more."
+    )
+    empty_state = "No accepted sends: no task was sent with keyed_admit_at_send, or reconcile dropped them."
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        refused = ", ".join(
+            f"{r.name}: {r.refused} {'room full' if r.reason == 'room_full' else 'duplicate'}"
+            for r in SendRefusals.objects.order_by("name", "reason")
+        )
+        help_text = f"{self.page_help} Refused sends (nothing published, nothing booked): {refused or 'none'}."
+        return super().changelist_view(request, extra_context={"page_help": help_text, **(extra_context or {})})
+
+    @admin.display(description="Task", ordering="task_id")
+    def task_display(self, obj: Sent) -> str:
+        return explain_link(obj.task_id)

@@ -162,7 +162,12 @@ class Holder(models.Model):
     class Meta:
         managed = False
         db_table = "keyed_holders"
-        default_permissions = ()
+        default_permissions = ("view",)
+        verbose_name = "worker"
+        ordering = ("-started_at",)
+
+    def __str__(self) -> str:
+        return self.holder
 
 
 class Sent(models.Model):

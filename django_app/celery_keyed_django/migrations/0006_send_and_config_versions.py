@@ -22,6 +22,15 @@ class Migration(migrations.Migration):
             name="config_version",
             field=models.IntegerField("configuration version", null=True),
         ),
+        migrations.AlterModelOptions(
+            name="holder",
+            options={
+                "default_permissions": ("view",),
+                "managed": False,
+                "ordering": ("-started_at",),
+                "verbose_name": "worker",
+            },
+        ),
         migrations.CreateModel(
             name="SendRefusals",
             fields=[
