@@ -41,12 +41,17 @@ EXPLAIN_GROUP = sa.text(
       FROM keyed_group_members m WHERE m.group_key = :group_key ORDER BY m.seq LIMIT 1
     """
 )
+# explain_sent: a send accepted at send (keyed_sent), and whether it still holds its place (not past expires_at).
+EXPLAIN_SENT = sa.text(
+    f"SELECT key, dedupe_key, sent_at, expires_at, expires_at > {NOW} AS holding FROM keyed_sent"
+    " WHERE task_id = :task_id"
+)
 EXPLAIN_MEMBER = sa.text("SELECT group_key, seq, received FROM keyed_group_members WHERE task_id = :task_id")
 
 
 @dataclass
 class Explanation:
-    """``state`` is one of unknown, registered, running, promoted, waiting, paused, blocked, not_before,
+    """``state`` is one of unknown, registered, sent, running, promoted, waiting, paused, blocked, not_before,
     shadow, between_attempts, finished; ``text`` says it in a sentence; ``facts`` has the numbers."""
 
     task_id: str
@@ -65,6 +70,20 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
                 "registered",
                 f"registered as number {member['seq']} of group {member['group_key']}, not received by a worker yet",
                 dict(member),
+            )
+        sent = conn.execute(EXPLAIN_SENT, {"task_id": task_id, "now": now}).mappings().first()
+        if sent is not None:
+            dedupe = f" (dedupe key {sent['dedupe_key']})" if sent["dedupe_key"] else ""
+            hold = (
+                f"it holds a place in the waiting room of {sent['key']}{dedupe} until {sent['expires_at']}"
+                if sent["holding"]
+                else f"its place in the waiting room of {sent['key']} lapsed at {sent['expires_at']} (lost in transit?)"
+            )
+            return Explanation(
+                task_id,
+                "sent",
+                f"accepted at send at {sent['sent_at']}, not received by a worker yet: {hold}",
+                dict(sent),
             )
         return Explanation(
             task_id,

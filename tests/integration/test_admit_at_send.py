@@ -188,3 +188,13 @@ def test_books_balance_with_sends(ledger: Ledger, clock) -> None:
     assert ledger.books() == {"completed": 2, "arrivals": 2}
     assert ledger.reconcile(now=clock()).sends_dropped == 2
     assert [(s.in_flight, s.refused_full) for s in ledger.sends(now=clock())] == [(0, 2)]
+
+
+def test_explain_a_send_not_arrived(ledger: Ledger, clock) -> None:
+    _configure(ledger, clock, max_waiting=3)
+    assert ledger.admit_at_send("a", "feed:1", dedupe_key="order:1", arrival_timeout=60, now=clock()).accepted
+    told = ledger.explain("a", now=clock())
+    assert told.state == "sent" and "holds a place in the waiting room of feed:1 (dedupe key order:1)" in told.text
+    assert "lapsed" in ledger.explain("a", now=clock.advance(61)).text
+    ledger.admit(Arrival("a", key="feed:1"), now=clock())
+    assert ledger.explain("a", now=clock()).state == "running"
