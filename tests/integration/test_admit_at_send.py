@@ -8,9 +8,13 @@ import multiprocessing
 import threading
 from collections import Counter
 
+import pytest
 import sqlalchemy as sa
+from celery import Celery
 
+from celery_keyed import KeyedRejected, keyed_task
 from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict
+from celery_keyed.publisher import close_publisher
 
 
 def _configure(ledger: Ledger, clock, **options) -> None:
@@ -198,3 +202,34 @@ def test_explain_a_send_not_arrived(ledger: Ledger, clock) -> None:
     assert "lapsed" in ledger.explain("a", now=clock.advance(61)).text
     ledger.admit(Arrival("a", key="feed:1"), now=clock())
     assert ledger.explain("a", now=clock()).state == "running"
+
+
+def test_apply_async_in_the_callers_transaction(database_url: str, engine: sa.Engine, ledger: Ledger, scalar) -> None:
+    """``keyed_connection=conn``: the check runs in the caller's transaction; its reservation rolls back with it, and
+    a refusal raises KeyedRejected before anything is published (memory broker: nothing in the queue)."""
+    app = Celery("send", broker="memory://", set_as_current=False)
+    app.conf.keyed_database_url = database_url
+
+    @keyed_task(app=app, name="send.t", concurrency_key="{key}", admit_at_send=True)
+    def t(key: str) -> None: ...
+
+    ledger.configure({"feed": NameConfig("feed", limit=1, max_waiting=1)})
+    try:
+        conn = engine.connect()
+        tx = conn.begin()
+        t.apply_async(("feed:1",), task_id="in-tx", keyed_connection=conn)
+        tx.rollback()
+        conn.close()
+        assert scalar("SELECT count(*) FROM keyed_sent") == 0  # rolled back with the caller's transaction
+        with engine.begin() as conn:
+            t.apply_async(("feed:1",), task_id="kept", keyed_connection=conn)
+        assert scalar("SELECT task_id FROM keyed_sent") == "kept"
+        with app.connection_for_write() as broker:
+            queued = broker.default_channel.queue_declare("celery", passive=True).message_count
+        with pytest.raises(KeyedRejected):
+            t.apply_async(("feed:1",), task_id="refused")
+        with app.connection_for_write() as broker:
+            assert broker.default_channel.queue_declare("celery", passive=True).message_count == queued
+    finally:
+        close_publisher(app)
+        app.close()
