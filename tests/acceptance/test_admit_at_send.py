@@ -36,13 +36,18 @@ def test_room_full_refused_at_send_no_message(cluster: Cluster, producer) -> Non
     assert _queued(cluster) == 2  # the refused sends never reached the broker
     cluster.start_worker("w1", concurrency=2)
     assert [r.get(timeout=30) for r in accepted] == ["feed:1", "feed:1"]
-    # with one running and none waiting, the room has places again
+    # a running task takes no place: with one running, two more are accepted, the next is refused
     cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
-    again = [producer.feed.delay("feed:1", 0.5) for _ in range(3)]  # one runs, two wait
+    again = [producer.feed.delay("feed:1", 1.5)]
+    cluster.wait_for("SELECT count(*) FROM keyed_claims WHERE state = 'running'", 1)
+    again += [producer.feed.delay("feed:1", 0.1) for _ in range(2)]
+    with pytest.raises(KeyedRejected):
+        producer.feed.delay("feed:1", 0.1)
     assert [r.get(timeout=30) for r in again] == ["feed:1"] * 3
+    cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome IS NULL", 0)  # releases book after the result
     books = dict(cluster.rows("SELECT outcome, count(*) FROM keyed_tasks GROUP BY outcome"))
     assert books == {"completed": 5}
-    assert cluster.scalar("SELECT sum(refused) FROM keyed_send_refusals WHERE reason = 'room_full'") == 3
+    assert cluster.scalar("SELECT sum(refused) FROM keyed_send_refusals WHERE reason = 'room_full'") == 4
 
 
 @pytest.mark.parametrize("cluster", [{"feed": 5}], indirect=True)
