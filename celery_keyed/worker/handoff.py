@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from celery.worker import state as worker_state
 from celery.worker.strategy import default as default_strategy
 
+from celery_keyed.headers import HEADER_KEY
 from celery_keyed.ledger import Outcome, Promotion, Token
 from celery_keyed.messages import republish, restore_message
 from celery_keyed.worker.breaker import UNREACHABLE
@@ -231,14 +232,36 @@ class Handoff:
         return [q.name for q in queues] + [q.routing_key for q in queues], list(consumer.strategies)
 
     def pool_has_room(self) -> bool:
-        """Whether a pool process is free for one more request now: fewer requests received and not finished
-        than pool processes. A promotion bound here while the pool is busy would hold its slot and keep its
-        line waiting on this worker while others idle; it is published for any worker instead."""
-        pool = getattr(self.gate.consumer, "pool", None)
+        """Whether a promotion should start here rather than be published for any worker (D4 and issue 9 item 3:
+        a promotion bound here while the pool is busy holds its slot and keeps its line waiting on this worker
+        while others idle).
+
+        Yes when a pool process will be free soon: fewer requests that will run here than pool processes —
+        bodies running, and received requests waiting for a process, except those of keys that parked or
+        promoted here recently (they will most likely park, and give their process back at once: a burst of
+        arrivals on contended keys keeps the pool's processes reserved, but not for long). A promotion started
+        here goes ahead of every request waiting for a process (``_HandoffConsumer.on_task_request``) and starts
+        on the first process that frees; published, it would wait behind the broker's whole queue. Else (the
+        pool busy with work that will run) it is published: another worker may be idle."""
+        consumer = self.gate.consumer
+        pool = getattr(consumer, "pool", None)
         size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
         if not isinstance(size, int) or size <= 0:
             return True
-        return len(worker_state.reserved_requests) < size
+        reserved = list(worker_state.reserved_requests)
+        active = worker_state.active_requests
+        releaser = self.gate.releaser
+        will_run = 0
+        for request in reserved:
+            if request not in active:
+                key = getattr(request, "keyed_arrival_key", None)
+                if key is None:
+                    headers = getattr(request, "_request_dict", None) or {}
+                    key = headers.get(HEADER_KEY)
+                if isinstance(key, str) and releaser.is_contended(key):
+                    continue
+            will_run += 1
+        return will_run < size
 
     def consumes(self, promotion: Promotion) -> bool:
         """Whether this worker consumes the promotion's queue and knows its task."""
@@ -270,21 +293,23 @@ class Handoff:
             self.revoked_before_start(promotion.token, promotion.key)  # Celery's strategy discarded it
 
     def _handoff_strategy(self, task_name: str) -> Any:
-        """The consumer's strategy for ``task_name``, built once more with an event dispatcher that leaves out
-        ``task-received``: a promotion started here was received (and announced) when it first arrived; every
-        later event of its request (started, succeeded…) is sent as usual. Rebuilt when Celery rebuilds its
-        strategies (on every broker reconnect)."""
+        """The consumer's strategy for ``task_name``, built once more for promotions started here: its requests
+        go to the front of the line for a pool process (``_HandoffConsumer``), and its event dispatcher leaves
+        out ``task-received`` (a promotion started here was received, and announced, when it first arrived;
+        every later event of its request — started, succeeded… — is sent as usual). Rebuilt when Celery rebuilds
+        its strategies (on every broker reconnect)."""
         consumer = self.gate.consumer
         strategy = consumer.strategies[task_name]
         dispatcher = getattr(consumer, "event_dispatcher", None)
-        if dispatcher is None or not getattr(dispatcher, "enabled", False):
-            return strategy
         cached = self._handoff_strategies.get(task_name)
         if cached is not None and cached[0] is strategy and cached[1] is dispatcher:
             return cached[2]
         app = self.gate.app
         task = app.tasks[task_name]
-        handoff = default_strategy(task, app, _HandoffConsumer(consumer, _NoReceivedEvent(dispatcher)))
+        events = dispatcher
+        if dispatcher is not None and getattr(dispatcher, "enabled", False):
+            events = _NoReceivedEvent(dispatcher)
+        handoff = default_strategy(task, app, _HandoffConsumer(consumer, events))
         self._handoff_strategies[task_name] = (strategy, dispatcher, handoff)
         return handoff
 
@@ -382,11 +407,25 @@ class _NoReceivedEvent:
 
 
 class _HandoffConsumer:
-    """The consumer as Celery's strategy sees it, with another event dispatcher."""
+    """The consumer as Celery's strategy sees it for a promotion started here: another event dispatcher, and
+    requests that go to the front of the line for a pool process. Celery's pool semaphore (prefork) queues a
+    request for which no process is free behind every request received before it; a promotion has waited its
+    turn in the ledger already, and its claim is held while it waits, so it takes the first process that frees."""
 
     def __init__(self, consumer: Any, event_dispatcher: Any) -> None:
         self._consumer = consumer
         self.event_dispatcher = event_dispatcher
+
+    def on_task_request(self, request: Any) -> Any:
+        result = self._consumer.on_task_request(request)
+        semaphore = getattr(getattr(self._consumer, "controller", None), "semaphore", None)
+        waiting = getattr(semaphore, "_waiting", None)  # kombu's LaxBoundedSemaphore: (callback, args, kwargs)
+        if isinstance(waiting, deque) and len(waiting) > 1:
+            last = waiting[-1]
+            if isinstance(last, tuple) and len(last) == 3 and last[1][:1] == (request,):
+                waiting.pop()
+                waiting.appendleft(last)
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)

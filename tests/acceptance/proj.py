@@ -38,7 +38,7 @@ def make_app(env: Mapping[str, str]) -> Any:
         keyed_config_version=int(env.get("KEYED_CONFIG_VERSION", "0")),
         keyed_connect_timeout=1.0,
         keyed_queues=json.loads(env.get("KEYED_QUEUES", "[]")),
-        worker_prefetch_multiplier=1,
+        worker_prefetch_multiplier=int(env.get("KEYED_PREFETCH", "1")),
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         broker_transport_options={
@@ -114,6 +114,13 @@ def _define_tasks(app: Any, ns: Any) -> None:
         observe(ns.dsn, "end", self.request.id, "", note)
         return note
 
+    @app.task(name="acceptance.sleepy", bind=True, shared=False)
+    def sleepy(self, seconds: float, note: str = "") -> str:
+        observe(ns.dsn, "start", self.request.id, "", note)
+        time.sleep(seconds)
+        observe(ns.dsn, "end", self.request.id, "", note)
+        return note
+
     @keyed_task(app=app, name="acceptance.override_in_task", bind=True, concurrency_key="{key}")
     def override_in_task(self, key: str, name: str, limit: int, fail: bool) -> str:
         """Writes its own row and an override in one transaction of the caller's connection (§3.7)."""
@@ -168,6 +175,7 @@ def _define_tasks(app: Any, ns: Any) -> None:
 
     ns.feed = feed
     ns.hold, ns.ordered, ns.flaky, ns.unkeyed, ns.ping = hold, ordered, flaky, unkeyed, ping
+    ns.sleepy = sleepy
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
     from tests.acceptance import composition_tasks, fault_tasks
