@@ -301,14 +301,16 @@ class Handoff:
         consumer = self.gate.consumer
         strategy = consumer.strategies[task_name]
         dispatcher = getattr(consumer, "event_dispatcher", None)
+        events_on = dispatcher is not None and getattr(dispatcher, "enabled", False)
+        semaphore = getattr(getattr(consumer, "controller", None), "semaphore", None)
+        if not events_on and semaphore is None:  # no event to leave out, no line for a pool process to jump
+            return strategy
         cached = self._handoff_strategies.get(task_name)
         if cached is not None and cached[0] is strategy and cached[1] is dispatcher:
             return cached[2]
         app = self.gate.app
         task = app.tasks[task_name]
-        events = dispatcher
-        if dispatcher is not None and getattr(dispatcher, "enabled", False):
-            events = _NoReceivedEvent(dispatcher)
+        events = _NoReceivedEvent(dispatcher) if events_on else dispatcher
         handoff = default_strategy(task, app, _HandoffConsumer(consumer, events))
         self._handoff_strategies[task_name] = (strategy, dispatcher, handoff)
         return handoff
