@@ -19,20 +19,12 @@ $(STAMP): pyproject.toml
 
 # The fast suite: what CI runs. On TEST_WORKERS pytest-xdist workers, each with its own PostgreSQL and Redis: most
 # tests wait on real worker subprocesses, so 3 pay even on 2 cores. --dist loadscope: the tests of one module run on
-# one worker, in file order (modules whose tests rely on an earlier one's), modules handed out in file order.
-# TEST_WORKERS=0 runs the suite in this process, one test after another. Then the tests marked serial, alone (the
-# demo, whose verdict has wall-clock expectations), past a module that fails to import, as xdist goes on past it
-# (the error still fails the part). Both parts run; either failing fails the target (pytest's exit 5, no test
-# collected, is not a failure of the second).
+# one worker, in file order (modules whose tests rely on an earlier one's; the demo's three runs one at a time),
+# modules handed out in file order. TEST_WORKERS=0 runs the suite in this process, one test after another.
 TEST_WORKERS ?= 3
 test: venv
 	$(VPY) -m ruff check .
-	status=0; \
-	$(VPY) -m pytest -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
-		|| status=$$?; \
-	$(VPY) -m pytest -m "serial and not slow" --continue-on-collection-errors \
-		|| { code=$$?; [ $$code -eq 5 ] || status=$$code; }; \
-	exit $$status
+	$(VPY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # Long-running tests (stress, soak). pytest exits 5 when none are collected yet: not a failure here.
 test-slow: venv

@@ -25,9 +25,6 @@ from celery_keyed.testbed import PostgresTarget
 from tests.conftest import libpq_url
 
 ROOT = Path(__file__).resolve().parents[2]
-#: The demo's verdict includes wall-clock expectations (the multi-tenant makespan within twice the ideal plus 1 s) that
-#: a machine shared with other workers' real worker processes breaks: make test runs these alone, after the rest.
-pytestmark = pytest.mark.serial
 
 
 def demo_env(postgres_server: PostgresTarget, redis_url: str) -> dict[str, str]:
