@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OBSERVED = """
 CREATE TABLE observed (
     id bigserial PRIMARY KEY, kind text NOT NULL, task_id text NOT NULL, key text NOT NULL,
-    note text NOT NULL DEFAULT '', pid integer, at timestamptz NOT NULL)
+    note text NOT NULL DEFAULT '', pid integer, at timestamptz NOT NULL, fence bigint,
+    claimed_at timestamptz)
 """
 
 

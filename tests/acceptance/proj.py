@@ -72,18 +72,23 @@ def _log_signals() -> None:
         getattr(signals, name).connect(receiver, weak=False)
 
 
-def observe(dsn: str, kind: str, task_id: str, key: str, note: str = "") -> None:
+def observe(dsn: str, kind: str, task_id: str, key: str, note: str = "", fence: int | None = None) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
+        # claimed_at: when the ledger gave the running attempt its slot (a rate token is taken then).
         conn.execute(
-            "INSERT INTO observed (kind, task_id, key, note, pid, at) VALUES (%s, %s, %s, %s, %s, clock_timestamp())",
-            (kind, task_id, key, note, os.getpid()),
+            "INSERT INTO observed (kind, task_id, key, note, pid, at, fence, claimed_at)"
+            " VALUES (%s, %s, %s, %s, %s, clock_timestamp(), %s,"
+            " (SELECT max(claimed_at) FROM keyed_claims WHERE task_id = %s AND %s = 'start'))",
+            (kind, task_id, key, note, os.getpid(), fence, task_id, kind),
         )
 
 
 def _define_tasks(app: Any, ns: Any) -> None:
     @keyed_task(app=app, name="acceptance.hold", bind=True, concurrency_key="{key}", acks_late=True)
     def hold(self, key: str, seconds: float, note: str = "") -> str:
-        observe(ns.dsn, "start", self.request.id, key, note)
+        # The fence of its claim: fences grow with every claim, taken under the key's slot lock, so on one key
+        # they give the order in which the ledger admitted the tasks (D10).
+        observe(ns.dsn, "start", self.request.id, key, note, getattr(self.request, "keyed_fence", None))
         time.sleep(seconds)
         observe(ns.dsn, "end", self.request.id, key, note)
         return note

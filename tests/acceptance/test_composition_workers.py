@@ -59,9 +59,12 @@ def test_a_cost_5_task_never_starts_while_more_than_5_of_10_are_taken(cluster: C
         peak = max(peak, in_use)
     assert heavy_started_with is not None and heavy_started_with <= 5
     assert peak <= 10
-    # strict order: the light tasks sent after the heavy one did not start before it
-    starts = [r.note for r in rows if r.kind == "start"]
-    assert all(starts.index("heavy") < starts.index(f"after{i}") for i in range(4))
+    # Strict order (D10: by receipt at the ledger): the light tasks sent after the heavy one were not admitted
+    # before it. The ledger's order is the fences' (taken under the key's slot lock); the moments the bodies
+    # start may differ by the dispatch of each promotion (two workers, each promotion started where its slot
+    # was freed), which is not an order the ledger promises.
+    fences = {r.note: r.fence for r in cluster.rows("SELECT note, fence FROM observed WHERE kind = 'start'")}
+    assert all(fences["heavy"] < fences[f"after{i}"] for i in range(4)), fences
 
 
 @pytest.mark.parametrize("cluster", [{"stripe": 10, "stripe-optional": 7}], indirect=True)
@@ -166,9 +169,14 @@ def test_a_rate_with_a_gate_never_exceeds_either(cluster: Cluster, producer) -> 
     for i in range(24):
         producer.hold.delay("api:x", 0.05, note=str(i))
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 24, timeout=60)
+    # The rate binds the ledger's claims (a token is taken when the slot is given): count those, as the ledger
+    # timed them. The moments the bodies start add each promotion's dispatch (a few ms, more on a loaded
+    # machine), which is no part of the rate's promise.
     starts = sorted(
-        float(r.at) for r in cluster.rows("SELECT extract(epoch FROM at) AS at FROM observed WHERE kind = 'start'")
+        float(r.at)
+        for r in cluster.rows("SELECT extract(epoch FROM claimed_at) AS at FROM observed WHERE kind = 'start'")
     )
+    assert len(starts) == 24
     for i, first in enumerate(starts):
         for window in (0.5, 1.0, 2.0):
             inside = sum(1 for t in starts[i:] if t - first <= window)
