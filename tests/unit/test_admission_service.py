@@ -1,7 +1,7 @@
 """The admission service's own rules (celery_keyed/worker/admission.py): batches in hand-over order, a batch at
 most ``batch`` long, start/stop safe twice, nothing handed over is lost at stop, a failing ``decide`` fails its
 batch's jobs instead of the thread. The ledger side of a batch is tested in tests/integration/test_batches.py,
-the worker side with real workers in tests/acceptance/test_admission.py."""
+the worker side with real workers in tests/acceptance/test_admission_off_the_loop.py."""
 
 from __future__ import annotations
 
