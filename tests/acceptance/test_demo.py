@@ -154,43 +154,47 @@ def test_demo_serve_keeps_the_admin_up_with_a_demo_login_until_sigterm(
             text=True,
         ) as proc,
     ):
-        assert proc.stdout is not None
-        seen = []
-        for line in proc.stdout:  # the report, then the admin's URL and login
-            seen.append(line)
-            if "login: demo / demo" in line:
-                break
-        else:
-            raise AssertionError("the demo ended without serving the admin:\n" + "".join(seen))
-        text = "".join(seen)
-        assert "expectations held - all good" in text
-        base = f"http://127.0.0.1:{port}"
-        assert f"{base}/admin/" in text
-        # the admin answers: a redirect to the login page, which is there; the demo login works
-        jar = http.cookiejar.CookieJar()
-        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
-        no_redirect = urllib.request.build_opener(_NoRedirect)
-        with pytest.raises(urllib.error.HTTPError) as redirect:
-            no_redirect.open(f"{base}/admin/", timeout=10)
-        redirect.value.close()  # the error holds the response's socket
-        assert redirect.value.code == 302 and "/admin/login/" in redirect.value.headers["Location"]
-        with opener.open(f"{base}/admin/login/", timeout=10) as response:
-            assert response.status == 200
-            page = response.read().decode()
-        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page)
-        assert token is not None
-        form = urllib.parse.urlencode(
-            {"csrfmiddlewaretoken": token.group(1), "username": "demo", "password": "demo", "next": "/admin/"}
-        ).encode()
-        request = urllib.request.Request(f"{base}/admin/login/", data=form, headers={"Referer": f"{base}/admin/"})
-        with opener.open(request, timeout=10) as response:
-            assert response.status == 200 and response.url.endswith("/admin/")
-        with opener.open(f"{base}/admin/celery_keyed_django/key/?q=research", timeout=10) as response:
-            assert response.status == 200
-            assert "research:topic" in response.read().decode()
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.stdout.read()
-        status = proc.wait(timeout=30)
+        try:
+            assert proc.stdout is not None
+            seen = []
+            for line in proc.stdout:  # the report, then the admin's URL and login
+                seen.append(line)
+                if "login: demo / demo" in line:
+                    break
+            else:
+                raise AssertionError("the demo ended without serving the admin:\n" + "".join(seen))
+            text = "".join(seen)
+            assert "expectations held - all good" in text
+            base = f"http://127.0.0.1:{port}"
+            assert f"{base}/admin/" in text
+            # the admin answers: a redirect to the login page, which is there; the demo login works
+            jar = http.cookiejar.CookieJar()
+            opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+            no_redirect = urllib.request.build_opener(_NoRedirect)
+            with pytest.raises(urllib.error.HTTPError) as redirect:
+                no_redirect.open(f"{base}/admin/", timeout=10)
+            redirect.value.close()  # the error holds the response's socket
+            assert redirect.value.code == 302 and "/admin/login/" in redirect.value.headers["Location"]
+            with opener.open(f"{base}/admin/login/", timeout=10) as response:
+                assert response.status == 200
+                page = response.read().decode()
+            token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page)
+            assert token is not None
+            form = urllib.parse.urlencode(
+                {"csrfmiddlewaretoken": token.group(1), "username": "demo", "password": "demo", "next": "/admin/"}
+            ).encode()
+            request = urllib.request.Request(f"{base}/admin/login/", data=form, headers={"Referer": f"{base}/admin/"})
+            with opener.open(request, timeout=10) as response:
+                assert response.status == 200 and response.url.endswith("/admin/")
+            with opener.open(f"{base}/admin/celery_keyed_django/key/?q=research", timeout=10) as response:
+                assert response.status == 200
+                assert "research:topic" in response.read().decode()
+            proc.send_signal(signal.SIGTERM)
+            rest = proc.stdout.read()
+            status = proc.wait(timeout=30)
+        finally:  # a failed check must not leave Popen's exit waiting for a demo that serves until stopped
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
     err = out_path.read_text()
     assert status == 0, err
     assert_nothing_left(postgres_server, text + rest + err, {"demo1", "demo2", "beat", "admin"})
