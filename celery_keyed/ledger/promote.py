@@ -53,6 +53,32 @@ def give_back(conn: sa.Connection, holding: claims.Holding, *, now: Any = None) 
     ]
 
 
+def give_back_to_lines(
+    conn: sa.Connection, holding: claims.Holding, lines: set[str], *, now: Any = None
+) -> list[tuple[str, int]]:
+    """Give back every slot of a deleted claim whose removal also puts attempts back in the lines of ``lines``
+    (a lost run's stored row restored, its shadow made live): new eligibility on those keys (D2). For a key of
+    ``lines`` every shard row is locked (with the claim's own rows, all in (key, shard) order, before any head
+    row) and every free slot of the key is listed, not only the ones given back: room on another shard (a
+    shard the claim's own is not, e.g. after the shard count or the limit changed, D12) now belongs to the
+    attempt back in line. Other keys as ``give_back``: the rows with room, once per free slot."""
+    held = holding.slots()
+    freed: list[tuple[str, int]] = []
+    for key in sorted({k for k, _ in held} | lines):
+        own = [(k, sh) for k, sh in held if k == key]
+        if key not in lines:
+            freed += [
+                (k, sh) for k, sh in own for _ in range(slots.slots_give_back(conn, k, sh, cost=holding.cost, now=now))
+            ]
+            continue
+        slots.slots_lock_all(conn, key, key_name(key), now=now)  # every shard row, in shard order
+        for k, sh in own:
+            slots.slots_give_back(conn, k, sh, cost=holding.cost, now=now)
+        uses = slots.slots_lock_all(conn, key, key_name(key), now=now)  # held already: the counts after it
+        freed += [(key, u.shard) for u in uses for _ in range(max(0, u.share - u.used))]
+    return freed
+
+
 def give_back_reserved(conn: sa.Connection, row: Any, *, now: Any = None) -> list[tuple[str, int]]:
     """Give back the slots a deleted (or lapsed) waiting row had reserved; the (key, shard) rows with room."""
     if not getattr(row, "reserved_keys", None):

@@ -22,8 +22,8 @@ from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.outcomes import finish_never_ran
 from celery_keyed.ledger.promote import (
     DEFAULT_DISPATCH_TIMEOUT,
-    give_back,
     give_back_reserved,
+    give_back_to_lines,
     promote_each_key,
     promote_freed,
     promote_group,
@@ -225,8 +225,9 @@ def reclaim_once(
             if row is None:
                 continue
             report.voided.append(Token(row.task_id, row.attempt))
-            freed = give_back(conn, Holding.of(row), now=now)
             line = waiting.parked_line(row.parked)  # the line it stood in (several keys: not always its first)
+            # Back in line: every free slot of its line is promoted, not only the one given back (D2).
+            freed = give_back_to_lines(conn, Holding.of(row), {line} if line is not None else set(), now=now)
             for key in sorted({k for k, _ in freed} | ({line} if line is not None else set())):
                 keys.keys_lock(conn, key, key_name(key), now=now)
             if waiting.waiting_restore(conn, row.parked) and line is not None:

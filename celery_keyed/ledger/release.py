@@ -22,6 +22,7 @@ from celery_keyed.ledger.promote import (
     DEFAULT_DISPATCH_TIMEOUT,
     LocalHandoff,
     give_back,
+    give_back_to_lines,
     promote_each_key,
     promote_freed,
     promote_group,
@@ -195,12 +196,19 @@ def after_claim_removed(
     elif outcome is Outcome.RETRY:
         books.books_attempt_over(conn, token.task_id, token.attempt)
 
-    freed = give_back(conn, claims.Holding.of(row), now=now)
-    _shadows_follow(conn, token, row.key, outcome, now=now)
     # A promoted attempt whose run was lost: its broker message was acked when it was parked, so it goes back in
     # line, in its old place, from the stored message (a copy the broker still holds is a duplicate, D8).
     parked = getattr(row, "parked", None) if outcome is Outcome.WORKER_LOST else None
     line = None if parked is None else waiting.parked_line(parked)
+    # A lost run puts attempts back in line (its stored row, its shadows made live): new eligibility, so every
+    # free slot of those keys is promoted, not only the one given back (D2: a shard over its share after the
+    # shards or the limit changed frees nothing, while another shard of the key has room).
+    lines = set() if outcome is not Outcome.WORKER_LOST else {line} if line is not None else set()
+    if outcome is Outcome.WORKER_LOST:
+        params = {"task_id": token.task_id, "attempt": token.attempt}
+        lines |= set(conn.execute(waiting.WAITING_SHADOW_KEYS, params).scalars())
+    freed = give_back_to_lines(conn, claims.Holding.of(row), lines, now=now)
+    _shadows_follow(conn, token, row.key, outcome, now=now)
     to_lock = {key for key, _ in freed} | ({line} if line is not None else set())
     for key in sorted(to_lock):
         keys.keys_lock(conn, key, key_name(key), now=now)

@@ -197,6 +197,11 @@ WAITING_SHADOW_LIVE = sa.text(
     RETURNING key, group_key
     """
 )
+# waiting_shadow_keys: the lines of a claim's shadows (a lost run's shadows go live: new eligibility there, D2).
+WAITING_SHADOW_KEYS = sa.text(
+    "SELECT DISTINCT key FROM keyed_waiting WHERE task_id = :task_id AND attempt = :attempt AND shadow"
+    " AND key IS NOT NULL"
+)
 
 # waiting_orphan_shadows: shadows whose attempt holds no claim any more (its release raced the duplicate's
 # arrival): the sweep drops them if the attempt is over, else makes them live (D8 backstop).

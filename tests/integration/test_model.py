@@ -308,13 +308,17 @@ class Model:
         """The attempt's run is lost (its worker died: lease reclaimed, or released as worker-lost). A duplicate
         kept as its shadow is live again (D8). A promoted attempt goes back in line, in its old place, from its
         stored message (the broker message was acked when it parked), unless its live shadow is that copy; an
-        attempt admitted at once is redelivered by the broker (arrive_again). The freed slot goes to the line."""
+        attempt admitted at once is redelivered by the broker (arrive_again). The freed slot goes to the line; an
+        attempt back in line is new eligibility (D2), so then every free slot of the key is filled (another shard
+        may have room while the freed one is over its share, after the shards or the limit changed)."""
         self.remove_claim(claim.token)
         shadow = self.waiting.get(claim.token)
         if shadow is not None:
             shadow.shadow = False
-        elif claim.parked is not None:
+            return self.promote_key(claim.key, now)
+        if claim.parked is not None:
             self.waiting[claim.token] = claim.parked
+            return self.promote_key(claim.key, now)
         return self.promote_one(claim.key, claim.shard, now)
 
     def finish(self, task_id: str, outcome: str, attempt: int) -> bool:
@@ -772,8 +776,8 @@ class LedgerMachine(RuleBasedStateMachine):
         for token in report.voided:
             claim = m.remove_claim(token)
             assert claim.parked is not None
-            m.waiting[token] = claim.parked  # back in its place in line
-            promoted += m.promote_one(claim.key, claim.shard, now)
+            m.waiting[token] = claim.parked  # back in its place in line: new eligibility (D2)
+            promoted += m.promote_key(claim.key, now)
 
         swept, finished = self.model_sweep()
         self.accept_promotions(report.promotions, promoted + swept, ordered=False)
@@ -1018,3 +1022,47 @@ def test_an_arrival_does_not_overtake_a_due_retry(engine: sa.Engine) -> None:
     assert late.verdict is Verdict.PARKED  # the ledger admitted c ...
     assert [p.task_id for p in late.promotions] == ["b"]  # ... and b, due since t+3, waited behind c; b now
     assert ledger.sweep(now=at).promotions == []  # starts with the room c found, not at the next sweep
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["release", "release_many"])
+@pytest.mark.parametrize("back_in_line", ["stored_row", "shadow"])
+def test_a_lost_run_back_in_line_takes_room_on_another_shard(
+    engine: sa.Engine, batched: bool, back_in_line: str
+) -> None:
+    """Regression (found by the model): a run released as worker-lost goes back in line (a promoted attempt from
+    its stored row, or its duplicate kept as a shadow made live, D8), but only the shard it gave back was
+    promoted. After the shards changed (K = 3 on one shard, then on two: shares 2 + 1) its shard 0 was still at
+    its share while shard 1 was free, and the attempt waited next to that room until the sweep (D2, §3.12)."""
+    ledger = Ledger(engine, holder=HOLDER, lease=60.0, dispatch=5.0)
+    now = EPOCH
+    ledger.configure({"api": NameConfig("api", limit=1)}, now=now)
+    first = ledger.admit(Arrival("a", key="api:x"), now=now)
+    assert first.verdict is Verdict.ADMITTED and first.fence is not None
+    if back_in_line == "stored_row":
+        assert ledger.admit(Arrival("b", key="api:x"), now=now).verdict is Verdict.PARKED
+        [promoted] = ledger.set_override("api", 3, reason="raise", now=now)
+        assert ledger.bind(Token("b", 0), promoted.nonce, now=now) == promoted.fence
+        lost, fence = Token("b", 0), promoted.fence
+        assert ledger.admit(Arrival("c", key="api:x"), now=now).verdict is Verdict.ADMITTED
+    else:
+        assert ledger.set_override("api", 3, reason="raise", now=now) == []
+        assert ledger.admit(Arrival("a", key="api:x"), now=now).verdict is Verdict.DUPLICATE  # its shadow
+        for task_id in ("b", "c"):
+            assert ledger.admit(Arrival(task_id, key="api:x"), now=now).verdict is Verdict.ADMITTED
+        lost, fence = Token("a", 0), first.fence
+    # Three claims on shard 0; now two shards: shard 0's share is 2, shard 1's is 1 (nobody waits: no promotion).
+    assert ledger.configure({"api": NameConfig("api", limit=0, shards=2)}, now=now) == []
+
+    if batched:
+        [report] = ledger.release_many([ReleaseRequest(lost, fence, Outcome.WORKER_LOST)], now=now)
+    else:
+        report = ledger.release(lost, fence, Outcome.WORKER_LOST, now=now)
+    assert report.released
+    assert [p.token for p in report.promotions] == [lost]  # was []: shard 0 at its share, shard 1 left free
+    with engine.connect() as conn:
+        shard = conn.execute(
+            sa.text("SELECT shard FROM keyed_claims WHERE task_id = :t AND state = 'promoted'"), {"t": lost.task_id}
+        ).scalar_one()
+        assert shard == 1
+        assert conn.execute(sa.text("SELECT count(*) FROM keyed_waiting")).scalar_one() == 0
+    assert ledger.sweep(now=now).promotions == []
