@@ -634,11 +634,16 @@ class Ledger:
                 promotions = self.transaction(
                     lambda conn: self._promote_rows(conn, chosen, rows, skip_shadowed=True, now=now)
                 )
+        # A promotion is reported by the request that gave back a slot on its key; a multi-key waiter's promotion
+        # (reported under its first key) may come from a room on another of its keys: then by the first request
+        # that gave back a room with waiters. Never by a request the batch call did not release (a grouped
+        # claim, a stale fence): a report made up for it would skip its own release (the general path below),
+        # leaving its claim until its lease lapsed and its group stalled (found in the demo: a group head's retry
+        # batched with a tenant+api release; the group waited a lease, then for reconcile).
+        fallback = next(iter(owner.values()), batch[0])
         for promotion in promotions:
-            index = owner.get(promotion.key or "", batch[0])
-            report = reports[index]
-            if report is None:  # cannot happen: a promotion comes from a released row's room
-                report = reports[index] = ReleaseReport(released=True)
+            report = reports[owner.get(promotion.key or "", fallback)]
+            assert report is not None, "a promotion comes from the room of a released row"
             report.promotions.append(promotion)
 
     def release_early(
