@@ -1,6 +1,6 @@
 """The reconciler beat task ``celery_keyed.reconcile`` (registered by ``install(app)``): reclaim dead leases,
 void stuck promotions, sweep, check counters against claims, drop idle keys, prune the books after
-``keyed_books_retention``. Safe in several beats at once."""
+``keyed_books_retention``, publish the outbox's due messages (issue 14 item 8). Safe in several beats at once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from celery_keyed import metrics
 from celery_keyed.ledger import Ledger
 from celery_keyed.messages import republish
-from celery_keyed.publisher import publisher_for
+from celery_keyed.publisher import arrival_timeout, publisher_for, relay_outbox
 
 logger = logging.getLogger("celery_keyed")
 
@@ -50,6 +50,12 @@ def reconcile(app: Any) -> dict[str, Any]:
     for promotion in report.promotions:
         republish(app, promotion.message, nonce=str(promotion.nonce))
     settled = settle_from_results(app, ledger, age=settings.lease)
+    outbox = relay_outbox(
+        app,
+        ledger,
+        arrival_timeout=arrival_timeout(settings, grouped=False),
+        grouped_timeout=arrival_timeout(settings, grouped=True),
+    )
     metrics.drift_repaired(report.drift)
     if report.drift:
         logger.error("celery-keyed reconcile repaired drift (a bug, please report): %s", report.drift)
@@ -63,6 +69,7 @@ def reconcile(app: Any) -> dict[str, Any]:
         "dropped_keys": report.dropped_keys,
         "pruned": report.pruned,
         "settled": settled,
+        "outbox": outbox,
     }
     logger.info("celery-keyed reconcile: %s", summary)
     return summary

@@ -52,6 +52,7 @@ from celery_keyed.ledger import (
     holders_latest,
     migrate,
     names_newest_version,
+    outbox_by_name,
     override_get,
     schema_missing,
     sent_by_name,
@@ -291,6 +292,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         newest = names_newest_version(conn)
         workers = [dict(r._mapping) for r in holders_latest(conn)]
         sends = [s for s in sent_by_name(conn) if name is None or s.name == name]
+        outbox = [o for o in outbox_by_name(conn) if name is None or o.name == name]
     notes = _config_notes(operator.settings, names, name) + _version_notes(operator.settings, newest, workers)
     if as_json:
         _print_json(
@@ -302,6 +304,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
                 "config_version": newest,
                 "workers": workers,
                 "sends": [s.as_dict() for s in sends],
+                "outbox": [o.as_dict() for o in outbox],
                 "notes": notes,
             }
         )
@@ -321,6 +324,9 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
     if sends:
         click.echo()
         click.echo(_sends_table(sends))
+    if outbox:
+        click.echo()
+        click.echo(_outbox_table(outbox))
     for note in notes:
         click.echo(f"note: {note}", err=True)
 
@@ -378,6 +384,19 @@ def _sends_table(sends: list[Any]) -> str:
     rows = [(s.name, s.in_flight, s.refused_full, s.refused_duplicate) for s in sends]
     return render_table(
         ("NAME", "SENT NOT ARRIVED", "REFUSED ROOM FULL", "REFUSED DUPLICATE"), rows, right=(1, 2, 3)
+    )
+
+
+def _outbox_table(outbox: list[Any]) -> str:
+    """Registered at publish and not received yet (issue 14 item 8), per name."""
+    rows = [
+        (o.name, o.not_received, o.pending, o.republished_tasks, o.republished, _when(o.oldest))
+        for o in outbox
+    ]
+    return render_table(
+        ("NAME", "REGISTERED NOT RECEIVED", "NOT PUBLISHED YET", "REPUBLISHED TASKS", "REPUBLISHES", "OLDEST"),
+        rows,
+        right=(1, 2, 3, 4),
     )
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from kombu.compression import compress
 from kombu.message import Message
+from kombu.serialization import dumps
 
 from celery_keyed.headers import HEADER_NONCE
 
@@ -34,6 +36,45 @@ def record_message(message: Any, *, task_name: str) -> dict[str, Any]:
     }
 
 
+def record_published(
+    body: Any,
+    *,
+    task_name: str,
+    exchange: Any,
+    routing_key: str | None,
+    headers: dict[str, Any] | None,
+    serializer: str | None = None,
+    compression: str | None = None,
+    content_type: str | None = None,
+    content_encoding: str | None = None,
+    properties: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The record ``record_message`` makes of a received message, made at publish from the arguments Celery passes
+    to ``Producer.publish`` (the outbox, issue 14 item 8): the body serialized (and compressed) as kombu will send
+    it, so the stored copy can be published again as it was."""
+    headers = {k: v for k, v in dict(headers or {}).items() if k != HEADER_NONCE}
+    if isinstance(body, bytes | str) and content_type is not None:
+        data = body.encode(content_encoding or "utf-8") if isinstance(body, str) else body
+        encoding = content_encoding or "binary"
+    else:
+        content_type, encoding, data = dumps(body, serializer=serializer)
+        if isinstance(data, str):
+            data = data.encode(encoding)
+    if compression:
+        data, headers["compression"] = compress(data, compression)
+    properties = properties or {}
+    return {
+        "task": task_name,
+        "body": base64.b64encode(bytes(data)).decode("ascii"),
+        "content_type": content_type,
+        "content_encoding": encoding,
+        "headers": headers,
+        "properties": {k: properties[k] for k in _KEPT_PROPERTIES if properties.get(k) is not None},
+        "exchange": (getattr(exchange, "name", exchange) or "") if exchange is not None else "",
+        "routing_key": routing_key or "",
+    }
+
+
 def restore_message(record: dict[str, Any], *, nonce: str | None = None) -> Message:
     """A kombu message rebuilt from its record, carrying the admission nonce, for the local strategy."""
     headers = dict(record["headers"])
@@ -49,10 +90,12 @@ def restore_message(record: dict[str, Any], *, nonce: str | None = None) -> Mess
     )
 
 
-def republish(app: Any, record: dict[str, Any], *, nonce: str) -> None:
-    """Publish a promoted attempt's stored message again, with its nonce (thread-safe: uses the pool)."""
+def republish(app: Any, record: dict[str, Any], *, nonce: str | None) -> None:
+    """Publish a promoted attempt's stored message again, with its nonce (thread-safe: uses the pool); without a
+    nonce for a message of the outbox (issue 14 item 8): an ordinary arrival, as first published."""
     headers = dict(record["headers"])
-    headers[HEADER_NONCE] = nonce
+    if nonce is not None:
+        headers[HEADER_NONCE] = nonce
     with app.producer_pool.acquire(block=True) as producer:
         producer.publish(
             base64.b64decode(record["body"]),

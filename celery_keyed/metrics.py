@@ -65,8 +65,15 @@ if prometheus_client is not None:
         "Counters found out of step with the claims and parked rows that exist, and repaired, by reconcile "
         "(each one is a bug: please report it).",
     )
+    OUTBOX_PUBLISHED: Any = prometheus_client.Counter(
+        "celery_keyed_outbox_published",
+        "Messages of the outbox (keyed_register_at_publish) published by this process's relay: kind 'republished' "
+        "(no worker received an earlier copy in time: the broker lost it, or it is late), 'first' (registered in a "
+        "caller's transaction, published after its commit), 'failed' (the publish raised; retried when due again).",
+        ["kind"],
+    )
 else:
-    ADMISSIONS = HANDOFF = DRIFT = None
+    ADMISSIONS = HANDOFF = DRIFT = OUTBOX_PUBLISHED = None
 
 _promoted_at: dict[Any, float] = {}  # attempt token -> monotonic time of the release that promoted it
 _promoted_lock = threading.Lock()
@@ -114,6 +121,12 @@ def started(token: Any, verdict: Any) -> None:
         released_at = _promoted_at.pop(token, None)
     if released_at is not None:
         HANDOFF.observe(max(0.0, clock() - released_at))
+
+
+def outbox_published(kind: str, count: int = 1) -> None:
+    """Count messages the outbox relay published (``republished``, ``first``) or failed to publish (``failed``)."""
+    if OUTBOX_PUBLISHED is not None and count:
+        OUTBOX_PUBLISHED.labels(kind=kind).inc(count)
 
 
 def drift_repaired(drift: list[str]) -> None:

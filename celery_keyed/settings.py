@@ -54,6 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "admission_batch": 64,  # most arrivals one ledger call admits, off the consumer loop; 0: admit on the loop
     "send_arrival_timeout": 3600.0,  # seconds a send accepted at send holds its place until it arrives
     "config_version": 0,  # version of keyed_concurrency_limits: an older worker never overwrites a newer one's
+    "register_at_publish": False,  # store each keyed message in the ledger at publish; republish what never arrives
 }
 
 
@@ -85,6 +86,7 @@ class KeyedSettings:
     admission_batch: int = 64
     send_arrival_timeout: float = 3600.0
     config_version: int = 0
+    register_at_publish: bool = False
 
 
 def read_settings(conf: Any) -> KeyedSettings:
@@ -145,6 +147,7 @@ def read_settings(conf: Any) -> KeyedSettings:
         admission_batch=check_int(get("admission_batch"), "keyed_admission_batch", minimum=0, maximum=10_000),
         send_arrival_timeout=_seconds(get("send_arrival_timeout"), "keyed_send_arrival_timeout"),
         config_version=check_int(get("config_version"), "keyed_config_version", minimum=0, maximum=INT_MAX),
+        register_at_publish=_flag(get("register_at_publish"), "keyed_register_at_publish"),
     )
 
 
@@ -184,6 +187,13 @@ def django_database_url(alias: str, databases: dict[str, Any] | None = None) -> 
         query=query,
     )
     return url.render_as_string(hide_password=False)
+
+
+def _flag(value: Any, setting: str) -> bool:
+    """A boolean setting: True or False (a typo such as "no" must not turn a feature on)."""
+    if not isinstance(value, bool):
+        raise InvalidConfig(f"{setting} must be True or False, got {value!r}")
+    return value
 
 
 def _port(value: Any) -> int | None:

@@ -57,6 +57,12 @@ class KeyedTask(Task):
       ``admit_at_send`` in ``keyed_concurrency_limits``);
     - ``dedupe_key``: a key like the others (template, callable, tuple); at most one task per dedupe key is
       waiting or running (checked at send, so it implies ``admit_at_send``).
+    - ``register_at_publish``: store the message in the ledger's outbox at publish, and publish it again from
+      there when no worker received it within ``keyed_send_arrival_timeout`` (the broker lost it); also per call
+      ``keyed_register_at_publish=True`` (or ``False``), per name ``register_at_publish``, or for every keyed task
+      ``keyed_register_at_publish``. With ``keyed_connection=conn`` the message is stored in the caller's
+      transaction and published by the relay after it commits (issue 14 item 8; README "Nothing lost when the
+      broker loses it").
 
     ``concurrency_key`` may be a list of keys: all are claimed at once or none (``["tenant:{tenant_id}",
     "stripe"]``; list the narrow keys first, see docs/ledger.md). Per call, ``apply_async(...,
@@ -74,6 +80,7 @@ class KeyedTask(Task):
     uncertain_hold: float | None = None
     admit_at_send: bool = False
     dedupe_key: KeySpec = None
+    register_at_publish: bool = False
     Strategy = "celery_keyed.gate:keyed_strategy"
     Request = "celery_keyed.request:KeyedRequest"
 
@@ -87,6 +94,7 @@ class KeyedTask(Task):
         }
         connection = options.pop("keyed_connection", None)
         at_send = options.pop("keyed_admit_at_send", None)
+        at_publish = options.pop("keyed_register_at_publish", None)
         dedupe_spec = options.pop("dedupe_key") if "dedupe_key" in options else key_spec(self, "dedupe_key")
         # An admission token and a fence never survive a retry or a copy (headers.NOT_INHERITED).
         headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in NOT_INHERITED}
@@ -121,6 +129,14 @@ class KeyedTask(Task):
         headers.update(computed)
         options["headers"] = headers
         try:
+            if self._registers_at_publish(computed, at_publish, options):
+                from celery_keyed.publisher import outbox_producer
+
+                task_id = task_id or str(uuid.uuid4())
+                with outbox_producer(
+                    self.app, options, task_id=task_id, task_name=self.name, connection=connection
+                ) as producer:
+                    return super().apply_async(args, kwargs, task_id=task_id, producer=producer, **options)
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         except BaseException:
             if reserved and connection is None and task_id is not None:  # never published: give its place back
@@ -128,6 +144,24 @@ class KeyedTask(Task):
 
                 forget_send(self.app, task_id)
             raise
+
+    def _registers_at_publish(
+        self, computed: Mapping[str, Any], asked: bool | None, options: Mapping[str, Any]
+    ) -> bool:
+        """Whether this publish goes through the outbox: a keyed call (a concurrency or group key), not eager, not a
+        retry (its task id has arrived: a retry is not registered), asked per call, else by the class, else by the
+        settings (every keyed task, or the name of its first key or of its group)."""
+        if asked is False or not (HEADER_KEY in computed or HEADER_GROUP in computed):
+            return False
+        if options.get("retries") or self.app.conf.task_always_eager or getattr(self.request, "is_eager", False):
+            return False
+        if asked or self.register_at_publish:
+            return True
+        from celery_keyed.publisher import registers_at_publish
+
+        keys = computed.get(HEADER_KEY, computed.get(HEADER_GROUP))
+        first = keys[0] if isinstance(keys, list) else keys
+        return registers_at_publish(self.app, str(first).split(":", 1)[0] if first is not None else None)
 
     def _admits_at_send(self, key: str) -> bool:
         """``admit_at_send`` of the class, else of the key's name in ``keyed_concurrency_limits``."""
@@ -323,6 +357,7 @@ def keyed_task(
     concurrency_key: KeySpec = ...,
     dedupe_key: KeySpec = ...,
     admit_at_send: bool = ...,
+    register_at_publish: bool = ...,
     group_key: KeySpec = ...,
     supersede_key: KeySpec = ...,
     fair_key: KeySpec = ...,
@@ -338,6 +373,7 @@ def keyed_task(
     concurrency_key: KeySpec = ...,
     dedupe_key: KeySpec = ...,
     admit_at_send: bool = ...,
+    register_at_publish: bool = ...,
     group_key: KeySpec = ...,
     supersede_key: KeySpec = ...,
     fair_key: KeySpec = ...,
@@ -353,8 +389,8 @@ def keyed_task(*args: Any, **options: Any) -> Any:
     calls are checked against it; with ``bind=True`` the first parameter (the task) is left out.
 
     Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``group_key``,
-    ``supersede_key``, ``dedupe_key`` and ``admit_at_send``. Pass ``app=`` to register on a specific app instead
-    of every app (shared_task).
+    ``supersede_key``, ``dedupe_key``, ``admit_at_send`` and ``register_at_publish``. Pass ``app=`` to register
+    on a specific app instead of every app (shared_task).
     """
     app = options.pop("app", None)
     options.setdefault("base", KeyedTask)

@@ -46,12 +46,17 @@ EXPLAIN_SENT = sa.text(
     f"SELECT key, dedupe_key, sent_at, expires_at, expires_at > {NOW} AS holding FROM keyed_sent"
     " WHERE task_id = :task_id"
 )
+# explain_outbox: a task registered at publish (keyed_outbox, issue 14 item 8) and not received yet.
+EXPLAIN_OUTBOX = sa.text(
+    f"SELECT registered_at, due_at, pending, republished, republished_at, due_at <= {NOW} AS due FROM keyed_outbox"
+    " WHERE task_id = :task_id"
+)
 EXPLAIN_MEMBER = sa.text("SELECT group_key, seq, received FROM keyed_group_members WHERE task_id = :task_id")
 
 
 @dataclass
 class Explanation:
-    """``state`` is one of unknown, registered, sent, running, promoted, waiting, paused, blocked, not_before,
+    """``state`` is one of unknown, outbox, registered, sent, running, promoted, waiting, paused, blocked, not_before,
     shadow, between_attempts, finished; ``text`` says it in a sentence; ``facts`` has the numbers."""
 
     task_id: str
@@ -64,6 +69,24 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
     task = conn.execute(EXPLAIN_TASK, {"task_id": task_id}).mappings().first()
     member = conn.execute(EXPLAIN_MEMBER, {"task_id": task_id}).mappings().first()
     if task is None:
+        outbox = conn.execute(EXPLAIN_OUTBOX, {"task_id": task_id, "now": now}).mappings().first()
+        if outbox is not None:
+            group = f" (number {member['seq']} of group {member['group_key']})" if member is not None else ""
+            if outbox["pending"]:
+                then = "not published yet: the relay publishes it once the transaction that registered it commits"
+            else:
+                times = outbox["republished"]
+                then = (
+                    f"republished {times} time{'' if times == 1 else 's'}; "
+                    + ("due to be published again now" if outbox["due"] else f"published again at {outbox['due_at']}")
+                    + " if still not received"
+                )
+            return Explanation(
+                task_id,
+                "outbox",
+                f"registered at publish at {outbox['registered_at']}{group}, not received by a worker yet, {then}",
+                dict(outbox),
+            )
         if member is not None:
             return Explanation(
                 task_id,

@@ -33,7 +33,7 @@ Overflow = Literal["reject", "supersede"]
 
 _KNOWN_OPTIONS = {
     "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair",
-    "admit_at_send",
+    "admit_at_send", "register_at_publish",
 }
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -49,7 +49,8 @@ class NameConfig:
     ``fair``: waiters share a key's slots round-robin by their fair key instead of one FIFO line;
     ``admit_at_send``: producers ask the ledger before publishing a task of this name and raise ``KeyedRejected``
     when its waiting room is full or its dedupe key is live (read by the producer from its own settings; not
-    stored in the ledger)."""
+    stored in the ledger); ``register_at_publish``: producers store each message of this name in the ledger's
+    outbox at publish, and what no worker receives in time is published again (producer side too)."""
 
     name: str
     limit: int = 1
@@ -62,6 +63,7 @@ class NameConfig:
     burst: float | None = None
     fair: bool = False
     admit_at_send: bool = False
+    register_at_publish: bool = False
 
     def __post_init__(self) -> None:
         # Every number is checked against what its column and the clock can hold (ledger/bounds.py), so a value
@@ -87,6 +89,10 @@ class NameConfig:
             raise InvalidConfig(f"{self.name}: fair must be True or False, got {self.fair!r}")
         if not isinstance(self.admit_at_send, bool):
             raise InvalidConfig(f"{self.name}: admit_at_send must be True or False, got {self.admit_at_send!r}")
+        if not isinstance(self.register_at_publish, bool):
+            raise InvalidConfig(
+                f"{self.name}: register_at_publish must be True or False, got {self.register_at_publish!r}"
+            )
         if self.overflow not in ("reject", "supersede"):
             raise InvalidConfig(f"{self.name}: overflow must be 'reject' or 'supersede', got {self.overflow!r}")
 

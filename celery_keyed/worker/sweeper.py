@@ -6,7 +6,8 @@ retry backoff, rate tokens, expiries, lost group numbers, stale reserves), whose
 every quarter lease the claims of earlier worker starts on this machine whose processes are all gone; every
 quarter lease also the reaper — but only once this process has reached the ledger for a full lease
 (``Breaker.reachable_since``): a worker that was cut off cannot tell a dead peer from a peer that was cut off
-too. Last, ``notify_never_ran`` stores a failure result for every task that got a final outcome without running.
+too. Then ``notify_never_ran`` stores a failure result for every task that got a final outcome without running;
+last, the outbox relay publishes what is due (``publisher.relay_outbox``, issue 14 item 8).
 
 Threads and fields: the sweeper's thread belongs to the consumer (started and stopped with it; skips its turn
 while the breaker is open). ``_last_reclaim`` and ``_last_gone_check`` are its thread's only (``sweep_once``
@@ -26,6 +27,7 @@ import sqlalchemy as sa
 
 from celery_keyed import exceptions
 from celery_keyed.messages import context_from_record
+from celery_keyed.publisher import arrival_timeout, relay_outbox
 
 if TYPE_CHECKING:
     from celery_keyed.gate import GateService
@@ -100,6 +102,14 @@ class Sweeper:
                 )
             handoff.dispatch(reclaimed.promotions, local=False)
         self.notify_never_ran()
+        # The outbox (issue 14 item 8): registrations committed in a caller's transaction, and messages no worker
+        # received within the arrival timeout, are published from their stored copy.
+        relay_outbox(
+            gate.app,
+            ledger,
+            arrival_timeout=arrival_timeout(settings, grouped=False),
+            grouped_timeout=arrival_timeout(settings, grouped=True),
+        )
 
     def notify_never_ran(self) -> None:
         """Store a failure result for every task that got a final outcome without running (D11)."""

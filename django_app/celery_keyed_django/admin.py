@@ -38,6 +38,7 @@ from celery_keyed_django.models import (
     Holder,
     Key,
     Name,
+    Outbox,
     Override,
     OverrideLog,
     SendRefusals,
@@ -1115,3 +1116,32 @@ class SentAdmin(ReadOnlyAdmin):
     @admin.display(description="Task", ordering="task_id")
     def task_display(self, obj: Sent) -> str:
         return explain_link(obj.task_id)
+
+
+# -- the outbox (issue 14 item 8) --------------------------------------------------------------------------------
+
+
+@admin.register(Outbox)
+class OutboxAdmin(ReadOnlyAdmin):
+    list_display = ("task_display", "task_name", "key", "group_key", "registered_at", "state_display", "due_at")
+    search_fields = ("=task_id", "=key", "=group_key", "=task_name")
+    ordering = ("registered_at",)
+    list_title = "Outbox: registered, not received"
+    page_help = (
+        "Keyed messages stored at publish (keyed_register_at_publish) that no worker has received yet. A message "
+        "registered in the caller's transaction is published by the relay (each worker's sweep, beat's reconcile) "
+        "after that transaction commits; one that no worker received by its due time is published again from this "
+        "copy (a late first copy is then dropped as a duplicate). A row goes when its task arrives."
+    )
+    empty_state = "Nothing in the outbox: every registered message was received (or none was registered)."
+
+    @admin.display(description="Task", ordering="task_id")
+    def task_display(self, obj: Outbox) -> str:
+        return explain_link(obj.task_id)
+
+    @admin.display(description="State", ordering="republished")
+    def state_display(self, obj: Outbox) -> str:
+        if obj.pending:
+            return "not published yet (waits for its transaction's commit)"
+        times = obj.republished
+        return f"registered, not received, republished {times} time{'' if times == 1 else 's'}"

@@ -209,6 +209,33 @@ class SendRefusals(models.Model):
         ordering = ("name", "reason")
 
 
+class Outbox(models.Model):
+    """A keyed message registered at publish and not received by a worker yet (``keyed_outbox``, issue 14 item 8):
+    the relay publishes it again from this copy when it is due; its row goes when the task arrives."""
+
+    task_id = models.TextField(primary_key=True)
+    task_name = models.TextField()
+    key = models.TextField(null=True)
+    group_key = models.TextField(null=True)
+    message = models.JSONField()
+    registered_at = models.DateTimeField()
+    due_at = models.DateTimeField()
+    pending = models.BooleanField()
+    republished = models.IntegerField()
+    republished_at = models.DateTimeField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "keyed_outbox"
+        default_permissions = ("view",)
+        verbose_name = "registered message not received"
+        verbose_name_plural = "outbox: registered, not received"
+        ordering = ("registered_at",)
+
+    def __str__(self) -> str:
+        return self.task_id
+
+
 class TaskRecord(models.Model):
     """The books (``keyed_tasks``): one row per keyed task id that arrived, with its final outcome."""
 

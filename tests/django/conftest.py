@@ -39,6 +39,7 @@ LEDGER_TABLES = (
     "keyed_group_members",
     "keyed_events",
     "keyed_books_pruned",
+    "keyed_outbox",
 )
 
 

@@ -1,9 +1,10 @@
 """The admin shows the configuration version stored for each name and the version each worker runs (issue 14
-item 7), and the sends accepted and refused at send (item 3)."""
+item 7), the sends accepted and refused at send (item 3), and the outbox (item 8)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import sqlalchemy as sa
 from django.test import Client
 from django.urls import reverse
 
-from celery_keyed.ledger import Ledger, NameConfig
+from celery_keyed.ledger import Arrival, Ledger, NameConfig
 
 pytestmark = pytest.mark.django_db
 
@@ -60,3 +61,25 @@ def test_empty_pages(admin_client: Client) -> None:
     body = admin_client.get(url("sent_changelist")).content.decode()
     assert "No accepted sends" in body
     assert "Refused sends (nothing published, nothing booked): none" in body
+
+
+def test_outbox_page_shows_registered_not_received(admin_client: Client, ledger_engine: sa.Engine) -> None:
+    """Issue 14 item 8: registrations not received yet, read-only, with how often they were republished."""
+    ledger = Ledger(ledger_engine, holder="host-a:11:aaaa")
+    message = {"task": "t", "body": "", "headers": {}, "properties": {}, "exchange": "", "routing_key": "celery"}
+    assert ledger.register_at_publish("t-lost", message, task_name="proj.sync", key="acct:1", arrival_timeout=1)
+    assert ledger.register_at_publish("t-received", message, key="acct:2")
+    ledger.admit(Arrival("t-received", key="acct:2"))
+    later = datetime.now(UTC) + timedelta(seconds=5)
+    assert [d.task_id for d in ledger.outbox_due(arrival_timeout=60, now=later)] == ["t-lost"]
+    body = admin_client.get(url("outbox_changelist")).content.decode()
+    assert "t-lost" in body and "proj.sync" in body and "t-received" not in body
+    assert "registered, not received, republished 1 time" in body
+    assert admin_client.get(url("outbox_add")).status_code == 403
+    assert "Nothing in the outbox" in _empty_outbox(admin_client, ledger_engine)
+
+
+def _empty_outbox(admin_client: Client, ledger_engine: sa.Engine) -> str:
+    with ledger_engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM keyed_outbox"))
+    return admin_client.get(url("outbox_changelist")).content.decode()

@@ -1,0 +1,74 @@
+"""The outbox with real workers (issue 14 item 8): a keyed message registered at publish that the broker loses —
+published to Redis, then taken off the list before any worker sees it, as kombu's Redis transport loses a message
+a worker pops just before it is killed — is published again from the ledger's copy by a worker's sweep and runs
+exactly once; a copy published again while the first was only late is dropped as a duplicate (D8). The books
+balance: one task id, one outcome."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from celery_keyed.ledger import Ledger
+from celery_keyed.publisher import relay_outbox
+from tests.acceptance.conftest import Cluster
+
+#: Seconds a registered message may take to arrive before it is published again (producer and workers).
+ARRIVAL = 2.0
+
+
+@pytest.fixture
+def outbox_cluster(cluster: Cluster) -> Cluster:
+    cluster.env["KEYED_SEND_ARRIVAL_TIMEOUT"] = str(ARRIVAL)
+    return cluster
+
+
+@pytest.fixture
+def broker(outbox_cluster: Cluster):
+    client = redis.Redis.from_url(outbox_cluster.broker_url)
+    yield client
+    client.close()
+
+
+def _starts(cluster: Cluster, task_id: str) -> int:
+    return int(cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'start' AND task_id = :t", t=task_id))
+
+
+def test_a_message_the_broker_lost_is_republished_and_runs_once(outbox_cluster: Cluster, broker, producer) -> None:
+    cluster = outbox_cluster
+    result = producer.hold.apply_async(("acct:1", 0.1, "lost"), keyed_register_at_publish=True)
+    assert broker.llen("celery") == 1
+    assert broker.delete("celery") == 1  # lost before any worker saw it: the ledger never heard of the task
+    assert cluster.scalar("SELECT count(*) FROM keyed_tasks") == 0
+    told = Ledger(cluster.engine).explain(result.id)
+    assert told.state == "outbox" and "not received by a worker yet, republished 0 times" in told.text
+    cluster.start_worker("w1", concurrency=2)
+    assert result.get(timeout=30) == "lost"
+    cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'", 1)
+    assert cluster.scalar("SELECT count(*) FROM keyed_outbox") == 0  # received: the copy is gone
+    time.sleep(2 * ARRIVAL)  # nothing is published again once it arrived
+    assert _starts(cluster, result.id) == 1 and broker.llen("celery") == 0
+    assert dict(cluster.rows("SELECT outcome, count(*) FROM keyed_tasks GROUP BY outcome")) == {"completed": 1}
+    log = cluster.logs["w1"].read_text()
+    assert f"{result.id} (acceptance.hold) was not received by any worker in time" in log
+
+
+def test_a_late_copy_and_its_republished_twin_run_once(outbox_cluster: Cluster, broker, producer) -> None:
+    """No worker yet: the first copy waits in Redis past its arrival timeout, so the relay (here beat's, called in
+    this process) publishes it again; when a worker comes, one copy runs and the other is dropped (D8)."""
+    cluster = outbox_cluster
+    result = producer.hold.apply_async(("acct:2", 0.5, "late"), keyed_register_at_publish=True)
+    time.sleep(ARRIVAL + 0.5)
+    ledger = Ledger(cluster.engine)
+    assert relay_outbox(producer.app, ledger, arrival_timeout=ARRIVAL)["republished"] == 1
+    assert broker.llen("celery") == 2
+    cluster.start_worker("w1", concurrency=2)
+    assert result.get(timeout=30) == "late"
+    cluster.wait_for("SELECT duplicates FROM keyed_tasks WHERE task_id = :t", 1, t=result.id)
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 0)  # a shadow, if it was one, is dropped
+    cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'", 1)
+    assert _starts(cluster, result.id) == 1
+    assert cluster.scalar("SELECT count(*) FROM keyed_outbox") == 0
+    assert dict(cluster.rows("SELECT outcome, count(*) FROM keyed_tasks GROUP BY outcome")) == {"completed": 1}
