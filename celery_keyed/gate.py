@@ -295,6 +295,16 @@ class GateService:
             self.breaker.hold(request)
             raise TaskRevokedError(request.id)
         request.keyed_arrival_key = arrival.key
+        fence = self.handoff.take_fresh(arrival.token)
+        if fence is not None:
+            # A promotion this worker's own release bound to it moments ago (D4): its claim provably cannot have
+            # lapsed (``Handoff.take_fresh``), so it starts now, on the loop, with no round trip (D14).
+            self._conclude(request, arrival, fence, None)
+            try:
+                return submit()
+            except TaskRevokedError:  # Celery's own check: revoked or expired meanwhile
+                self.release(request, Outcome.REVOKED)
+                raise
         admission_service = self.admission
         if admission_service is not None and admission_service.submit(
             Job(request, arrival, submit, extra={"generation": self.generation})

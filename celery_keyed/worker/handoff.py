@@ -60,6 +60,11 @@ class Prebound:
     fence: int
     key: str | None
     since: float = field(default_factory=time.monotonic)
+    # Monotonic time taken before the release call whose transaction bound it here, or None (bound another
+    # way). The ledger gave its claim a lease of ``keyed_lease`` from the database's clock at that transaction,
+    # which began after this instant: until ``granted + lease - self_fence_margin`` the claim cannot have lapsed
+    # (see ``Handoff.take_fresh``).
+    granted: float | None = None
 
 
 class Route(enum.Enum):
@@ -108,7 +113,8 @@ class Handoff:
         self.gate = gate
         self.lock = lock
         self.prebound: dict[Token, Prebound] = {}  # promotions bound to us at promotion time (D4); under lock
-        self._to_loop: deque[Promotion] = deque()  # promotions found off the loop, to start on it (D4)
+        # promotions found off the loop, to start on it (D4), with the time their release call began (or None)
+        self._to_loop: deque[tuple[Promotion, float | None]] = deque()
         self._loop_calls: deque[Callable[[], None]] = deque()  # work for the loop thread (deferred broker acks)
         self._waker: tuple[Any, int, int] | None = None  # (hub, read fd, write fd): threads wake the loop
         self._handoff_strategies: dict[str, tuple[Any, Any, Any]] = {}  # task name -> (strategy, dispatcher, ours)
@@ -189,13 +195,16 @@ class Handoff:
         threads found; follow the breaker with the keyed-only queues."""
         self.run_loop_calls()
         while self._to_loop:
-            self.dispatch([self._to_loop.popleft()], local=True)
+            promotion, granted = self._to_loop.popleft()
+            self.dispatch([promotion], local=True, granted=granted)
         self.gate.breaker.sync_keyed_queues()
 
     # -- dispatch of promotions --------------------------------------------------------------------------
 
-    def dispatch(self, promotions: list[Promotion], *, local: bool) -> None:
-        """Start promoted attempts where ``route`` says. ``local``: the caller is the consumer loop's thread."""
+    def dispatch(self, promotions: list[Promotion], *, local: bool, granted: float | None = None) -> None:
+        """Start promoted attempts where ``route`` says. ``local``: the caller is the consumer loop's thread.
+        ``granted``: the monotonic time taken before the ledger call that made these promotions (a release),
+        for the promotions it bound to this worker (``Prebound.granted``)."""
         gate = self.gate
         for promotion in promotions:
             closed, local_handoff = gate.closed, gate.settings.local_handoff
@@ -209,12 +218,12 @@ class Handoff:
                 loop_runs=bool(gate.timers),
             )
             if where is Route.TO_LOOP:
-                self._to_loop.append(promotion)
+                self._to_loop.append((promotion, granted))
                 self.wake_loop()
                 continue
             if where is Route.RUN_HERE:
                 try:
-                    self.run_here(promotion)
+                    self.run_here(promotion, granted=granted)
                     continue
                 except Exception:
                     logger.exception("celery-keyed: local handoff of %s failed; republishing", promotion.task_id)
@@ -274,12 +283,12 @@ class Handoff:
         routing_keys = {q.routing_key for q in getattr(task_consumer, "queues", ())}
         return record.get("routing_key") in names | routing_keys
 
-    def run_here(self, promotion: Promotion) -> None:
+    def run_here(self, promotion: Promotion, *, granted: float | None = None) -> None:
         """Loop thread: start the promotion from its stored message through the consumer's strategy."""
         record = promotion.message
         if promotion.nonce is None:  # already bound to this worker in the promotion's transaction
             with self.lock:
-                self.prebound[promotion.token] = Prebound(promotion.fence, promotion.key)
+                self.prebound[promotion.token] = Prebound(promotion.fence, promotion.key, granted=granted)
         message = restore_message(record, nonce=None if promotion.nonce is None else str(promotion.nonce))
         strategy = self._handoff_strategy(record["task"])
         try:
@@ -338,6 +347,30 @@ class Handoff:
             logger.exception("celery-keyed: could not republish promoted %s", promotion.task_id)
 
     # -- promotions bound here (D4, D14) -----------------------------------------------------------------
+
+    def take_fresh(self, token: Token, *, now: float | None = None) -> int | None:
+        """D14 without a round trip: the fence of a promotion bound to this worker by its own release (D4) whose
+        claim provably cannot have lapsed yet, taken out of ``prebound`` (the caller starts it now); else None
+        (not bound here, bound another way, or old: ``confirm_prebound`` binds it by a guarded statement).
+
+        Why this binds the start as surely as the guarded statement: the release's transaction inserted the
+        claim as this holder's running claim with a lease of ``keyed_lease`` from the database's clock, inside a
+        call that began after ``granted``; nothing takes a live holder's claim before its lease lapses (the
+        reaper needs an expired lease, D7; gone-holder reclaims need every process of the holder gone; an
+        operator's forced release is a recorded breach, §3.1). So until ``granted + lease - self_fence_margin``
+        on the monotonic clock — the same rule that lets a running attempt go on without asking (self-fencing,
+        D7) — the claim is still ours with this fence. The heartbeat renews it from the running table once it
+        starts. ``take_fresh`` and ``give_back_prebound`` both pop under ``lock``: only one of them acts."""
+        settings = self.gate.settings
+        with self.lock:
+            prebound = self.prebound.get(token)
+            if prebound is None or prebound.granted is None:
+                return None
+            moment = time.monotonic() if now is None else now
+            if moment >= prebound.granted + settings.lease - settings.self_fence_margin:
+                return None
+            del self.prebound[token]
+        return prebound.fence
 
     def confirm_prebound(self, token: Token) -> int | None:
         """D14: a promotion bound to this worker earlier (D4) starts only if its claim is still this worker's,

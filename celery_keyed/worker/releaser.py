@@ -214,6 +214,7 @@ class Releaser:
             )
             for job in jobs
         ]
+        granted = time.monotonic()  # before the call: the promotions' leases begin after it (Handoff.take_fresh)
         try:
             reports = self.gate.ledger.release_many(requests)
         except sa.exc.DBAPIError as exc:
@@ -224,9 +225,10 @@ class Releaser:
             self.pending.extend(jobs)  # retried by the heartbeat; a release may be repeated safely
             return
         for job, report in zip(jobs, reports, strict=True):
-            self._released(job, report, local=False)
+            self._released(job, report, local=False, granted=granted)
 
     def _release_now(self, job: Release, *, local: bool) -> None:
+        granted = time.monotonic()  # before the call: the promotions' leases begin after it (Handoff.take_fresh)
         try:
             report = self.gate.ledger.release(
                 job.token,
@@ -250,10 +252,11 @@ class Releaser:
             logger.exception("celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt)
             self._after_release(job, local=local)
             return
-        self._released(job, report, local=local)
+        self._released(job, report, local=local, granted=granted)
 
-    def _released(self, job: Release, report: ReleaseReport, *, local: bool) -> None:
-        """A release has committed: its deferred ack, its promotions."""
+    def _released(self, job: Release, report: ReleaseReport, *, local: bool, granted: float | None = None) -> None:
+        """A release has committed: its deferred ack, its promotions (``granted``: the monotonic time taken before
+        the release call, for the promotions bound to this worker)."""
         self._after_release(job, local=local)
         if report.promotions:
             self.mark_contended(job.key)
@@ -261,7 +264,7 @@ class Releaser:
             if final == "dead_lettered":
                 logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", job.name, task_id)
         metrics.promoted(report.promotions, job.released_at)
-        self.gate.handoff.dispatch(report.promotions, local=local)
+        self.gate.handoff.dispatch(report.promotions, local=local, granted=granted)
 
     def _after_release(self, job: Release, *, local: bool) -> None:
         """Run the release's deferred ack: here when on the loop thread, else on the loop (kombu's channel is

@@ -184,3 +184,102 @@ def test_a_local_promotion_celery_discards_as_revoked_gives_its_slot_back(databa
     finally:
         worker_state.revoked.discard("gone")
         gate.close()
+
+
+def _stored(task_id: str) -> dict[str, object]:
+    import base64
+
+    return {
+        "task": "t",
+        "body": base64.b64encode(b"[[], {}, {}]").decode("ascii"),
+        "content_type": "application/json",
+        "content_encoding": "utf-8",
+        "headers": {"id": task_id, "task": "t"},
+        "properties": {},
+        "exchange": "",
+        "routing_key": "celery",
+    }
+
+
+def _received(task_id: str, key: str) -> SimpleNamespace:
+    """A received request as the gate reads it (the header path of ``intake.arrival_for``)."""
+    from kombu.message import Message
+
+    from celery_keyed.headers import HEADER_KEY
+
+    headers = {"id": task_id, "task": "t", HEADER_KEY: key}
+    message = Message(
+        body=b"[[], {}, {}]",
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers=headers,
+        delivery_info={"exchange": "", "routing_key": "celery"},
+    )
+    return SimpleNamespace(
+        id=task_id,
+        name="t",
+        task=SimpleNamespace(),
+        _request_dict=dict(headers),
+        delivery_info={"routing_key": "celery"},
+        _expires=None,
+        _message=message,
+        keyed_claim=None,
+        keyed_started=False,
+        keyed_arrival_key=None,
+    )
+
+
+def test_a_promotion_bound_by_this_workers_release_starts_without_a_round_trip_while_its_lease_must_hold(
+    database_url: str,
+) -> None:
+    """D14 for a local handoff (D4): the promotion the release bound to this worker starts with no statement
+    while its claim provably cannot have lapsed (``Handoff.take_fresh``: less than a lease minus the self-fence
+    margin after the release call began); an older one is bound by the guarded statement (``Ledger.confirm``)."""
+    from celery_keyed.ledger import Outcome, Verdict
+
+    app = Celery("gate-test", broker="memory://", set_as_current=False)
+    app.conf.update(keyed_database_url=database_url, keyed_lease=30.0)
+    queue = SimpleNamespace(name="celery", routing_key="celery")
+    consumer = SimpleNamespace(
+        hostname="gate-test",
+        timer=None,
+        strategies={"t": lambda *args: None},  # the restored request reaches the pool later (below, by hand)
+        pool=None,
+        task_consumer=SimpleNamespace(queues=[queue]),
+    )
+    gate = GateService(app, consumer, read_settings(app.conf))
+    statements: list[str] = []
+    sa.event.listen(gate.engine, "before_cursor_execute", lambda c, cur, stmt, *a: statements.append(stmt))
+    try:
+        admitted = [
+            gate.ledger.admit(Arrival(t, key="k:1", task_name="t", queue="celery", message=_stored(t)))
+            for t in ("first", "fresh", "old")
+        ]
+        assert [a.verdict for a in admitted] == [Verdict.ADMITTED, Verdict.PARKED, Verdict.PARKED]
+        first = SimpleNamespace(name="t", keyed_claim=(Token("first", 0), admitted[0].fence), keyed_arrival_key="k:1")
+        gate.release(first, Outcome.COMPLETED)  # no releaser thread: runs here and hands "fresh" to us (D4)
+        bound = gate.handoff.prebound[Token("fresh", 0)]
+        assert bound.granted is not None
+
+        fresh = _received("fresh", "k:1")
+        started: list[str] = []
+        statements.clear()
+        gate.execute(fresh, lambda: started.append("fresh"))
+        assert started == ["fresh"] and statements == []  # no round trip on the way to the pool
+        assert fresh.keyed_claim == (Token("fresh", 0), bound.fence)
+        assert Token("fresh", 0) in gate.running and Token("fresh", 0) not in gate.handoff.prebound
+
+        gate.release(fresh, Outcome.COMPLETED)  # hands "old" to us
+        late = gate.handoff.prebound[Token("old", 0)]
+        late.granted = time.monotonic() - gate.settings.lease + gate.settings.self_fence_margin  # at the limit
+        old = _received("old", "k:1")
+        statements.clear()
+        gate.execute(old, lambda: started.append("old"))
+        assert started == ["fresh", "old"]
+        assert any("keyed_claims" in s for s in statements), "an old promotion is bound by a guarded statement"
+        assert old.keyed_claim == (Token("old", 0), late.fence)
+        with gate.engine.connect() as conn:
+            claims = conn.execute(sa.text("SELECT task_id, holder, fence FROM keyed_claims")).all()
+        assert [(c.task_id, c.holder, c.fence) for c in claims] == [("old", gate.ledger.holder, late.fence)]
+    finally:
+        gate.close()

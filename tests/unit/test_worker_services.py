@@ -69,7 +69,7 @@ def fake_gate() -> SimpleNamespace:
         handoff=SimpleNamespace(
             local_handoff=lambda: (None, None),
             call_on_loop=on_loop.append,
-            dispatch=lambda promotions, local: None,
+            dispatch=lambda promotions, local, granted=None: None,
         ),
         breaker=SimpleNamespace(open=lambda exc: None),
     )
