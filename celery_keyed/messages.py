@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from kombu.compression import compress
 from kombu.message import Message
 from kombu.serialization import dumps
 
@@ -23,7 +22,9 @@ def record_message(message: Any, *, task_name: str) -> dict[str, Any]:
         body = body.encode("utf-8")
     delivery_info = message.delivery_info or {}
     properties = message.properties or {}
-    headers = {k: v for k, v in dict(message.headers or {}).items() if k != HEADER_NONCE}
+    # kombu decompressed the body when it built the message: the record keeps it plain, without the header that
+    # would make a restored or republished copy be decompressed a second time.
+    headers = {k: v for k, v in dict(message.headers or {}).items() if k not in (HEADER_NONCE, "compression")}
     return {
         "task": task_name,
         "body": base64.b64encode(bytes(body)).decode("ascii"),
@@ -50,9 +51,10 @@ def record_published(
     properties: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The record ``record_message`` makes of a received message, made at publish from the arguments Celery passes
-    to ``Producer.publish`` (the outbox, issue 14 item 8): the body serialized (and compressed) as kombu will send
-    it, so the stored copy can be published again as it was."""
-    headers = {k: v for k, v in dict(headers or {}).items() if k != HEADER_NONCE}
+    to ``Producer.publish`` (the outbox, issue 14 item 8): the body serialized as kombu will send it, so the stored
+    copy can be published again as it was — uncompressed, as a received message is recorded (``compression`` is
+    accepted and left out: a copy is published without it)."""
+    headers = {k: v for k, v in dict(headers or {}).items() if k not in (HEADER_NONCE, "compression")}
     if isinstance(body, bytes | str) and content_type is not None:
         data = body.encode(content_encoding or "utf-8") if isinstance(body, str) else body
         encoding = content_encoding or "binary"
@@ -60,8 +62,6 @@ def record_published(
         content_type, encoding, data = dumps(body, serializer=serializer)
         if isinstance(data, str):
             data = data.encode(encoding)
-    if compression:
-        data, headers["compression"] = compress(data, compression)
     properties = properties or {}
     return {
         "task": task_name,
