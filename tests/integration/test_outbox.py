@@ -299,3 +299,18 @@ def test_a_grouped_task_is_republished_before_its_number_is_lost(app: Celery, le
     assert ledger.outbox_due(arrival_timeout=3600, grouped_timeout=150, now=clock.advance(299)) == []
     assert [d.task_id for d in ledger.outbox_due(arrival_timeout=3600, grouped_timeout=150,
                                                  now=clock.advance(2))] == ["g3"]
+
+
+def test_the_relay_counts_what_it_publishes(app: Celery, ledger: Ledger) -> None:
+    from celery_keyed import metrics
+
+    if not metrics.enabled():
+        pytest.skip("prometheus_client is not installed")
+
+    def count(kind: str) -> float:
+        return metrics.OUTBOX_PUBLISHED.labels(kind=kind)._value.get()
+
+    before = {kind: count(kind) for kind in ("first", "republished", "failed")}
+    ledger.register_at_publish("m", MESSAGE, key="feed:1", arrival_timeout=1)
+    relay_outbox(app, ledger, arrival_timeout=60, now=datetime.now(UTC) + timedelta(seconds=2))
+    assert {kind: count(kind) - before[kind] for kind in before} == {"first": 0, "republished": 1, "failed": 0}
