@@ -70,6 +70,13 @@ from celery_keyed.ledger.keys import keys_captured_by
 from celery_keyed.ledger.keyspec import key_name, normalize_key, validate_name
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
 from celery_keyed.ledger.names import Configured, NameConfig, configure_names, names_newest_version, parse_limits
+from celery_keyed.ledger.outbox import (
+    OutboxCounts,
+    OutboxDue,
+    outbox_by_name,
+    outbox_register,
+    outbox_take_due,
+)
 from celery_keyed.ledger.overrides import clear_override, override_get, set_override
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, LocalHandoff
 from celery_keyed.ledger.reconcile import (
@@ -112,6 +119,8 @@ __all__ = [
     "LocalHandoff",
     "NameConfig",
     "NameStatus",
+    "OutboxCounts",
+    "OutboxDue",
     "Outcome",
     "Promotion",
     "ReleaseReport",
@@ -145,6 +154,8 @@ __all__ = [
     "names_newest_version",
     "new_holder",
     "normalize_key",
+    "outbox_by_name",
+    "outbox_register",
     "override_get",
     "parse_limits",
     "prune_books_once",
@@ -334,6 +345,50 @@ class Ledger:
         """Per name: sends accepted and not arrived yet, and the sends refused (room full, duplicate)."""
         with schema_required(self.engine), self.engine.connect() as conn:
             return sent_by_name(conn, now=now)
+
+    def register_at_publish(
+        self,
+        task_id: str,
+        message: dict[str, Any],
+        *,
+        task_name: str = "",
+        key: str | None = None,
+        group_key: str | None = None,
+        eta: datetime | None = None,
+        arrival_timeout: float = 3600.0,
+        now: datetime | None = None,
+    ) -> bool:
+        """The outbox (issue 14 item 8): store ``task_id``'s message, committed when this returns, before the
+        producer publishes it — one self-committing INSERT, one round trip. True when stored; False when the task id
+        had already arrived or was registered (``ledger/outbox.py``)."""
+        with schema_required(self.engine):
+            return self.autocommitted(
+                lambda conn: outbox_register(
+                    conn, task_id, message, task_name=task_name, key=key, group_key=group_key, eta=eta,
+                    arrival_timeout=arrival_timeout, now=now,
+                )
+            )
+
+    def outbox_due(
+        self,
+        *,
+        arrival_timeout: float,
+        grouped_timeout: float | None = None,
+        batch: int = 100,
+        now: datetime | None = None,
+    ) -> list[OutboxDue]:
+        """Take the registrations no worker received in time (and those registered in a caller's transaction,
+        not published yet), committed, for the caller to publish (``outbox.outbox_take_due``)."""
+        return self.transaction(
+            lambda conn: outbox_take_due(
+                conn, arrival_timeout=arrival_timeout, grouped_timeout=grouped_timeout, batch=batch, now=now
+            )
+        )
+
+    def outbox(self) -> list[OutboxCounts]:
+        """Per name: registrations not received yet, and how often the relay published them again."""
+        with schema_required(self.engine), self.engine.connect() as conn:
+            return outbox_by_name(conn)
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         """Admit ``arrival`` or park it (see ``admit.admit``). A first arrival with one key and room is one
