@@ -89,6 +89,7 @@ from celery_keyed.ledger.reconcile import (
     reconcile_once,
     sweep_once,
 )
+from celery_keyed.ledger.release import FastReleases
 from celery_keyed.ledger.sent import SendCounts, SendVerdict, sent_admit, sent_by_name, sent_forget
 from celery_keyed.ledger.status import (
     KeyStatus,
@@ -499,13 +500,15 @@ class Ledger:
         hold: float | None = None,
         now: datetime | None = None,
     ) -> ReleaseReport:
-        """Release a claim. Uncontended, it is one self-committing call (``keyed_release_many``: the release and the
-        waiter check) and, when the key has waiters, one transaction that promotes them (``keyed_promote_plain``);
-        for a ``contended`` key (the caller saw it park attempts recently) the release and the promotion it makes
-        are one transaction, so the freed slot is never visible to anyone else (a sweeper would take it and
-        republish). ``local_queues`` / ``local_tasks``: the caller runs promotions of these itself (D4); they come
-        back already bound to this holder (``Promotion.nonce is None``). ``uncertain`` / ``hold``: the attempt ended
-        by a hard time limit or a lost worker; an uncertain hold keeps its slots (see ``release.release``)."""
+        """Release a claim and promote what the freed room makes ready: one self-committing call
+        (``keyed_release_and_promote``: the release, the waiter check after it (D2) and the promotion of a plain
+        line, in one transaction, so the freed slot is never visible to anyone else, a sweeper included) — one round
+        trip with or without waiters. A line whose head is not plain (a group, several keys, a fair or rated name)
+        and the shadows of the attempt (D8) are finished in one more transaction. ``contended`` is accepted and no
+        longer changes the path (every release promotes in its own call). ``local_queues`` / ``local_tasks``: the
+        caller runs promotions of these itself (D4); they come back already bound to this holder
+        (``Promotion.nonce is None``). ``uncertain`` / ``hold``: the attempt ended by a hard time limit or a lost
+        worker; an uncertain hold keeps its slots (see ``release.release``)."""
         request = ReleaseRequest(
             token,
             fence,
@@ -524,11 +527,12 @@ class Ledger:
         it (idempotent and fenced: a stale or repeated one is ``released=False``).
 
         Claims without a group that did not end uncertain or by a lost worker are released together in one call
-        (``keyed_release_many``: claim and task rows token by token in (task id, attempt) order, then every slot row
-        in (key, shard) order), which also reads which keys have waiters (D2); N releases with no waiter cost one
-        round trip. The freed rooms with waiters are then promoted in one transaction (``keyed_promote_plain``) —
-        in the release's own transaction when any request is ``contended``. The other requests (grouped,
-        uncertain, lost, or nothing to release) are then decided one by one, as ``release`` decides them.
+        (``keyed_release_and_promote``: claim and task rows token by token in (task id, attempt) order, then every
+        slot row in (key, shard) order, then the head rows of the keys with waiters in key order), which also reads
+        which keys have waiters (D2) and promotes their plain lines (FIFO, D10) in the same transaction: N releases
+        cost one round trip, with or without promotions. Lines whose head is not plain and shadows (D8) are
+        finished in one more transaction. The other requests (grouped, uncertain, lost, or nothing to release) are
+        then decided one by one, as ``release`` decides them.
         Promotions are reported by the first request (in input order) that gave a slot back on their key; a
         request's ``local_queues`` / ``local_tasks`` make promotions local (D4) when every request with waiters
         in the batch has the same ones (one local run per such request), else they are all dispatched with nonces.
@@ -569,24 +573,20 @@ class Ledger:
         batch = [i for i, r in enumerate(requests) if release.batchable(r)]
         if batch:
             chosen = [requests[i] for i in batch]
-            contended = any(r.contended for r in chosen)
-            rows: list[Any] | None
-            promotions: list[Promotion] = []
+            done: FastReleases | None
             try:
-                if contended:
-                    rows, promotions = self.transaction(
-                        lambda conn: self._release_fast_and_promote(conn, chosen, promote=True, now=now)
+                done = self.autocommitted(
+                    lambda conn: release.release_and_promote(
+                        conn, chosen, holder=self.holder, lease=self.lease, dispatch=self.dispatch, now=now
                     )
-                else:
-                    rows, _ = self.autocommitted(
-                        lambda conn: self._release_fast_and_promote(conn, chosen, promote=False, now=now)
-                    )
+                )
             except _REFUSED:
                 if not isolate:
                     raise
-                rows = None  # one value refused fails the call (nothing committed): decide each on its own
-            if rows is not None:
-                self._settle_fast_releases(requests, batch, rows, promotions, reports, contended=contended, now=now)
+                done = None  # one value refused fails the call (nothing committed): decide each on its own
+            if done is not None:
+                promotions = done.promotions + self._after_fast_releases(chosen, done, now=now)
+                self._settle_fast_releases(requests, batch, done.rows, promotions, reports)
         for i, request in enumerate(requests):
             if reports[i] is None:
                 if not isolate:
@@ -598,46 +598,38 @@ class Ledger:
                     reports[i] = ReleaseReport(released=False, detail=_refused_detail(exc))
         return [r for r in reports if r is not None]
 
-    def _release_fast_and_promote(
-        self, conn: sa.Connection, chosen: list[ReleaseRequest], *, promote: bool, now: datetime | None
-    ) -> tuple[list[Any], list[Promotion]]:
-        rows = release.release_many_fast(conn, chosen, now=now)
-        if not promote:
-            return rows, []
-        for request, row in zip(chosen, rows, strict=True):
-            if row.released and row.has_shadow:
-                release.shadows_follow(conn, request.token, row.key, request.outcome, now=now)
-        promotions = self._promote_rows(conn, chosen, rows, skip_shadowed=False, now=now)
-        return rows, promotions
-
-    def _promote_rows(
-        self,
-        conn: sa.Connection,
-        chosen: list[ReleaseRequest],
-        rows: list[Any],
-        *,
-        skip_shadowed: bool,
-        now: datetime | None,
+    def _after_fast_releases(
+        self, chosen: list[ReleaseRequest], done: FastReleases, *, now: datetime | None
     ) -> list[Promotion]:
-        rooms: list[tuple[str, int]] = []
-        locals_: set[tuple[frozenset[str], frozenset[str]] | None] = set()
-        with_local = 0
-        for request, row in zip(chosen, rows, strict=True):
-            if not row.released or (skip_shadowed and row.has_shadow) or not row.room_keys:
-                continue
-            rooms += release.rooms_of(row)
-            locals_.add(
-                None if request.local_queues is None else (request.local_queues, request.local_tasks or frozenset())
-            )
-            with_local += request.local_queues is not None
-        if not rooms:
+        """What ``keyed_release_and_promote`` left, in one transaction when there is any (none in the common case):
+        the shadows of released attempts (D8) and the lines whose head is not plain (a group, several keys, a
+        reservation, a fair or rated name), promoted by ``promote_each_key`` into the rooms the call reported on
+        their keys. Local handoff (D4) as in the call: when every request with a room names the same set, up to
+        one run here per such request, counting those the call bound already."""
+        shadows = [
+            (request.token, row.key, request.outcome)
+            for request, row in zip(chosen, done.rows, strict=True)
+            if row.released and row.has_shadow
+        ]
+        general = set(done.general)
+        rooms = [
+            (key, shard)
+            for row in done.rows
+            for key, shard in zip(row.room_keys, row.room_shards, strict=True)
+            if key in general
+        ]
+        if not shadows and not rooms:
             return []
+        with_room = [request for request, row in zip(chosen, done.rows, strict=True) if row.room_keys]
+        named = {None if r.local_queues is None else (r.local_queues, r.local_tasks or frozenset()) for r in with_room}
         local = None
-        if len(locals_) == 1 and None not in locals_:
-            queues, tasks = next(iter(locals_))  # type: ignore[misc]
+        if len(named) == 1 and None not in named and sum(p.nonce is None for p in done.promotions) < len(with_room):
+            queues, tasks = next(iter(named))  # type: ignore[misc]
             local = LocalHandoff(holder=self.holder, lease=self.lease, queues=queues, tasks=tasks)
-        return release.promote_rooms(
-            conn, rooms, dispatch=self.dispatch, local=local, local_max=max(1, with_local), now=now
+        return self.transaction(
+            functools.partial(
+                release.after_release_many, shadows=shadows, rooms=rooms, dispatch=self.dispatch, local=local, now=now
+            )
         )
 
     def _settle_fast_releases(
@@ -647,12 +639,8 @@ class Ledger:
         rows: list[Any],
         promotions: list[Promotion],
         reports: list[ReleaseReport | None],
-        *,
-        contended: bool,
-        now: datetime | None,
     ) -> None:
-        """Reports of the requests the batch call released; the promotions left to do (uncontended batch)."""
-        chosen = [requests[i] for i in batch]
+        """Reports of the requests the batch call released, with the promotions their rooms made."""
         owner: dict[str, int] = {}  # key -> index of the first request that gave back a slot on it with waiters
         for i, row in zip(batch, rows, strict=True):
             if not row.released:
@@ -664,31 +652,6 @@ class Ledger:
             )
             for key in row.room_keys:
                 owner.setdefault(key, i)
-        if not contended:
-            for i, row in zip(batch, rows, strict=True):
-                if row.released and row.has_shadow:  # the shadows and this release's rooms: the general way
-                    request = requests[i]
-                    local = self._local(request)
-                    waited = release.rooms_of(row)
-                    report = reports[i]
-                    assert report is not None
-                    report.promotions += self.transaction(
-                        functools.partial(
-                            release.after_release_autocommit,
-                            token=request.token,
-                            waited=waited,
-                            key=row.key,
-                            has_shadow=True,
-                            outcome=request.outcome,
-                            dispatch=self.dispatch,
-                            local=local,
-                            now=now,
-                        )
-                    )
-            if any(row.released and not row.has_shadow and row.room_keys for row in rows):
-                promotions = self.transaction(
-                    lambda conn: self._promote_rows(conn, chosen, rows, skip_shadowed=True, now=now)
-                )
         # A promotion is reported by the request that gave back a slot on its key; a multi-key waiter's promotion
         # (reported under its first key) may come from a room on another of its keys: then by the first request
         # that gave back a room with waiters. Never by a request the batch call did not release (a grouped

@@ -162,8 +162,9 @@ RELEASE_FAST = sa.text(
     """
 )
 
-# -- server-side paths (migration 0005: sql/migrations/0005_server_paths.sql holds their bodies and the rules each
-# enforces; every one keeps the lock order and the guards of the statements above) -----------------------------
+# -- server-side paths (migrations 0005 and 0007: sql/migrations/0005_server_paths.sql and 0007_release_and_promote.sql
+# hold their bodies and the rules each enforces; every one keeps the lock order and the guards of the statements
+# above) -------------------------------------------------------------------------------------------------------
 
 # claim_many: the fast claim of a batch of single-key arrivals in one call (Ledger.admit_many): one row per input
 # position (1-based ``ord``), admitted with its fence and shard, or not (the caller admits those one by one, in
@@ -177,24 +178,20 @@ CLAIM_MANY = sa.text(
     """
 )
 
-# release_many: the release of a batch of claims without a group, and the waiter check after it (D2), in one call:
-# one row per input position; the rooms whose keys have waiters are promoted next (PROMOTE_PLAIN).
-RELEASE_MANY = sa.text(
+# release_and_promote: the release of a batch of claims without a group, the waiter check after it (D2) and the
+# promotion of the rooms it freed, in one self-committing call (migration 0007: keyed_release_many, then
+# keyed_promote_plain, in one transaction). Rows: kind 'release' one per input position (1-based ``ord``), then
+# 'promotion' one per promoted attempt, then 'general' naming a key whose line the general promotion
+# (promote.promote_waiters) continues. ``local_sets`` (JSON: [{"queues": [...], "tasks": [...]}, ...]) and
+# ``local_set`` (per request, 0-based into it, or NULL) say which promotions the releasers run themselves (D4).
+RELEASE_AND_PROMOTE = sa.text(
     """
-    SELECT ord, released, recorded, has_shadow, key, room_keys, room_shards, room_free FROM keyed_release_many(
+    SELECT kind, ord, released, recorded, has_shadow, key, room_keys, room_shards, task_id, attempt, nonce, fence,
+           shard, queue, message
+      FROM keyed_release_and_promote(
         CAST(:task_ids AS text[]), CAST(:attempts AS integer[]), CAST(:fences AS bigint[]), CAST(:finals AS text[]),
-        CAST(:details AS text[]), CAST(:now AS timestamptz))
-    """
-)
-
-# promote_plain: give the free slots of (key, shard) rows to the next waiters of their keys while each head is
-# plain; a row with task_id NULL names a key whose line the general promotion (promote.promote_waiters) continues.
-PROMOTE_PLAIN = sa.text(
-    """
-    SELECT key, task_id, attempt, nonce, fence, shard, queue, message FROM keyed_promote_plain(
-        CAST(:keys AS text[]), CAST(:shards AS integer[]), CAST(:dispatch AS double precision),
-        CAST(:now AS timestamptz), :local_holder, CAST(:local_lease AS double precision),
-        CAST(:local_queues AS text[]), CAST(:local_tasks AS text[]), :local_max)
+        CAST(:details AS text[]), CAST(:now AS timestamptz), CAST(:dispatch AS double precision), :local_holder,
+        CAST(:local_lease AS double precision), CAST(:local_sets AS jsonb), CAST(:local_set AS integer[]))
     """
 )
 

@@ -4,12 +4,15 @@ Only the actor whose DELETE returns the claim row gives its slots back: the work
 fence) and the reaper's reclaim race for that row, and the loser does nothing. ``after_claim_removed`` is the
 book-keeping every remover shares (worker, reaper, revoke, the end of an uncertain hold): the books, the slots, the
 shadows (D8), the group's head, the promotions. Runs inside the caller's transaction (lock order as in ``admit``),
-except ``release_autocommit``, the one-statement fast path.
+except ``release_autocommit``, the one-statement fast path, and ``release_and_promote``, the one-call release and
+promotion of a batch (``Ledger.release`` / ``Ledger.release_many``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -148,16 +151,8 @@ def after_release_autocommit(
     key), and each slot it gave back on a key with waiters (``waited``) goes to that key's next waiter (one
     release, one promotion per slot: a releaser that found several free slots would otherwise start several
     attempts at once). Locks the shard rows, then the key rows (lock order)."""
-    uses = {
-        (k, sh): conn.execute(slots.SLOTS_LOCK_ONE, {"key": k, "shard": sh, "name": key_name(k), "now": now}).first()
-        for k, sh in sorted(set(waited))
-    }
-    for k in sorted({k for k, _ in waited} | ({key} if has_shadow and key is not None else set())):
-        keys.keys_lock(conn, k, key_name(k), now=now)
-    if has_shadow:
-        _shadows_follow(conn, token, key, outcome, now=now)
-    free = [(k, sh) for (k, sh), use in uses.items() if use is not None for _ in range(max(0, use.share - use.used))]
-    return promote_each_key(conn, free, dispatch=dispatch, local=local, now=now)
+    shadows = [(token, key, outcome)] if has_shadow else []
+    return after_release_many(conn, shadows, waited, dispatch=dispatch, local=local, now=now)
 
 
 def _shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any) -> None:
@@ -241,16 +236,54 @@ def release_early(
 
 
 def batchable(request: ReleaseRequest) -> bool:
-    """Whether ``release_many_fast`` may release it: not an uncertain end (its hold may keep the slots) and not a
+    """Whether ``release_and_promote`` may release it: not an uncertain end (its hold may keep the slots) and not a
     lost run (it may go back in line from its stored message); both take ``release``."""
     return not request.uncertain and request.outcome is not Outcome.WORKER_LOST
 
 
-def release_many_fast(conn: sa.Connection, requests: Sequence[ReleaseRequest], *, now: Any = None) -> list[Any]:
-    """Release a batch of ``batchable`` claims and check for waiters (D2) in one call (keyed_release_many), in
-    input order: one row each with ``released``, ``recorded``, ``has_shadow``, ``key`` and the rooms it gave
-    back on keys with waiters (``room_keys`` / ``room_shards`` / ``room_free``). A claim with a group, or nothing
-    to release (stale fence, second call, reaped), comes back ``released=False``: ``release`` decides it."""
+@dataclass
+class FastReleases:
+    """What ``release_and_promote`` did: ``rows`` one per request in input order (``released``, ``recorded``,
+    ``has_shadow``, ``key``, ``room_keys`` / ``room_shards``: the rooms it gave back on keys with waiters, at the
+    first request that gave back a slot on that key); ``promotions`` made in the same call; ``general``: keys whose
+    line stopped at a head that is not plain (``after_release_many`` continues them)."""
+
+    rows: list[Any]
+    promotions: list[Promotion] = field(default_factory=list)
+    general: list[str] = field(default_factory=list)
+
+
+def _local_sets(requests: Sequence[ReleaseRequest]) -> tuple[list[dict[str, list[str]]], list[int | None]]:
+    """The distinct local handoff sets the requests name (D4), and each request's index into them (None: none)."""
+    sets: list[tuple[frozenset[str], frozenset[str]]] = []
+    index: list[int | None] = []
+    for r in requests:
+        if r.local_queues is None:
+            index.append(None)
+            continue
+        named = (r.local_queues, r.local_tasks or frozenset())
+        if named not in sets:
+            sets.append(named)
+        index.append(sets.index(named))
+    return [{"queues": sorted(q), "tasks": sorted(t)} for q, t in sets], index
+
+
+def release_and_promote(
+    conn: sa.Connection,
+    requests: Sequence[ReleaseRequest],
+    *,
+    holder: str,
+    lease: float,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: Any = None,
+) -> FastReleases:
+    """Release a batch of ``batchable`` claims, check for waiters (D2) and promote the rooms freed, in one call
+    (keyed_release_and_promote: one statement, one round trip; ``conn`` in autocommit makes it one transaction of
+    its own, so the freed slot is never seen free by anyone else). A claim with a group, or nothing to release
+    (stale fence, second call, reaped), comes back ``released=False``: ``release`` decides it. Promotions run by
+    the releasers themselves (D4: every request with a room names the same ``local_queues`` / ``local_tasks``) are
+    running claims of ``holder`` with ``lease`` (``Promotion.nonce`` None); the others carry a nonce (D5)."""
+    sets, index = _local_sets(requests)
     params = {
         "task_ids": [r.token.task_id for r in requests],
         "attempts": [r.token.attempt for r in requests],
@@ -258,78 +291,55 @@ def release_many_fast(conn: sa.Connection, requests: Sequence[ReleaseRequest], *
         "finals": [final_outcome(r.outcome, grouped=False) for r in requests],
         "details": [r.detail for r in requests],
         "now": now,
+        "dispatch": dispatch,
+        "local_holder": holder if sets else None,
+        "local_lease": lease,
+        "local_sets": json.dumps(sets),
+        "local_set": index,
     }
-    rows = sorted(conn.execute(fast_paths.RELEASE_MANY, params).all(), key=lambda row: row.ord)
-    return rows
+    done = FastReleases(rows=[])
+    for row in conn.execute(fast_paths.RELEASE_AND_PROMOTE, params):
+        if row.kind == "release":
+            done.rows.append(row)
+        elif row.kind == "promotion":
+            done.promotions.append(
+                Promotion(
+                    task_id=row.task_id,
+                    attempt=row.attempt,
+                    nonce=row.nonce,
+                    fence=row.fence,
+                    key=row.key,
+                    group_key=None,
+                    queue=row.queue,
+                    message=row.message,
+                )
+            )
+        else:
+            done.general.append(row.key)
+    done.rows.sort(key=lambda row: row.ord)
+    return done
 
 
-def rooms_of(row: Any) -> list[tuple[str, int]]:
-    """The (key, shard) rows a fast release gave room on whose key has waiters, once per free slot."""
-    return [
-        (key, shard)
-        for key, shard, free in zip(row.room_keys, row.room_shards, row.room_free, strict=True)
-        for _ in range(int(free))
-    ]
-
-
-def promote_rooms(
+def after_release_many(
     conn: sa.Connection,
+    shadows: Sequence[tuple[Token, str | None, Outcome]],
     rooms: Sequence[tuple[str, int]],
     *,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     local: LocalHandoff | None = None,
-    local_max: int = 1,
     now: Any = None,
 ) -> list[Promotion]:
-    """Give the free slots of ``rooms`` ((key, shard) rows) to the next waiters of their keys, in one call while
-    each line's head is plain (keyed_promote_plain: slot rows in (key, shard) order, then head rows in key order);
-    a line whose head is not plain is continued by ``promote_each_key`` in this transaction (its rows are held).
-    ``local``: the releaser runs up to ``local_max`` promotions itself (D4)."""
-    pairs = sorted(set(rooms))
-    if not pairs:
-        return []
-    params = {
-        "keys": [k for k, _ in pairs],
-        "shards": [sh for _, sh in pairs],
-        "dispatch": dispatch,
-        "now": now,
-        "local_holder": None if local is None else local.holder,
-        "local_lease": None if local is None else local.lease,
-        "local_queues": None if local is None else sorted(local.queues),
-        "local_tasks": None if local is None else sorted(local.tasks),
-        "local_max": local_max,
+    """The rest of released claims, in a transaction: shadows follow their attempts (``shadows``: token, first key,
+    outcome; D8), and the free slots of ``rooms`` ((key, shard) rows) go to the next waiters of their keys
+    (``promote_each_key``: any head, group, several keys, fair or rated names). Locks the shard rows in (key, shard)
+    order, then the key rows in key order (lock order)."""
+    uses = {
+        (k, sh): conn.execute(slots.SLOTS_LOCK_ONE, {"key": k, "shard": sh, "name": key_name(k), "now": now}).first()
+        for k, sh in sorted(set(rooms))
     }
-    promotions: list[Promotion] = []
-    rest: list[str] = []
-    for row in conn.execute(fast_paths.PROMOTE_PLAIN, params):
-        if row.task_id is None:
-            rest.append(row.key)
-            continue
-        promotions.append(
-            Promotion(
-                task_id=row.task_id,
-                attempt=row.attempt,
-                nonce=row.nonce,
-                fence=row.fence,
-                key=row.key,
-                group_key=None,
-                queue=row.queue,
-                message=row.message,
-            )
-        )
-    if rest:
-        local_left = local if local is not None and sum(p.nonce is None for p in promotions) < local_max else None
-        free = []
-        for k, sh in pairs:
-            if k in rest:
-                use = conn.execute(
-                    slots.SLOTS_LOCK_ONE, {"key": k, "shard": sh, "name": key_name(k), "now": now}
-                ).first()
-                free += [(k, sh)] * (0 if use is None else max(0, use.share - use.used))
-        promotions += promote_each_key(conn, free, dispatch=dispatch, local=local_left, now=now)
-    return promotions
-
-
-def shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any = None) -> None:
-    """Duplicates kept as shadows of a released attempt follow its fate (D8); see ``_shadows_follow``."""
-    _shadows_follow(conn, token, key, outcome, now=now)
+    for k in sorted({k for k, _ in rooms} | {key for _, key, _ in shadows if key is not None}):
+        keys.keys_lock(conn, k, key_name(k), now=now)
+    for token, key, outcome in shadows:
+        _shadows_follow(conn, token, key, outcome, now=now)
+    free = [(k, sh) for (k, sh), use in uses.items() if use is not None for _ in range(max(0, use.share - use.used))]
+    return promote_each_key(conn, free, dispatch=dispatch, local=local, now=now)
