@@ -42,7 +42,7 @@ from celery.worker.strategy import default as default_strategy
 
 from celery_keyed import exceptions, metrics, signals
 from celery_keyed.engine import create_ledger_engine
-from celery_keyed.headers import HEADER_FENCE, HEADER_NONCE
+from celery_keyed.headers import HEADER_FENCE, HEADER_KEY, HEADER_NONCE
 from celery_keyed.ledger import (
     Admission,
     Arrival,
@@ -78,8 +78,27 @@ def current_gate() -> GateService | None:
 def keyed_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
     """Task strategy of keyed tasks: Celery's default strategy. The gate acts through the request class
     (``KeyedRequest``), when the pool is ready to start the request (D3); receipt itself is Celery's: revoked
-    and expired messages are dropped by it, unkeyed calls pass through untouched."""
-    return default_strategy(task, app, consumer, **kwargs)
+    and expired messages are dropped by it, unkeyed calls pass through untouched. One exception: a request Celery
+    hands on for a pool process goes through ``GateService.receive`` first, which parks it at once when its key
+    has a line (``keyed_park_at_receipt``)."""
+    return default_strategy(task, app, _ReceivingConsumer(consumer), **kwargs)
+
+
+class _ReceivingConsumer:
+    """The consumer as Celery's strategy sees it for keyed tasks: requests ready for a pool process pass through
+    the gate's ``receive`` (park at receipt) before the consumer's own ``on_task_request``."""
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+
+    def on_task_request(self, request: Any) -> Any:
+        gate = _current
+        if gate is None:
+            return self._consumer.on_task_request(request)
+        return gate.receive(request, self._consumer.on_task_request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
 
 
 @dataclass
@@ -259,6 +278,91 @@ class GateService:
     def notify_never_ran(self) -> None:
         self.sweeper.notify_never_ran()
 
+    # -- park at receipt (consumer loop thread; decided by the admission service) ---------------------------
+
+    def receive(self, request: Any, handle: Callable[[Any], Any]) -> Any:
+        """Loop thread: Celery hands ``request`` on for a pool process (``handle``: the consumer's
+        ``on_task_request``). An arrival whose key has a line here (it parked or promoted attempts recently) would
+        only park once a pool process is ready for it, holding that process — which a promotion handed to this
+        worker, or an attempt that will run, needs — for a round trip. So it goes to the admission service now,
+        which parks it without a pool process (``Ledger.park_at_receipt``; ``keyed_park_at_receipt``). Where its
+        key turns out to have room and no line, nothing is written and it goes on to ``handle`` as usual: a slot
+        is claimed only when a pool process can start the attempt (D3).
+
+        Only plain arrivals (one key, no group, no not-before, cost 1), and never ahead of an earlier request of
+        the same key still waiting here for a pool process (the line's order is the order the ledger receives
+        them, D10)."""
+        admission_service = self.admission
+        if (
+            not self.settings.park_at_receipt
+            or admission_service is None
+            or not admission_service.accepting
+            or self.breaker.is_open
+            or self.closed
+            or self.stopping.is_set()
+            or not hasattr(request, "keyed_claim")
+        ):
+            return handle(request)
+        key = request._request_dict.get(HEADER_KEY)
+        if not isinstance(key, str) or not self.releaser.is_contended(key):
+            return handle(request)
+        try:
+            arrival = intake.arrival_for(request)
+        except Exception:  # D16: admission at pool-ready records the rejection
+            return handle(request)
+        if arrival is None or arrival.key != key or not self.ledger.parks_at_receipt(arrival):
+            return handle(request)
+        if self._line_here(request, key):
+            return handle(request)
+        request.keyed_arrival_key = key
+        request.keyed_receipt = True
+        job = Job(request, arrival, lambda: handle(request), extra={"generation": self.generation, "receipt": True})
+        if not admission_service.submit(job):
+            request.keyed_receipt = False
+            return handle(request)
+        return None
+
+    @staticmethod
+    def _line_here(request: Any, key: str) -> bool:
+        """Whether a request of ``key`` received before ``request`` waits here for a pool process (its admission
+        not decided yet)."""
+        active = worker_state.active_requests
+        for other in list(worker_state.reserved_requests):
+            if other is request or other in active or getattr(other, "keyed_receipt", False):
+                continue
+            other_key = getattr(other, "keyed_arrival_key", None) or (getattr(other, "_request_dict", None) or {}).get(
+                HEADER_KEY
+            )
+            if other_key == key and getattr(other, "keyed_claim", None) is None:
+                return True
+        return False
+
+    def _received(self, job: Job) -> None:
+        """Loop thread: act on the park-at-receipt decision of ``job``: parked (acked, announced) or rejected
+        (recorded, its result stored), or on to Celery's ``on_task_request`` (``job.submit``) for its admission
+        when a pool process is ready."""
+        request = job.request
+        request.keyed_receipt = False
+        if self.stopping.is_set() or self.closed or job.extra.get("generation") != self.generation:
+            # The consumer stopped since the hand-over: Celery has forgotten its requests, and the broker
+            # redelivers the message (a parked one is then recognised as a duplicate, D8).
+            worker_state.task_ready(request)
+            return
+        if job.error is not None:
+            if isinstance(job.error, UNREACHABLE):
+                self.breaker.open(job.error)
+            job.submit()  # admission at pool-ready holds it (D9) or records the refusal (D16)
+            return
+        _, admission = job.result
+        if admission is None:
+            job.submit()
+            return
+        metrics.started(job.arrival.token, admission.verdict)
+        if admission.verdict is Verdict.PARKED:
+            self._not_admitted(request, admission)
+        else:
+            self._finish_without_running(request, admission.verdict.value, admission.detail)
+
     # -- admission (consumer loop thread) --------------------------------------------------------------
 
     def execute(self, request: Any, submit: Callable[[], Any]) -> Any:
@@ -426,9 +530,16 @@ class GateService:
     def _decide(self, jobs: Sequence[Job]) -> None:
         """The admission thread: decide a batch. Promotions (bound earlier, or carrying a nonce) are bound one by
         one (a guarded statement each, D14); the ordinary arrivals in one ``admit_many``, in the order they
-        reached the pool. A claim is tracked (renewed by the heartbeat) from the moment it is taken."""
+        reached the pool. A claim is tracked (renewed by the heartbeat) from the moment it is taken. Arrivals
+        handed over at receipt (``receive``) are parked or left alone (``Ledger.park_at_receipt``)."""
         plain: list[Job] = []
         for job in jobs:
+            if job.extra.get("receipt"):
+                try:
+                    job.result = (None, self.ledger.park_at_receipt(job.arrival))
+                except Exception as exc:
+                    job.error = exc
+                continue
             try:
                 fence = self.handoff.confirm_prebound(job.arrival.token)
                 if fence is None:
@@ -485,6 +596,9 @@ class GateService:
                 logger.exception("celery-keyed: could not act on the admission of %s", job.request.id)
 
     def _start_decided(self, job: Job) -> None:
+        if job.extra.get("receipt"):
+            self._received(job)
+            return
         request = job.request
         # The consumer stopped since the hand-over (a broker reconnect, shutdown): Celery has reset its pool
         # semaphore and forgotten the request; its unacked message comes back from the broker.

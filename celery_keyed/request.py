@@ -29,6 +29,7 @@ class KeyedRequest(Request):
         self.keyed_started = False
         self.keyed_defer_ack = False  # inside an outcome hook: an ack waits for the release (D15)
         self.keyed_deferred_ack: Any = None  # the ack Celery asked for meanwhile
+        self.keyed_receipt = False  # handed to the admission service at receipt (park at receipt), not back yet
         from celery_keyed.gate import current_gate
 
         gate = current_gate()

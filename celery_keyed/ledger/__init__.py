@@ -417,6 +417,23 @@ class Ledger:
             )
         )
 
+    @staticmethod
+    def parks_at_receipt(arrival: Arrival) -> bool:
+        """Whether ``park_at_receipt`` decides ``arrival`` (a plain arrival: one key, no group, no not-before, cost
+        1, no supersede key); it answers None for any other."""
+        return admit.plain(arrival)
+
+    def park_at_receipt(self, arrival: Arrival, *, now: datetime | None = None) -> Admission | None:
+        """Park ``arrival`` as soon as it is received when its key has a line or no room — one self-committing
+        call (``keyed_admit_or_park_plain``, park only): PARKED, or REJECTED when its waiting room is full. None:
+        left to its admission once a pool process is ready for it (room and no line; or not a plain arrival: one
+        key, no group, no not-before, cost 1, no supersede key). Never takes a slot (D3)."""
+        if not admit.plain(arrival):
+            return None
+        return self.autocommitted(
+            lambda conn: admit.park_plain(conn, arrival, holder=self.holder, lease=self.lease, now=now)
+        )
+
     def admit_many(self, arrivals: Sequence[Arrival], *, now: datetime | None = None) -> list[Admission]:
         """Admit or park a batch of arrivals: one Admission per arrival, in input order, each its own verdict (as
         ``admit`` would give it).

@@ -151,14 +151,21 @@ def plain(arrival: Arrival) -> bool:
     return batchable(arrival) and arrival.cost == 1 and arrival.supersede_key is None
 
 
-def admit_plain(
+def park_plain(
     conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
-) -> tuple[Admission | None, bool]:
-    """Admit-or-park of a ``plain`` arrival in one call (keyed_admit_plain: the general path's locks and guards,
-    in lock order): the Admission (ADMITTED, PARKED or REJECTED), or None when ``admit`` must decide (a known
-    token, an expired task, room next to a promotable waiter, a full room under 'supersede', a group member) —
-    with whether this call recorded the task's first arrival (pass it on as ``fresh``)."""
-    params = {
+) -> Admission | None:
+    """Park a ``plain`` arrival at receipt when its key has a line or no room (keyed_admit_or_park_plain with
+    p_park_only: the same locks and guards as ``admit_plain``): PARKED, or REJECTED when its waiting room is full;
+    None when it is left to its admission once a pool process is ready for it (room and no line, or anything
+    ``admit`` must decide). Never takes a slot (D3)."""
+    row = conn.execute(fast_paths.PARK_PLAIN, _plain_params(arrival, holder=holder, lease=lease, now=now)).one()
+    if row.verdict not in ("parked", "rejected"):
+        return None
+    return Admission(Verdict(row.verdict), detail=row.detail or "")
+
+
+def _plain_params(arrival: Arrival, *, holder: str, lease: float, now: Any) -> dict[str, Any]:
+    return {
         "task_id": arrival.task_id,
         "attempt": arrival.attempt,
         "task_name": arrival.task_name,
@@ -172,7 +179,16 @@ def admit_plain(
         "lease": lease,
         "now": now,
     }
-    row = conn.execute(fast_paths.ADMIT_PLAIN, params).one()
+
+
+def admit_plain(
+    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
+) -> tuple[Admission | None, bool]:
+    """Admit-or-park of a ``plain`` arrival in one call (keyed_admit_plain: the general path's locks and guards,
+    in lock order): the Admission (ADMITTED, PARKED or REJECTED), or None when ``admit`` must decide (a known
+    token, an expired task, room next to a promotable waiter, a full room under 'supersede', a group member) —
+    with whether this call recorded the task's first arrival (pass it on as ``fresh``)."""
+    row = conn.execute(fast_paths.ADMIT_PLAIN, _plain_params(arrival, holder=holder, lease=lease, now=now)).one()
     if row.verdict == "general":
         return None, bool(row.new)
     return Admission(Verdict(row.verdict), fence=row.fence, shard=row.shard, detail=row.detail or ""), bool(row.new)

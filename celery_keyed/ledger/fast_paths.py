@@ -195,6 +195,17 @@ RELEASE_AND_PROMOTE = sa.text(
     """
 )
 
+# park_plain: park one plain arrival at receipt when its key has a line or no room (keyed_admit_or_park_plain with
+# p_park_only): 'parked', 'rejected', or 'undecided' / 'general' (left to its admission at pool-ready; no slot taken).
+PARK_PLAIN = sa.text(
+    """
+    SELECT verdict, new, fence, shard, detail FROM keyed_admit_or_park_plain(
+        :task_id, :attempt, :task_name, :key, :priority, CAST(:deadline AS timestamptz), :queue,
+        CAST(:message AS jsonb), :fair_key, :holder, CAST(:lease AS double precision), CAST(:now AS timestamptz),
+        true)
+    """
+)
+
 # admit_plain: admit-or-park of one plain arrival (one key, no group, no not-before, cost 1, no supersede key) in
 # one call: 'admitted', 'parked', 'rejected', or 'general' (admit.admit decides).
 ADMIT_PLAIN = sa.text(

@@ -20,8 +20,15 @@ def prefetching_cluster(cluster: Cluster) -> Cluster:
 
 
 @pytest.mark.parametrize("cluster", [{}], indirect=True)
-def test_a_local_promotion_goes_ahead_of_a_burst_of_arrivals(prefetching_cluster: Cluster, producer: Any) -> None:
+@pytest.mark.parametrize("park_at_receipt", ["0", "1"])
+def test_a_local_promotion_goes_ahead_of_a_burst_of_arrivals(
+    prefetching_cluster: Cluster, producer: Any, park_at_receipt: str
+) -> None:
+    """With ``keyed_park_at_receipt`` off, the arrivals of the burst wait for a pool process to park, and B takes
+    the first one that frees, ahead of them. On (the default), they park as soon as they are received, without a
+    pool process: all of them are in the ledger, behind B, before B starts, and B still starts first."""
     cluster = prefetching_cluster
+    cluster.env["KEYED_PARK_AT_RECEIPT"] = park_at_receipt
     cluster.start_worker("w1", concurrency=2)
     first = producer.hold.delay("acct:jump", 2.5, note="A")
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'A'", 1)
@@ -42,9 +49,13 @@ def test_a_local_promotion_goes_ahead_of_a_burst_of_arrivals(prefetching_cluster
         ids=[r.id for r in burst],
         b=b_started,
     )
-    # B went ahead of the prefetched arrivals waiting for a process: most of the burst reached the ledger after
-    # B had started. Published, B would have come after every one of them (the broker's queue is FIFO).
-    assert recorded_before < len(burst) - 3, f"{recorded_before} of the burst were recorded before B started"
+    if park_at_receipt == "0":
+        # B went ahead of the prefetched arrivals waiting for a process: most of the burst reached the ledger after
+        # B had started. Published, B would have come after every one of them (the broker's queue is FIFO).
+        assert recorded_before < len(burst) - 3, f"{recorded_before} of the burst were recorded before B started"
+    else:
+        # Parked at receipt while A and L held both pool processes: none of them waited for a process.
+        assert recorded_before == len(burst), f"{recorded_before} of the burst were recorded before B started"
     order = [
         r.note for r in cluster.rows("SELECT note FROM observed WHERE kind = 'start' AND key = 'acct:jump' ORDER BY at")
     ]

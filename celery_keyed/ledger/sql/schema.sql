@@ -724,17 +724,21 @@ BEGIN
 END
 $$;
 
--- keyed_admit_plain: admit-or-park of one plain arrival — one key, no group, no not-before, cost 1, no supersede
--- key, on a name without a rate — in one call (the general path's transaction, admit.admit, for that case).
--- Answers one row: verdict 'admitted' (fence, shard), 'parked', 'rejected' (its waiting room is full under the
--- policy 'reject'; the outcome is recorded) or 'general' when the general path must decide (a known attempt token
--- (D8), a task past its latest start, room next to a promotable waiter, a full room under 'supersede', a group
--- member); 'general' is answered before anything but the task's arrival was written.
+-- keyed_admit_or_park_plain: admit-or-park of one plain arrival — one key, no group, no not-before, cost 1, no
+-- supersede key, on a name without a rate — in one call (the general path's transaction, admit.admit, for that
+-- case). Answers one row: verdict 'admitted' (fence, shard), 'parked', 'rejected' (its waiting room is full under
+-- the policy 'reject'; the outcome is recorded) or 'general' when the general path must decide (a known attempt
+-- token (D8), a task past its latest start, room next to a promotable waiter, a full room under 'supersede', a
+-- group member); 'general' is answered before anything but the task's arrival was written.
+-- p_park_only (the worker's park at receipt, docs/worker.md): the arrival is parked when its key has a line or no
+-- room, exactly as above; where it would be admitted it is answered 'undecided' instead (no slot is ever taken:
+-- D3, a slot is claimed only when a pool process can start the attempt).
 -- Locks, in lock order: the task row; every slot row of the key in shard order (unconditionally, D2: a release
 -- that gives a slot back either committed before — its room is seen — or sees this park); the key's head row.
-CREATE FUNCTION keyed_admit_plain(
+CREATE FUNCTION keyed_admit_or_park_plain(
     p_task_id text, p_attempt integer, p_task_name text, p_key text, p_priority integer, p_deadline timestamptz,
-    p_queue text, p_message jsonb, p_fair_key text, p_holder text, p_lease double precision, p_now timestamptz)
+    p_queue text, p_message jsonb, p_fair_key text, p_holder text, p_lease double precision, p_now timestamptz,
+    p_park_only boolean)
 RETURNS TABLE (verdict text, new boolean, fence bigint, shard integer, detail text)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -753,6 +757,22 @@ DECLARE
 BEGIN
     IF EXISTS (SELECT 1 FROM keyed_names c WHERE c.name = v_name AND c.rate IS NOT NULL) THEN
         RETURN QUERY SELECT 'general'::text, NULL::boolean, NULL::bigint, NULL::integer, ''::text;
+        RETURN;
+    END IF;
+    IF p_park_only AND NOT EXISTS (
+           SELECT 1 FROM keyed_waiting w
+            WHERE w.key = p_key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
+              AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
+       AND (EXISTS (
+                SELECT 1 FROM keyed_slots s
+                 WHERE s.key = p_key
+                   AND s.used + 1 <= keyed_shard_share(keyed_effective_limit(v_name, v_now), v_shards, s.shard))
+            OR NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = p_key)) THEN
+        -- Park only (at receipt): no line and room (or a key's first use), so the arrival is left to its admission when a pool process
+        -- is ready for it (D3), and nothing is written. Read without locks: a wrong guess either way is harmless —
+        -- a line that formed meanwhile is decided under the locks below (parked), a line that drained meanwhile is
+        -- answered 'undecided' there too; a slot is never taken here.
+        RETURN QUERY SELECT 'undecided'::text, NULL::boolean, NULL::bigint, NULL::integer, ''::text;
         RETURN;
     END IF;
     -- The books: record the arrival, or lock the task's row (two deliveries are admitted one after the other, D8).
@@ -791,6 +811,12 @@ BEGIN
             RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
             RETURN;
         END IF;
+    ELSIF v_room IS NOT NULL AND p_park_only THEN
+        -- Park only: room and no line under the locks; the arrival is admitted later, when a pool process is
+        -- ready (D3). Its arrival is recorded (a later admission sees a known task with no claim and no waiting
+        -- row: the ordinary path).
+        RETURN QUERY SELECT 'undecided'::text, v_new, NULL::bigint, NULL::integer, ''::text;
+        RETURN;
     ELSIF v_room IS NOT NULL THEN
         -- The bound (D1): the guarded take under the row's lock.
         UPDATE keyed_slots s SET used = s.used + 1
@@ -833,6 +859,17 @@ BEGIN
             NULL, false, false, p_queue, p_message, NULL, 1, NULL, NULL, NULL, p_fair_key);
     RETURN QUERY SELECT 'parked'::text, v_new, NULL::bigint, NULL::integer, ''::text;
 END
+$$;
+
+-- keyed_admit_plain: keyed_admit_or_park_plain deciding (admit or park), for the admission of an arrival whose
+-- pool process is ready (D3).
+CREATE FUNCTION keyed_admit_plain(
+    p_task_id text, p_attempt integer, p_task_name text, p_key text, p_priority integer, p_deadline timestamptz,
+    p_queue text, p_message jsonb, p_fair_key text, p_holder text, p_lease double precision, p_now timestamptz)
+RETURNS TABLE (verdict text, new boolean, fence bigint, shard integer, detail text)
+LANGUAGE sql AS $$
+    SELECT * FROM keyed_admit_or_park_plain(p_task_id, p_attempt, p_task_name, p_key, p_priority, p_deadline,
+                                            p_queue, p_message, p_fair_key, p_holder, p_lease, p_now, false)
 $$;
 
 -- Sent: one row per task accepted at send (keyed_admit_at_send) until reconcile drops it (its task has a final

@@ -1,0 +1,81 @@
+"""Park at receipt with a real prefork worker (issue 13, ``keyed_park_at_receipt``): an arrival of a key with a
+line is parked as soon as the worker receives it, while every pool process is busy; it does not wait for a pool
+process to park. Ordering-based: the parks are seen in the ledger while the tasks holding both pool processes
+still run (their end is observed later)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.acceptance.conftest import Cluster
+
+
+@pytest.fixture
+def prefetching_cluster(cluster: Cluster) -> Cluster:
+    cluster.env["KEYED_PREFETCH"] = "4"  # c=2: up to 8 messages reserved by the worker
+    return cluster
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_arrivals_of_a_key_with_a_line_park_while_every_pool_process_is_busy(
+    prefetching_cluster: Cluster, producer: Any
+) -> None:
+    cluster = prefetching_cluster
+    cluster.start_worker("w1", concurrency=2)
+    first = producer.hold.delay("acct:line", 12.0, note="A")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'A'", 1)
+    second = producer.hold.delay("acct:line", 0.05, note="B")  # the other process parks it: the key has a line
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
+    long = producer.sleepy.delay(12.0, note="L")  # now both pool processes are busy until A and L end
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'L'", 1)
+    later = [producer.hold.delay("acct:line", 0.05, note=f"C{i}") for i in range(3)]
+    # Parked while A and L still hold both pool processes: without park at receipt they would wait for one.
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 4, timeout=10.0)
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end' AND note IN ('A', 'L')") == 0
+    assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 1  # A's: nothing claimed at receipt (D3)
+    assert first.get(timeout=60) == "A"
+    assert second.get(timeout=60) == "B"
+    assert [r.get(timeout=60) for r in later] == ["C0", "C1", "C2"]
+    assert long.get(timeout=60) == "L"
+    order = [
+        r.note for r in cluster.rows("SELECT note FROM observed WHERE kind = 'start' AND key = 'acct:line' ORDER BY at")
+    ]
+    assert order == ["A", "B", "C0", "C1", "C2"]
+    overlapping = cluster.scalar(
+        "SELECT count(*) FROM observed s1 JOIN observed e1 ON e1.task_id = s1.task_id AND e1.kind = 'end'"
+        " JOIN observed s2 ON s2.key = s1.key AND s2.kind = 'start' AND s2.task_id <> s1.task_id"
+        " WHERE s1.kind = 'start' AND s1.key = 'acct:line' AND s2.at > s1.at AND s2.at < e1.at"
+    )
+    assert overlapping == 0
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_without_park_at_receipt_the_arrivals_wait_for_a_pool_process(
+    prefetching_cluster: Cluster, producer: Any
+) -> None:
+    """The control: the same sequence with ``keyed_park_at_receipt = False`` parks nothing more while both pool
+    processes are busy (what the test above would see without the feature)."""
+    cluster = prefetching_cluster
+    cluster.env["KEYED_PARK_AT_RECEIPT"] = "0"
+    cluster.start_worker("w1", concurrency=2)
+    first = producer.hold.delay("acct:line", 4.0, note="A")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'A'", 1)
+    producer.hold.delay("acct:line", 0.05, note="B")
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
+    long = producer.sleepy.delay(4.0, note="L")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'L'", 1)
+    later = [producer.hold.delay("acct:line", 0.05, note=f"C{i}") for i in range(3)]
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'A'", 1, timeout=30)
+    # Until A ended, no pool process was free: the three arrivals stayed out of the ledger.
+    a_end = cluster.scalar("SELECT at FROM observed WHERE kind = 'end' AND note = 'A'")
+    recorded = cluster.scalar(
+        "SELECT count(*) FROM keyed_tasks WHERE task_id = ANY(CAST(:ids AS text[])) AND arrived_at < :a",
+        ids=[r.id for r in later],
+        a=a_end,
+    )
+    assert recorded == 0
+    assert first.get(timeout=60) == "A"
+    assert [r.get(timeout=60) for r in later] == ["C0", "C1", "C2"]
+    assert long.get(timeout=60) == "L"
