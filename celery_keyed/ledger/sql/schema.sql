@@ -272,20 +272,33 @@ CREATE TABLE keyed_events (
 CREATE INDEX keyed_events_at_idx ON keyed_events (at);
 
 -- The effective limit of a name at a time: the live override, else the configured limit, else 1 (mutex).
--- Read inside every claim statement, so a new override takes effect at the next claim with no cache.
+-- Read inside every claim statement, so a new override takes effect at the next claim with no cache (PL/pgSQL keeps
+-- the plans of its two lookups for the session, not their answers; as a SQL function with sub-selects it could not
+-- be inlined and was planned again at every call: 0.15-0.18 ms against 0.04, about five calls per release).
 CREATE FUNCTION keyed_effective_limit(p_name text, p_now timestamptz) RETURNS integer
-LANGUAGE sql STABLE AS $$
-    SELECT COALESCE(
-        (SELECT o.slot_limit FROM keyed_overrides o
-          WHERE o.name = p_name AND (o.expires_at IS NULL OR o.expires_at > p_now)),
-        (SELECT c.slot_limit FROM keyed_names c WHERE c.name = p_name),
-        1)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_limit integer;
+BEGIN
+    SELECT o.slot_limit INTO v_limit FROM keyed_overrides o
+     WHERE o.name = p_name AND (o.expires_at IS NULL OR o.expires_at > p_now);
+    IF v_limit IS NOT NULL THEN
+        RETURN v_limit;
+    END IF;
+    SELECT c.slot_limit INTO v_limit FROM keyed_names c WHERE c.name = p_name;
+    RETURN COALESCE(v_limit, 1);
+END
 $$;
 
--- Shards of a name (1 unless configured).
+-- Shards of a name (1 unless configured). PL/pgSQL for the same reason.
 CREATE FUNCTION keyed_name_shards(p_name text) RETURNS integer
-LANGUAGE sql STABLE AS $$
-    SELECT COALESCE((SELECT c.shards FROM keyed_names c WHERE c.name = p_name), 1)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_shards integer;
+BEGIN
+    SELECT c.shards INTO v_shards FROM keyed_names c WHERE c.name = p_name;
+    RETURN COALESCE(v_shards, 1);
+END
 $$;
 
 -- The share of shard p_shard when p_limit slots are split over p_shards shards: shares sum to p_limit (D12);
