@@ -93,6 +93,8 @@ def admit_autocommit(
     shard lock ends with it (see _fast_claim)."""
     if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None:
         return None, False
+    if arrival.debounce is not None:  # debounced: it parks for its quiet period (admit)
+        return None, False
     name = key_name(arrival.key)
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
     if arrival.extra_keys:
@@ -112,6 +114,8 @@ def admit_autocommit(
 def batchable(arrival: Arrival) -> bool:
     """Whether ``claim_many`` may decide ``arrival``: one key, no group, no not-before time (the shape of
     fast_paths.CLAIM_NEW). Every other arrival takes the per-arrival path."""
+    if arrival.debounce is not None:  # debounced: it parks for its quiet period (admit)
+        return False
     return (
         arrival.key is not None and arrival.group_key is None and arrival.not_before is None and not arrival.extra_keys
     )
@@ -221,6 +225,7 @@ def admit(
         and arrival.not_before is None
         and not arrival.extra_keys
     )
+    fast = fast and arrival.debounce is None
     row: Any = None
     if fast and not fresh:
         assert name is not None
@@ -295,6 +300,8 @@ def admit(
         is_head = head == group_seq
         head_ready = is_head and not busy
     not_due = arrival.not_before is not None and clock_is_future(conn, arrival.not_before, now)
+    if arrival.debounce is not None:
+        not_due = True  # a debounced arrival always waits out its quiet period, room or not (_debounce)
 
     if (arrival.key is None or has_room) and head_ready and not not_due:
         # The guarded UPDATEs are the authority: the limit may have changed since the rows were read.
@@ -325,17 +332,66 @@ def admit(
     # Park in the line of the first key (in the task's order) without room for it; an attempt that waits for
     # its group or its not-before time stands in its first key's line.
     line = next((k for k in arrival.keys if rooms[k] is None), arrival.key)
+    replaced: list[str] = []
+    debounce_cap: Any = None
+    if arrival.debounce is not None:  # it stands in its first key's line, where its burst is found
+        line = arrival.key
+        debounced = _debounce(conn, arrival, promoted, now=now)
+        if isinstance(debounced, Admission):
+            return debounced
+        replaced, debounce_cap = debounced
     superseded: list[str] | None = []
-    if line is not None:
+    if line is not None and not replaced:  # a replacing arrival takes the replaced one's place in the room
         superseded = _make_place(conn, arrival, line, now=now)
         if superseded is None:
             detail = f"waiting room of {line} is full"
             finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=detail, now=now)
             return Admission(Verdict.REJECTED, detail=detail, promotions=tuple(promoted))
     waiting.waiting_insert(
-        conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, line=line, now=now
+        conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, line=line,
+        debounce_cap=debounce_cap, now=now,
     )
-    return Admission(Verdict.PARKED, superseded=tuple(superseded or ()), promotions=tuple(promoted))
+    return Admission(
+        Verdict.PARKED,
+        superseded=(*replaced, *(superseded or ())),
+        promotions=tuple(promoted),
+        debounced=arrival.debounce is not None,
+    )
+
+
+def _debounce(
+    conn: sa.Connection, arrival: Arrival, promoted: list[Promotion], *, now: Any
+) -> tuple[list[str], Any] | Admission:
+    """Debounce per key (issue 14 item 2), with the key's slot and head rows locked (every arrival of the key takes
+    them first, so the arrivals of one burst are decided one after the other and one of them survives). A burst is
+    *open* while its waiting row's due time (``not_before``) is in the future; a due row waits for a slot like any
+    other and absorbs no arrival (a new burst begins).
+
+    - Keep last: the open burst's row is removed and recorded ``superseded`` (replaced by this arrival), and this
+      arrival parks in its place, due after a new quiet period but never after the replaced burst's cap (its first
+      arrival + ``debounce_max``). Returns (the replaced task ids, that cap) — ([], None) when no burst was open.
+    - Keep first: the open burst's row keeps its arguments and its due time moves to the end of a new quiet period
+      (never past its cap: the quiet period counts from the latest arrival, whichever arguments run), and this
+      arrival is recorded ``superseded`` at once: returns its Admission (SUPERSEDED). ([], None): no burst was open,
+      this arrival opens one."""
+    assert arrival.key is not None
+    params = {"key": arrival.key, "debounce_key": arrival.debounce_key, "debounce": arrival.debounce, "now": now}
+    if arrival.debounce_keep == "first":
+        kept = conn.execute(waiting.WAITING_DEBOUNCE_EXTEND, params).first()
+        if kept is None:
+            return [], None
+        detail = f"debounced: {kept.task_id} runs instead (keep first), due {kept.not_before.isoformat()}"
+        finish_never_ran(conn, arrival.token, TaskOutcome.SUPERSEDED, detail=detail, now=now)
+        return Admission(Verdict.SUPERSEDED, detail=detail, promotions=tuple(promoted), debounced=True)
+    rows = conn.execute(waiting.WAITING_DEBOUNCE_REPLACE, params).all()
+    for r in rows:
+        finish_never_ran(
+            conn, Token(r.task_id, r.attempt), TaskOutcome.SUPERSEDED,
+            detail=f"debounced: replaced by {arrival.task_id}", now=now,
+        )
+    if len(rows) > 1:  # one place in the room goes to this arrival, the others are given back
+        keys.keys_remove_waiting(conn, arrival.key, len(rows) - 1, now=now)
+    return [r.task_id for r in rows], min((r.debounce_cap for r in rows), default=None)
 
 
 def _take_locked(

@@ -33,7 +33,11 @@ class Arrival:
     Higher ``priority`` is served first. ``extra_keys``: further concurrency keys the attempt needs besides
     ``key`` (all claimed in one transaction or none; it waits in ``key``'s waiting room). ``cost``: slots it
     takes of each of its keys (a weighted slot). ``fair_key``: whose share of a fair name's slots it uses (e.g.
-    the tenant).
+    the tenant). ``debounce`` (seconds;
+    issue 14 item 2): the attempt waits until its key has been quiet that long, and replaces
+    (``debounce_keep="last"``) or gives way to (``"first"``) the waiting debounced attempt of its key with the same
+    supersede key (else task name), at most ``debounce_max`` seconds after the burst's first arrival (default: 60,
+    or ``debounce`` when longer). See ``admit.admit`` and README "Debounce".
     """
 
     task_id: str
@@ -51,8 +55,17 @@ class Arrival:
     extra_keys: tuple[str, ...] = ()
     cost: int = 1
     fair_key: str | None = None
+    debounce: float | None = None
+    debounce_max: float | None = None
+    debounce_keep: str = "last"
 
     def __post_init__(self) -> None:
+        if self.debounce is not None:
+            check_debounce(self.debounce, self.debounce_max, self.debounce_keep)
+            if self.key is None or self.group_key is not None:
+                raise ValueError("debounce needs a concurrency key and no group key")
+            if self.debounce_max is None:
+                object.__setattr__(self, "debounce_max", max(DEBOUNCE_MAX_DEFAULT, float(self.debounce)))
         if self.key is None and self.group_key is None:
             raise ValueError("an arrival needs a concurrency key or a group key")
         if self.extra_keys and self.key is None:
@@ -73,6 +86,35 @@ class Arrival:
         """Every concurrency key of the attempt, its first key first."""
         return () if self.key is None else (self.key, *self.extra_keys)
 
+    @property
+    def debounce_key(self) -> str | None:
+        """What identifies a debounced attempt's burst in its key's line: its supersede key, else its task name."""
+        if self.debounce is None:
+            return None
+        return self.supersede_key if self.supersede_key is not None else self.task_name
+
+
+#: Seconds a debounced burst may wait at most from its first arrival when ``debounce_max`` is not given (or the
+#: debounce period itself when that is longer).
+DEBOUNCE_MAX_DEFAULT = 60.0
+
+#: The longest debounce period or maximum wait (100 years, as every duration the ledger's timestamps hold).
+_DEBOUNCE_SECONDS_MAX = 3155760000.0
+
+
+def check_debounce(debounce: Any, debounce_max: Any = None, keep: Any = "last") -> None:
+    """Raise ValueError unless ``debounce`` (and ``debounce_max`` when given) are finite positive seconds, the
+    maximum at least the period, and ``keep`` is "last" or "first"."""
+    for label, value in (("debounce", debounce), ("debounce_max", debounce_max)):
+        if value is None and label == "debounce_max":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= _DEBOUNCE_SECONDS_MAX:
+            raise ValueError(f"{label} must be a positive number of seconds (at most 100 years), got {value!r}")
+    if debounce_max is not None and debounce_max < debounce:
+        raise ValueError(f"debounce_max ({debounce_max!r}) must be at least debounce ({debounce!r})")
+    if keep not in ("last", "first"):
+        raise ValueError(f"debounce_keep must be 'last' or 'first', got {keep!r}")
+
 
 class Verdict(StrEnum):
     """What admission decided for an arrival."""
@@ -82,6 +124,7 @@ class Verdict(StrEnum):
     REJECTED = "rejected"  # waiting room full; final outcome recorded
     EXPIRED = "expired"  # latest start already passed; final outcome recorded
     DUPLICATE = "duplicate"  # the token is known (D8); ack and drop, or kept as a shadow
+    SUPERSEDED = "superseded"  # debounced, keep first: the burst's first arrival runs; final outcome recorded
 
 
 @dataclass(frozen=True)
@@ -94,6 +137,7 @@ class Admission:
     # Attempts that were ahead of this arrival and started with the room it found (their not-before time had
     # passed, no sweep had run yet): the caller dispatches them, like a release's promotions.
     promotions: tuple[Promotion, ...] = ()
+    debounced: bool = False  # a debounced arrival: parked for its quiet period, or superseded at arrival (keep first)
 
     @property
     def admitted(self) -> bool:

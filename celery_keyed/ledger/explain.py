@@ -24,7 +24,7 @@ EXPLAIN_CLAIM = sa.text(
 EXPLAIN_WAITING = sa.text(
     f"""
     SELECT w.attempt, w.key, w.keys, w.cost, w.group_key, w.group_seq, w.shadow, w.group_blocked, w.deadline,
-           w.priority,
+           w.priority, w.debounce_key, w.debounce_cap,
            w.not_before, w.not_before > {NOW} AS not_due,
            (SELECT count(*) FROM keyed_waiting o
              WHERE o.key = w.key AND NOT o.shadow AND o.not_before IS NULL AND NOT o.group_blocked
@@ -57,6 +57,7 @@ EXPLAIN_MEMBER = sa.text("SELECT group_key, seq, received FROM keyed_group_membe
 @dataclass
 class Explanation:
     """``state`` is one of unknown, outbox, registered, sent, running, promoted, waiting, paused, blocked, not_before,
+    debounced (a debounced task waiting out its key's quiet period),
     shadow, between_attempts, finished; ``text`` says it in a sentence; ``facts`` has the numbers."""
 
     task_id: str
@@ -164,6 +165,14 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             "shadow",
             "a duplicate delivery kept as the shadow of its running attempt "
             "(it runs only if that attempt's worker is lost)",
+            facts,
+        )
+    if wait["not_due"] and wait["debounce_cap"] is not None:  # debounce (issue 14 item 2)
+        return Explanation(
+            task_id,
+            "debounced",
+            f"debounced until {wait['not_before']} (later arrivals of key {wait['key']} replace it or move that "
+            f"time, until {wait['debounce_cap']} at the latest); then it waits for a slot like any other",
             facts,
         )
     if wait["not_due"]:

@@ -20,20 +20,32 @@ from celery_keyed.ledger.clock import NOW
 _COLUMNS = (
     "task_id, attempt, key, group_key, group_seq, priority, arrival, arrived_at, not_before, deadline, "
     "supersede_key, shadow, group_blocked, queue, message, keys, cost, reserved_keys, reserved_shards, reserved_at, "
-    "fair_key"
+    "fair_key, debounce_key, debounce_cap"
+)
+
+#: SQL: the debounce period and the burst's hard maximum as intervals (bind ``debounce``, ``debounce_max``, seconds).
+_DEBOUNCE = "make_interval(secs => CAST(:debounce AS double precision))"
+_DEBOUNCE_CAP = (
+    f"COALESCE(CAST(:debounce_cap AS timestamptz),"
+    f" {NOW} + make_interval(secs => CAST(:debounce_max AS double precision)))"
 )
 
 # waiting_insert: park an attempt. The latest start is the earlier of Celery's expires and arrival + max_wait.
+# A debounced attempt (debounce_key set) is due after its quiet period, never after its burst's cap (the cap of the
+# burst it replaced, or now + debounce_max for a new burst).
 # ON CONFLICT: the token is parked already (a duplicate raced us) → no row.
 WAITING_INSERT = sa.text(
     f"""
     INSERT INTO keyed_waiting ({_COLUMNS})
     VALUES (:task_id, :attempt, :key, :group_key, :group_seq, :priority, nextval('keyed_arrival_seq'), {NOW},
-            CASE WHEN CAST(:not_before AS timestamptz) > {NOW} THEN CAST(:not_before AS timestamptz) END,
+            CASE WHEN CAST(:debounce_key AS text) IS NOT NULL THEN LEAST({NOW} + {_DEBOUNCE}, {_DEBOUNCE_CAP})
+                 WHEN CAST(:not_before AS timestamptz) > {NOW} THEN CAST(:not_before AS timestamptz) END,
             LEAST(CAST(:deadline AS timestamptz),
                   {NOW} + (SELECT make_interval(secs => c.max_wait) FROM keyed_names c WHERE c.name = :name)),
             :supersede_key, :shadow, :group_blocked, :queue, CAST(:message AS jsonb), CAST(:keys AS text[]), :cost,
-            NULL, NULL, NULL, :fair_key)
+            NULL, NULL, NULL, :fair_key,
+            CAST(:debounce_key AS text),
+            CASE WHEN CAST(:debounce_key AS text) IS NOT NULL THEN {_DEBOUNCE_CAP} END)
     ON CONFLICT (task_id, attempt) DO NOTHING
     RETURNING arrival
     """
@@ -141,6 +153,37 @@ WAITING_DELETE_SUPERSEDED = sa.text(
     DELETE FROM keyed_waiting
      WHERE key = :key AND supersede_key = :supersede_key AND NOT shadow AND reserved_keys IS NULL
     RETURNING task_id, attempt, group_key
+    """
+)
+
+# waiting_debounce_replace: debounce, keep last (issue 14 item 2): remove the open burst of a key and debounce key —
+# its waiting debounced row whose due time has not come (a due row is closed: it waits for a slot and absorbs no
+# arrival) — and answer its cap, which the replacing arrival inherits (the hard maximum counts from the burst's
+# first arrival). Run under the key's head row lock (keys_lock), which every arrival of the key takes first, so two
+# arrivals of one burst are decided one after the other: one row survives. SKIP LOCKED: a row another transaction
+# holds (the sweep making it due, a revoke, an expiry) is leaving the open burst; the arrival starts a new one.
+WAITING_DEBOUNCE_REPLACE = sa.text(
+    f"""
+    DELETE FROM keyed_waiting w USING (
+        SELECT task_id, attempt FROM keyed_waiting
+         WHERE key = :key AND debounce_key = :debounce_key AND NOT shadow AND not_before > {NOW}
+           FOR UPDATE SKIP LOCKED) v
+     WHERE w.task_id = v.task_id AND w.attempt = v.attempt
+    RETURNING w.task_id, w.attempt, w.group_key, w.debounce_cap
+    """
+)
+
+# waiting_debounce_extend: debounce, keep first: the open burst of a key and debounce key (as above) keeps its row
+# and its arguments; the new arrival moves its due time to the end of a new quiet period, never past its cap. The
+# caller records the arrival itself superseded. No row: no open burst (the arrival opens one).
+WAITING_DEBOUNCE_EXTEND = sa.text(
+    f"""
+    UPDATE keyed_waiting w SET not_before = LEAST({NOW} + {_DEBOUNCE}, w.debounce_cap) FROM (
+        SELECT task_id, attempt FROM keyed_waiting
+         WHERE key = :key AND debounce_key = :debounce_key AND NOT shadow AND not_before > {NOW}
+         ORDER BY arrival LIMIT 1 FOR UPDATE SKIP LOCKED) v
+     WHERE w.task_id = v.task_id AND w.attempt = v.attempt
+    RETURNING w.task_id, w.not_before, w.debounce_cap
     """
 )
 
@@ -283,10 +326,12 @@ def waiting_insert(
     shadow: bool = False,
     group_blocked: bool = False,
     line: str | None = None,
+    debounce_cap: Any = None,
     now: Any = None,
 ) -> int | None:
     """Park ``arrival`` in the line of ``line`` (default: its first key); its arrival number, or None when
-    the token is already parked."""
+    the token is already parked. A debounced arrival is due after its quiet period, at most at ``debounce_cap``
+    (the cap of the burst it replaces; None: a new burst, capped at now + ``arrival.debounce_max``)."""
     params = {
         "task_id": arrival.task_id,
         "attempt": arrival.attempt,
@@ -305,6 +350,10 @@ def waiting_insert(
         "keys": list(arrival.keys) if arrival.extra_keys else None,
         "cost": arrival.cost,
         "fair_key": arrival.fair_key,
+        "debounce_key": None if shadow else arrival.debounce_key,
+        "debounce": arrival.debounce,
+        "debounce_max": arrival.debounce_max,
+        "debounce_cap": debounce_cap,
         "now": now,
     }
     return conn.execute(WAITING_INSERT, params).scalar_one_or_none()

@@ -698,7 +698,7 @@ class WaitingStateFilter(admin.SimpleListFilter):
     parameter_name = "state"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("ready", "in line"), ("not_before", "not due yet (retry / ETA)"),
+        return [("ready", "in line"), ("not_before", "not due yet (retry / ETA / debounce)"),
                 ("blocked", "blocked behind its group"), ("shadow", "duplicate (shadow of a running attempt)")]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -774,6 +774,8 @@ class WaitingAdmin(ReadOnlyAdmin):
             return "duplicate"
         if obj.group_blocked:
             return "blocked by group"
+        if obj.not_before is not None and obj.debounce_cap is not None and obj.not_before > timezone.now():
+            return "debounced"  # issue 14 item 2: waits out its key's quiet period (at most until debounce_cap)
         if obj.not_before is not None:
             return "not due"
         return "in line"

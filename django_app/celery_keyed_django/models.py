@@ -340,6 +340,8 @@ class Waiting(models.Model):
     reserved_shards = ArrayField(models.IntegerField(), null=True)
     reserved_at = models.DateTimeField(null=True)
     fair_key = models.TextField(null=True)
+    debounce_key = models.TextField(null=True)  # debounce (0011): the burst's identity in its line
+    debounce_cap = models.DateTimeField(null=True)  # debounce (0011): the burst's latest due time
 
     class Meta:
         managed = False

@@ -218,6 +218,8 @@ CREATE TABLE keyed_waiting (
     reserved_shards integer[],
     reserved_at timestamptz,
     fair_key text,
+    debounce_key text,
+    debounce_cap timestamptz,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT keyed_waiting_waits_for_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
     CONSTRAINT keyed_waiting_group_seq_with_group CHECK ((group_key IS NULL) = (group_seq IS NULL)),
@@ -225,7 +227,9 @@ CREATE TABLE keyed_waiting (
     CONSTRAINT keyed_waiting_keys_with_key CHECK (keys IS NULL OR key IS NOT NULL),
     CONSTRAINT keyed_waiting_reserved_shards_match CHECK (
         cardinality(reserved_keys) IS NOT DISTINCT FROM cardinality(reserved_shards)),
-    CONSTRAINT keyed_waiting_reserved_when CHECK ((reserved_keys IS NULL) = (reserved_at IS NULL))
+    CONSTRAINT keyed_waiting_reserved_when CHECK ((reserved_keys IS NULL) = (reserved_at IS NULL)),
+    -- a debounced row (0011) has both: its burst's identity in its line and its latest due time
+    CONSTRAINT keyed_waiting_debounce_pair CHECK ((debounce_key IS NULL) = (debounce_cap IS NULL))
 );
 -- FIFO per key by priority then arrival, over promotable rows only, so promotion never walks past rows that
 -- are not yet due, shadows or blocked group members.
@@ -239,6 +243,7 @@ CREATE INDEX keyed_waiting_fair_idx ON keyed_waiting (key, fair_key, priority DE
     WHERE NOT shadow AND not_before IS NULL AND NOT group_blocked;
 CREATE INDEX keyed_waiting_reserved_idx ON keyed_waiting (reserved_at) WHERE reserved_at IS NOT NULL;
 CREATE INDEX keyed_waiting_supersede_idx ON keyed_waiting (key, supersede_key) WHERE supersede_key IS NOT NULL;
+CREATE INDEX keyed_waiting_debounce_idx ON keyed_waiting (key, debounce_key) WHERE debounce_key IS NOT NULL;
 
 -- Groups: one row per group_key, the lock of the group's admission and its sequence counter (D10).
 CREATE TABLE keyed_groups (
