@@ -484,6 +484,7 @@ class GateService:
         return self.ledger.bind(arrival.token, parsed)  # None: not a live promotion → ordinary admission
 
     def _not_admitted(self, request: Any, admission: Any) -> None:
+        metrics.debounced(admission)
         if admission.verdict is Verdict.PARKED:
             key = request.keyed_arrival_key
             self.releaser.mark_contended(key)

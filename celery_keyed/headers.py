@@ -26,11 +26,14 @@ HEADER_FAIR = "keyed_fair"
 #: The attempt's fence number, set by the worker in the request it runs (``self.request.keyed_fence``, D7); Celery
 #: copies request fields into a retry's headers, so it is stripped there like the nonce.
 HEADER_FENCE = "keyed_fence"
+#: Debounce (issue 14 item 2): ``[seconds, max_seconds, keep]`` of a debounced call, from the call's, the task's or
+#: the name's options. Never survives a retry or a copy: a retry of a debounced task is not debounced again.
+HEADER_DEBOUNCE = "keyed_debounce"
 
 GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR)
 
 #: Never survive a retry or a copy: an admission token and a fence belong to one attempt.
-NOT_INHERITED = (HEADER_NONCE, HEADER_FENCE)
+NOT_INHERITED = (HEADER_NONCE, HEADER_FENCE, HEADER_DEBOUNCE)
 
 #: What a retry or a copy keeps from the headers it was sent with, unless the call names new keys.
 INHERITED = (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR)

@@ -72,8 +72,15 @@ if prometheus_client is not None:
         "caller's transaction, published after its commit), 'failed' (the publish raised; retried when due again).",
         ["kind"],
     )
+    DEBOUNCED: Any = prometheus_client.Counter(
+        "celery_keyed_debounced",
+        "Debounced arrivals (issue 14 item 2) by what admission did: 'parked' (waits out its key's quiet period), "
+        "'replaced' (an earlier arrival of its burst was recorded superseded in its favour, keep last), 'superseded' "
+        "(recorded superseded at arrival: the burst's first arrival runs, keep first).",
+        ["kind"],
+    )
 else:
-    ADMISSIONS = HANDOFF = DRIFT = OUTBOX_PUBLISHED = None
+    ADMISSIONS = HANDOFF = DRIFT = OUTBOX_PUBLISHED = DEBOUNCED = None
 
 _promoted_at: dict[Any, float] = {}  # attempt token -> monotonic time of the release that promoted it
 _promoted_lock = threading.Lock()
@@ -121,6 +128,19 @@ def started(token: Any, verdict: Any) -> None:
         released_at = _promoted_at.pop(token, None)
     if released_at is not None:
         HANDOFF.observe(max(0.0, clock() - released_at))
+
+
+def debounced(admission: Any) -> None:
+    """Count a debounced arrival's admission (``Admission.debounced``): parked, replaced arrivals, superseded."""
+    if DEBOUNCED is None or not getattr(admission, "debounced", False):
+        return
+    verdict = str(getattr(admission.verdict, "value", admission.verdict))
+    if verdict == "parked":
+        DEBOUNCED.labels(kind="parked").inc()
+        if admission.superseded:
+            DEBOUNCED.labels(kind="replaced").inc(len(admission.superseded))
+    elif verdict == "superseded":
+        DEBOUNCED.labels(kind="superseded").inc()
 
 
 def outbox_published(kind: str, count: int = 1) -> None:

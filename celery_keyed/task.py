@@ -19,6 +19,7 @@ from celery import Task, shared_task
 from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names are part of task.py's API)
     GATE_HEADERS,
     HEADER_COST,
+    HEADER_DEBOUNCE,
     HEADER_FAIR,
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
@@ -49,6 +50,10 @@ class KeyedTask(Task):
       replaces a parked one;
     - ``concurrency_cost``: slots the attempt takes of each of its keys (a weighted slot; default 1);
     - ``fair_key``: whose share of a ``fair`` name's slots the call uses (e.g. ``"tenant:{tenant_id}"``);
+    - ``debounce`` (seconds), ``debounce_max`` (seconds from the burst's first arrival; default 60, or ``debounce``
+      when longer) and ``debounce_keep`` (``"last"``, the default, or ``"first"``): calls of one key within the
+      quiet period replace each other and one runs once the key has been quiet that long (README "Debounce"; per
+      call ``apply_async(..., debounce=5.0)``, ``debounce=None`` for none; per name in ``keyed_concurrency_limits``);
     - ``uncertain_hold``: seconds its slots stay held after a hard time limit or a lost worker, because the
       remote call it made may still be running (default: the names' ``uncertain_hold``, else none);
     - ``admit_at_send``: ask the ledger before publishing (one round trip in the caller's process) and raise
@@ -81,6 +86,9 @@ class KeyedTask(Task):
     admit_at_send: bool = False
     dedupe_key: KeySpec = None
     register_at_publish: bool = False
+    debounce: float | None = None
+    debounce_max: float | None = None
+    debounce_keep: str = "last"
     Strategy = "celery_keyed.gate:keyed_strategy"
     Request = "celery_keyed.request:KeyedRequest"
 
@@ -96,6 +104,9 @@ class KeyedTask(Task):
         at_send = options.pop("keyed_admit_at_send", None)
         at_publish = options.pop("keyed_register_at_publish", None)
         dedupe_spec = options.pop("dedupe_key") if "dedupe_key" in options else key_spec(self, "dedupe_key")
+        debounce_call: dict[str, Any] = {
+            k: options.pop(k) for k in ("debounce", "debounce_max", "debounce_keep") if k in options
+        }
         # An admission token and a fence never survive a retry or a copy (headers.NOT_INHERITED).
         headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in NOT_INHERITED}
         inherited = {h: headers.pop(h) for h in INHERITED if h in headers}
@@ -104,6 +115,9 @@ class KeyedTask(Task):
         for header, option in OPTION_OF_HEADER.items():
             if option not in explicit and header in inherited:
                 computed[header] = inherited[header]
+        debounce = None if options.get("retries") else self._debounce_header(debounce_call, computed)
+        if debounce is not None:  # a retry is never debounced again (headers.NOT_INHERITED)
+            computed[HEADER_DEBOUNCE] = debounce
         reserved = False
         if at_send is not False:
             dedupe = evaluate_key(dedupe_spec, self, args, kwargs, option="dedupe_key")
@@ -144,6 +158,40 @@ class KeyedTask(Task):
 
                 forget_send(self.app, task_id)
             raise
+
+    def _debounce_header(self, call: Mapping[str, Any], computed: Mapping[str, Any]) -> list[Any] | None:
+        """The debounce header of a keyed call, ``[seconds, max, keep]``, or None: per call ``debounce=`` (None: not
+        this call), else the task's ``debounce``, else its first key's name's in this app's
+        ``keyed_concurrency_limits``; ``debounce_max`` / ``debounce_keep`` per call win. ``InvalidKey`` for bad values
+        or a call with a group key (bad input never waits)."""
+        keys = computed.get(HEADER_KEY)
+        if keys is None:
+            return None
+        if "debounce" in call:
+            seconds, maximum, keep = call["debounce"], None, "last"
+        elif self.debounce is not None:
+            seconds, maximum, keep = self.debounce, self.debounce_max, self.debounce_keep
+        else:
+            from celery_keyed.publisher import publisher_for
+
+            publisher = publisher_for(self.app)
+            first = keys[0] if isinstance(keys, list) else keys
+            config = publisher.settings.limits.get(str(first).split(":", 1)[0]) if publisher is not None else None
+            if config is None:
+                return None
+            seconds, maximum, keep = config.debounce, config.debounce_max, config.debounce_keep
+        if seconds is None:
+            return None
+        maximum, keep = call.get("debounce_max", maximum), call.get("debounce_keep", keep)
+        if HEADER_GROUP in computed:
+            raise InvalidKey(f"{self.name}: debounce needs a concurrency key and no group_key")
+        from celery_keyed.ledger import check_debounce
+
+        try:
+            check_debounce(seconds, maximum, keep)
+        except ValueError as exc:
+            raise InvalidKey(f"{self.name}: {exc}") from None
+        return [seconds, maximum, keep]
 
     def _registers_at_publish(
         self, computed: Mapping[str, Any], asked: bool | None, options: Mapping[str, Any]

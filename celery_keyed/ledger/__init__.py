@@ -37,6 +37,7 @@ from celery_keyed.ledger.attempts import (
     TaskOutcome,
     Token,
     Verdict,
+    check_debounce,
 )
 from celery_keyed.ledger.books import (
     books_balance,
@@ -140,6 +141,7 @@ __all__ = [
     "books_reject_unkeyable",
     "books_unnotified",
     "check_counters_once",
+    "check_debounce",
     "check_int",
     "check_seconds",
     "claims_renew",

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 
+from celery_keyed.ledger.attempts import check_debounce
 from celery_keyed.ledger.bounds import (
     BURST_MAX,
     MAX_WAITING_MAX,
@@ -34,6 +35,7 @@ Overflow = Literal["reject", "supersede"]
 _KNOWN_OPTIONS = {
     "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair",
     "admit_at_send", "register_at_publish",
+    "debounce", "debounce_max", "debounce_keep",
 }
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -64,6 +66,11 @@ class NameConfig:
     fair: bool = False
     admit_at_send: bool = False
     register_at_publish: bool = False
+    # Debounce (issue 14 item 2; producer side, like admit_at_send: not stored in the ledger): a task of this name
+    # without its own debounce option is published debounced (README "Debounce").
+    debounce: float | None = None
+    debounce_max: float | None = None
+    debounce_keep: str = "last"
 
     def __post_init__(self) -> None:
         # Every number is checked against what its column and the clock can hold (ledger/bounds.py), so a value
@@ -95,6 +102,11 @@ class NameConfig:
             )
         if self.overflow not in ("reject", "supersede"):
             raise InvalidConfig(f"{self.name}: overflow must be 'reject' or 'supersede', got {self.overflow!r}")
+        if self.debounce is not None or self.debounce_max is not None or self.debounce_keep != "last":
+            try:
+                check_debounce(self.debounce, self.debounce_max, self.debounce_keep)
+            except ValueError as exc:
+                raise InvalidConfig(f"{self.name}: {exc}") from None
 
     @classmethod
     def from_setting(cls, name: str, value: Any) -> NameConfig:

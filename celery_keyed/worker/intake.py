@@ -14,6 +14,7 @@ from typing import Any
 
 from celery_keyed.headers import (
     HEADER_COST,
+    HEADER_DEBOUNCE,
     HEADER_FAIR,
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
@@ -95,7 +96,42 @@ def arrival_for(request: Any) -> Arrival | None:
         supersede_key=supersede,
         queue=(request.delivery_info or {}).get("routing_key"),
         message=record_message(request._message, task_name=request.name),
+        **debounce_of(request, keys, group, retries),
     )
+
+
+def debounce_of(request: Any, keys: list[str], group: str | None, retries: int) -> dict[str, Any]:
+    """The debounce options of an arrival (issue 14 item 2): from the ``keyed_debounce`` header when the message
+    carries gate headers (the producer decided: call, task or name), else (``send_task``) from the task's own
+    options. A retry is never debounced. A malformed header, or debounce with a group key, raises ``InvalidKey``
+    (a recorded rejection, D16)."""
+    if retries or not keys:
+        return {}
+    headers = request._request_dict
+    if headers.get(HEADER_KEY) is not None or headers.get(HEADER_GROUP) is not None:
+        value = headers.get(HEADER_DEBOUNCE)
+    else:
+        task = request.task
+        seconds = getattr(task, "debounce", None)
+        value = None if seconds is None else [seconds, getattr(task, "debounce_max", None), task.debounce_keep]
+    if value is None:
+        return {}
+    if not isinstance(value, list | tuple) or len(value) != 3:
+        raise InvalidKey(f"header {HEADER_DEBOUNCE} must be [seconds, max seconds or null, keep], got {value!r}")
+    if group is not None:
+        raise InvalidKey("debounce needs a concurrency key and no group key")
+    from celery_keyed.ledger import check_debounce
+
+    seconds, maximum, keep = value
+    try:
+        check_debounce(seconds, maximum, keep)
+    except ValueError as exc:
+        raise InvalidKey(f"header {HEADER_DEBOUNCE}: {exc}") from None
+    return {
+        "debounce": float(seconds),
+        "debounce_max": None if maximum is None else float(maximum),
+        "debounce_keep": keep,
+    }
 
 
 def header_keys(value: Any) -> str | list[str] | None:

@@ -181,6 +181,17 @@ def _define_tasks(app: Any, ns: Any) -> None:
         return dedupe or key
 
     ns.feed = feed
+
+    @keyed_task(
+        app=app, name="acceptance.debounced", bind=True, concurrency_key="{key}", debounce=1.0, debounce_max=10.0
+    )
+    def debounced(self, key: str, note: str) -> str:
+        """Debounced per key (issue 14 item 2): a burst of calls runs once, with the last call's note."""
+        observe(ns.dsn, "start", self.request.id, key, note)
+        observe(ns.dsn, "end", self.request.id, key, note)
+        return note
+
+    ns.debounced = debounced
     ns.hold, ns.ordered, ns.flaky, ns.unkeyed, ns.ping = hold, ordered, flaky, unkeyed, ping
     ns.sleepy = sleepy
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
