@@ -413,8 +413,9 @@ def _names_table(names: list[NameStatus]) -> str:
             note += f": {n.override_reason}"
         elif n.paused:
             note = "PAUSED"
+        waiting = f"{n.waiting} ({n.debounced} debounced)" if n.debounced else n.waiting
         rows.append(
-            (n.name, n.limit, n.source, _rules(n), n.keys, n.in_flight, n.waiting, _age(n.oldest_waiting_age), note)
+            (n.name, n.limit, n.source, _rules(n), n.keys, n.in_flight, waiting, _age(n.oldest_waiting_age), note)
         )
     return render_table(
         ("NAME", "LIMIT", "SOURCE", "RULES", "KEYS", "IN FLIGHT", "WAITING", "OLDEST WAIT", "OVERRIDE"),

@@ -55,7 +55,9 @@ STATUS_NAMES = sa.text(
                count(*) FILTER (WHERE in_flight > 0 OR waiting > 0) AS busy_keys
           FROM per_key GROUP BY name
     ), oldest AS (
-        SELECT split_part(key, ':', 1) AS name, min(arrived_at) AS oldest FROM keyed_waiting
+        SELECT split_part(key, ':', 1) AS name, min(arrived_at) AS oldest,
+               count(*) FILTER (WHERE debounce_cap IS NOT NULL AND not_before > {NOW}) AS debounced
+          FROM keyed_waiting
          WHERE key IS NOT NULL AND NOT shadow
            AND (CAST(:name AS text) IS NULL OR split_part(key, ':', 1) = :name)
          GROUP BY 1
@@ -67,7 +69,8 @@ STATUS_NAMES = sa.text(
            COALESCE(p.in_flight, 0) AS in_flight, COALESCE(p.waiting, 0) AS waiting,
            w.oldest AS oldest_waiting_at,
            {_AGE} AS oldest_waiting_age,
-           c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version
+           c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version,
+           COALESCE(w.debounced, 0) AS debounced
       FROM names n
       LEFT JOIN keyed_names c ON c.name = n.name
       LEFT JOIN live o ON o.name = n.name
@@ -149,6 +152,7 @@ class NameStatus:
     fair: bool = False  # slots shared round-robin by fair key
     uncertain_hold: float | None = None
     config_version: int | None = None  # keyed_config_version that stored its configuration (None: not configured)
+    debounced: int = 0  # of the waiting: debounced tasks still in their key's quiet period (issue 14 item 2)
 
     @property
     def paused(self) -> bool:
@@ -217,6 +221,7 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             fair=bool(r["fair"]),
             uncertain_hold=r["uncertain_hold"],
             config_version=r["config_version"],
+            debounced=int(r["debounced"]),
         )
         for r in rows
     ]
