@@ -23,6 +23,8 @@ HEADER_NONCE = "keyed_nonce"
 HEADER_COST = "keyed_cost"
 #: Whose share of a ``fair`` name's slots the call uses.
 HEADER_FAIR = "keyed_fair"
+#: ``concurrency_mode``: "exclusive" (runs alone on its key) or "shared" (sent only when either is not the default).
+HEADER_MODE = "keyed_mode"
 #: The attempt's fence number, set by the worker in the request it runs (``self.request.keyed_fence``, D7); Celery
 #: copies request fields into a retry's headers, so it is stripped there like the nonce.
 HEADER_FENCE = "keyed_fence"
@@ -30,13 +32,15 @@ HEADER_FENCE = "keyed_fence"
 #: the name's options. Never survives a retry or a copy: a retry of a debounced task is not debounced again.
 HEADER_DEBOUNCE = "keyed_debounce"
 
-GATE_HEADERS = (HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR)
+GATE_HEADERS = (
+    HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR, HEADER_MODE
+)
 
 #: Never survive a retry or a copy: an admission token and a fence belong to one attempt.
 NOT_INHERITED = (HEADER_NONCE, HEADER_FENCE, HEADER_DEBOUNCE)
 
 #: What a retry or a copy keeps from the headers it was sent with, unless the call names new keys.
-INHERITED = (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR)
+INHERITED = (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR, HEADER_MODE)
 
 #: The task option (class attribute or ``apply_async`` keyword) each header is computed from, in the order the
 #: producer computes them. ``keyed_group_seq`` has no option: it is allocated at publish.
@@ -46,4 +50,5 @@ OPTION_OF_HEADER = {
     HEADER_SUPERSEDE: "supersede_key",
     HEADER_COST: "concurrency_cost",
     HEADER_FAIR: "fair_key",
+    HEADER_MODE: "concurrency_mode",
 }

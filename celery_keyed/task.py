@@ -24,6 +24,7 @@ from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names 
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
     HEADER_KEY,
+    HEADER_MODE,
     HEADER_NONCE,
     HEADER_SUPERSEDE,
     INHERITED,
@@ -49,6 +50,10 @@ class KeyedTask(Task):
     - ``supersede_key``: under the overflow policy ``supersede``, a newer call with the same supersede key
       replaces a parked one;
     - ``concurrency_cost``: slots the attempt takes of each of its keys (a weighted slot; default 1);
+    - ``concurrency_mode``: ``"shared"`` (the default: up to K attempts of a key run together) or
+      ``"exclusive"``: the attempt runs alone on its key — it starts when nothing of the key runs, and nothing of
+      the key starts while it runs; FIFO across modes, so readers never starve a writer (one concurrency key, an
+      unsharded name; README "Readers and writers");
     - ``fair_key``: whose share of a ``fair`` name's slots the call uses (e.g. ``"tenant:{tenant_id}"``);
     - ``debounce`` (seconds), ``debounce_max`` (seconds from the burst's first arrival; default 60, or ``debounce``
       when longer) and ``debounce_keep`` (``"last"``, the default, or ``"first"``): calls of one key within the
@@ -81,6 +86,7 @@ class KeyedTask(Task):
     group_key: KeySpec = None
     supersede_key: KeySpec = None
     concurrency_cost: int = 1
+    concurrency_mode: str = "shared"
     fair_key: KeySpec = None
     uncertain_hold: float | None = None
     admit_at_send: bool = False
@@ -97,7 +103,9 @@ class KeyedTask(Task):
         kwargs = dict(kwargs or {})
         explicit: dict[str, Any] = {
             name: options.pop(name)
-            for name in ("concurrency_key", "group_key", "supersede_key", "concurrency_cost", "fair_key")
+            for name in (
+                "concurrency_key", "group_key", "supersede_key", "concurrency_cost", "fair_key", "concurrency_mode"
+            )
             if name in options
         }
         connection = options.pop("keyed_connection", None)
@@ -241,6 +249,10 @@ class KeyedTask(Task):
         check_cost(cost, self)
         if cost != 1 and HEADER_KEY in headers:
             headers[HEADER_COST] = cost
+        mode = explicit.get("concurrency_mode", self.concurrency_mode)
+        exclusive = check_mode(mode, self, cost=cost, keys=headers.get(HEADER_KEY))
+        if HEADER_KEY in headers and (exclusive or self.concurrency_mode != "shared"):
+            headers[HEADER_MODE] = mode  # the worker falls back to the class's mode only without the header
         return headers
 
     def release_concurrency(self) -> bool:
@@ -312,6 +324,21 @@ def evaluate_keys(spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[
     if not found:
         return None
     return found[0] if len(found) == 1 else found
+
+
+def check_mode(mode: Any, task: Any, *, cost: Any = 1, keys: Any = None) -> bool:
+    """Whether ``concurrency_mode`` is ``"exclusive"`` (``InvalidKey`` for anything but "shared" / "exclusive", and
+    for an exclusive call with a cost or with several concurrency keys: bad input never waits)."""
+    if mode not in ("shared", "exclusive"):
+        name = getattr(task, "name", task)
+        raise InvalidKey(f"{name}: concurrency_mode must be 'shared' or 'exclusive', got {mode!r}")
+    if mode == "shared":
+        return False
+    if cost != 1:
+        raise InvalidKey(f"{getattr(task, 'name', task)}: an exclusive task takes its whole key; no concurrency_cost")
+    if isinstance(keys, list | tuple) and len(keys) > 1:
+        raise InvalidKey(f"{getattr(task, 'name', task)}: an exclusive task needs exactly one concurrency key")
+    return True
 
 
 def check_cost(cost: Any, task: Any) -> int:
@@ -410,6 +437,7 @@ def keyed_task(
     supersede_key: KeySpec = ...,
     fair_key: KeySpec = ...,
     concurrency_cost: int = ...,
+    concurrency_mode: str = ...,
     **options: Any,
 ) -> Callable[[Callable[Concatenate[Any, P], R]], KeyedTaskFunction[P, R]]: ...
 
@@ -426,6 +454,7 @@ def keyed_task(
     supersede_key: KeySpec = ...,
     fair_key: KeySpec = ...,
     concurrency_cost: int = ...,
+    concurrency_mode: str = ...,
     **options: Any,
 ) -> Callable[[Callable[P, R]], KeyedTaskFunction[P, R]]: ...
 

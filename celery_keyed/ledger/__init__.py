@@ -47,6 +47,7 @@ from celery_keyed.ledger.books import (
     books_unnotified,
 )
 from celery_keyed.ledger.bounds import (
+    EXCLUSIVE_COST,
     INT_MAX,
     SECONDS_MAX,
     SLOT_LIMIT_MAX,
@@ -105,6 +106,7 @@ from celery_keyed.ledger.status import (
 __all__ = [
     "DEFAULT_DISPATCH_TIMEOUT",
     "DEFAULT_RESERVE_TIMEOUT",
+    "EXCLUSIVE_COST",
     "INT_MAX",
     "SECONDS_MAX",
     "SLOT_LIMIT_MAX",

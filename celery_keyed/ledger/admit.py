@@ -26,6 +26,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger import books, claims, fast_paths, groups, keys, names, slots, waiting
 from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, TaskOutcome, Token, Verdict
+from celery_keyed.ledger.bounds import tokens_of
 from celery_keyed.ledger.clock import clock_is_future
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.outcomes import finish_never_ran
@@ -91,7 +92,7 @@ def admit_autocommit(
     or None — then run ``admit`` in a transaction, with ``fresh=True`` when the second value says this call
     recorded the task's arrival (it is new: no duplicate to look for). Being its own transaction, a stray
     shard lock ends with it (see _fast_claim)."""
-    if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None:
+    if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None or arrival.exclusive:
         return None, False
     if arrival.debounce is not None:  # debounced: it parks for its quiet period (admit)
         return None, False
@@ -112,12 +113,16 @@ def admit_autocommit(
 
 
 def batchable(arrival: Arrival) -> bool:
-    """Whether ``claim_many`` may decide ``arrival``: one key, no group, no not-before time (the shape of
+    """Whether ``claim_many`` may decide ``arrival``: one key, no group, no not-before time, shared (the shape of
     fast_paths.CLAIM_NEW). Every other arrival takes the per-arrival path."""
     if arrival.debounce is not None:  # debounced: it parks for its quiet period (admit)
         return False
     return (
-        arrival.key is not None and arrival.group_key is None and arrival.not_before is None and not arrival.extra_keys
+        arrival.key is not None
+        and arrival.group_key is None
+        and arrival.not_before is None
+        and not arrival.extra_keys
+        and not arrival.exclusive
     )
 
 
@@ -224,6 +229,7 @@ def admit(
         and not arrival.group_key
         and arrival.not_before is None
         and not arrival.extra_keys
+        and not arrival.exclusive
     )
     fast = fast and arrival.debounce is None
     row: Any = None
@@ -248,6 +254,11 @@ def admit(
     if row.expired:
         finish_never_ran(conn, token, TaskOutcome.EXPIRED, detail="expired before start", now=now)
         return Admission(Verdict.EXPIRED, detail="expired before start")
+
+    refused = _exclusive_refused(conn, arrival) if arrival.exclusive else None
+    if refused is not None:
+        finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=refused, now=now)
+        return Admission(Verdict.REJECTED, detail=refused)
 
     # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
     if fast and not row.new and not fresh and arrival.key and name:
@@ -325,7 +336,7 @@ def admit(
             )
             return Admission(Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted))
 
-    too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 else None
+    too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 and not arrival.exclusive else None
     if too_heavy is not None:
         finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=too_heavy, now=now)
         return Admission(Verdict.REJECTED, detail=too_heavy, promotions=tuple(promoted))
@@ -403,7 +414,7 @@ def _take_locked(
     assert arrival.key is not None
     savepoint = conn.begin_nested()
     for k in sorted(arrival.keys):
-        tokens = keys.keys_take_tokens(conn, k, key_name(k), arrival.cost, now=now)
+        tokens = keys.keys_take_tokens(conn, k, key_name(k), tokens_of(arrival.cost), now=now)
         if not tokens.unrated and not tokens.took:
             savepoint.rollback()
             return None, (k, tokens.next_at)
@@ -430,6 +441,18 @@ def _too_heavy(conn: sa.Connection, arrival: Arrival) -> str | None:
     for row in conn.execute(names.NAMES_LARGEST_SHARE, {"names": wanted}):
         if arrival.cost > row.share:
             return f"cost {arrival.cost} exceeds the {row.share} slots (or tokens) a key of {row.name} can have"
+    return None
+
+
+def _exclusive_refused(conn: sa.Connection, arrival: Arrival) -> str | None:
+    """Why an exclusive attempt (readers and writers) can never start, or None: it has one concurrency key, on a
+    name with one shard (a sharded gate has no row whose lock covers the whole key; the guard FITS refuses it
+    there too)."""
+    if arrival.key is None or arrival.extra_keys:
+        return "an exclusive attempt needs exactly one concurrency key"
+    name = key_name(arrival.key)
+    if conn.execute(names.NAMES_SHARDS, {"name": name}).scalar_one() != 1:
+        return f"an exclusive attempt cannot run on {name}: the name is sharded"
     return None
 
 

@@ -13,6 +13,8 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+from celery_keyed.ledger.bounds import is_exclusive
+
 
 @dataclass(frozen=True)
 class Token:
@@ -33,7 +35,8 @@ class Arrival:
     Higher ``priority`` is served first. ``extra_keys``: further concurrency keys the attempt needs besides
     ``key`` (all claimed in one transaction or none; it waits in ``key``'s waiting room). ``cost``: slots it
     takes of each of its keys (a weighted slot). ``fair_key``: whose share of a fair name's slots it uses (e.g.
-    the tenant). ``debounce`` (seconds;
+    the tenant). ``cost=EXCLUSIVE_COST`` (``bounds``): an exclusive attempt, alone on its key (readers and
+    writers: it starts when nothing of the key runs, and nothing starts while it runs). ``debounce`` (seconds;
     issue 14 item 2): the attempt waits until its key has been quiet that long, and replaces
     (``debounce_keep="last"``) or gives way to (``"first"``) the waiting debounced attempt of its key with the same
     supersede key (else task name), at most ``debounce_max`` seconds after the burst's first arrival (default: 60,
@@ -80,6 +83,11 @@ class Arrival:
     @property
     def token(self) -> Token:
         return Token(self.task_id, self.attempt)
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether the attempt runs alone on its key (``concurrency_mode="exclusive"``)."""
+        return is_exclusive(self.cost)
 
     @property
     def keys(self) -> tuple[str, ...]:

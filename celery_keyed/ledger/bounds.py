@@ -18,6 +18,12 @@ INT_MAX = 2**31 - 1
 BIGINT_MAX = 2**63 - 1
 #: The largest slot limit (configured or override): the columns are ``integer``.
 SLOT_LIMIT_MAX = INT_MAX
+#: The cost an exclusive attempt (``concurrency_mode="exclusive"``) holds of its key: more than any shared holder's
+#: guard ``used + cost <= share`` can ever pass, so nothing else of the key starts while it runs whatever the limit
+#: does meanwhile (raised or lowered); it is taken only when the key's ``used`` is 0. Its release gives back exactly
+#: this (the claim row's cost). Below ``INT_MAX / 2`` so ``used + cost`` of a shared arrival never overflows; a limit
+#: above it would let shared attempts join an exclusive one (docs/ledger.md, Readers and writers).
+EXCLUSIVE_COST = 2**30
 #: The most counter rows per key of a sharded gate (CHECK keyed_names_shards_range).
 SHARDS_MAX = 1024
 #: The largest waiting room per key (``max_waiting``): an ``integer`` column.
@@ -72,3 +78,13 @@ def check_number(value: Any, option: str, *, minimum: float, maximum: float, uni
 def _fmt(bound: float) -> str:
     """A bound as people write it: 3155760000, 1e-06."""
     return str(int(bound)) if float(bound).is_integer() else f"{bound:.12g}"
+
+
+def is_exclusive(cost: int | None) -> bool:
+    """Whether an attempt of this cost holds its whole key (``concurrency_mode="exclusive"``)."""
+    return cost is not None and cost >= EXCLUSIVE_COST
+
+
+def tokens_of(cost: int) -> int:
+    """Rate tokens an attempt of this cost takes: an exclusive attempt takes one, like a start."""
+    return 1 if is_exclusive(cost) else cost

@@ -180,6 +180,9 @@ NAMES_LARGEST_SHARE = sa.text(
     """
 )
 
+# names_shards: the current shard count of a name (an exclusive attempt needs one: readers and writers).
+NAMES_SHARDS = sa.text("SELECT keyed_name_shards(:name)")
+
 # names_rated: which of these names have a token bucket (a promotion takes their tokens too: gate and rate both
 # pass, or neither is debited, §3.10).
 NAMES_RATED = sa.text("SELECT name FROM keyed_names WHERE name = ANY(:names) AND rate IS NOT NULL")

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger import claims, groups, keys, names, slots, waiting
 from celery_keyed.ledger.attempts import Promotion, Token
+from celery_keyed.ledger.bounds import tokens_of
 from celery_keyed.ledger.clock import clock_is_past
 from celery_keyed.ledger.keyspec import key_name
 
@@ -281,7 +282,7 @@ def _take_tokens(conn: sa.Connection, cand: Any, key: str, *, rated: bool, now: 
     """Take the tokens a promotion needs from every rate-limited key of the candidate: None when taken (or none
     needed), else the time they will exist, or ``_BUSY`` when another key's bucket row is locked. The line
     key's row is held by the caller; other keys' rows are taken without waiting."""
-    cost = int(cand.cost or 1)
+    cost = tokens_of(int(cand.cost or 1))
     others = [k for k in (cand.keys or ()) if k != key]
     rated_names = (
         set(conn.execute(names.NAMES_RATED, {"names": sorted({key_name(k) for k in others})}).scalars())

@@ -13,6 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_keyed.ledger.bounds import EXCLUSIVE_COST, is_exclusive
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.waiting import PROMOTABLE_EXISTS
 
@@ -73,12 +74,19 @@ SLOTS_LOCK_ONE = sa.text(
     """
 )
 
-# slots_take: add ``cost`` uses to a shard the caller holds locked, if it still has room for them.
+# The guard of a take of ``cost`` slots of row ``s`` (the bound, D1): ``used + cost <= share``; for an exclusive
+# attempt (cost EXCLUSIVE_COST, readers and writers) ``used = 0`` on an unsharded, unpaused name instead — it then
+# holds EXCLUSIVE_COST, which no other attempt's ``used + cost <= share`` passes until it is given back.
+_SHARE = f"keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)"
+FITS = f"""(CASE WHEN CAST(:cost AS integer) >= {EXCLUSIVE_COST}
+                 THEN s.used = 0 AND keyed_name_shards(:name) = 1 AND {_SHARE} >= 1
+                 ELSE s.used + :cost <= {_SHARE} END)"""
+
+# slots_take: add ``cost`` uses to a shard the caller holds locked, if it still has room for them (FITS).
 SLOTS_TAKE = sa.text(
     f"""
     UPDATE keyed_slots s SET used = s.used + :cost
-     WHERE s.key = :key AND s.shard = :shard
-       AND s.used + :cost <= keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)
+     WHERE s.key = :key AND s.shard = :shard AND {FITS}
     RETURNING s.shard
     """
 )
@@ -89,9 +97,7 @@ SLOTS_TAKE_NOWAIT = sa.text(
     f"""
     WITH pick AS (
         SELECT s.shard FROM keyed_slots s
-         WHERE s.key = :key
-           AND s.used + :cost
-               <= keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)
+         WHERE s.key = :key AND {FITS}
          ORDER BY s.shard LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
     )
@@ -151,6 +157,10 @@ class ShardUse:
     share: int
 
     def fits(self, cost: int) -> bool:
+        """Room for ``cost`` slots (as FITS; an exclusive attempt needs the key idle — the caller rejects it on a
+        sharded name)."""
+        if is_exclusive(cost):
+            return self.used == 0 and self.share >= 1
         return self.used + cost <= self.share
 
 

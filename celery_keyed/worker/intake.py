@@ -19,11 +19,12 @@ from celery_keyed.headers import (
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
     HEADER_KEY,
+    HEADER_MODE,
     HEADER_SUPERSEDE,
 )
-from celery_keyed.ledger import INT_MAX, Arrival, InvalidKey, normalize_key
+from celery_keyed.ledger import EXCLUSIVE_COST, INT_MAX, Arrival, InvalidKey, normalize_key
 from celery_keyed.messages import record_message
-from celery_keyed.task import check_cost, evaluate_key, evaluate_keys, key_spec
+from celery_keyed.task import check_cost, check_mode, evaluate_key, evaluate_keys, key_spec
 
 #: PostgreSQL's bigint (the ledger's group sequence numbers); attempt numbers and priorities are integers (INT_MAX).
 BIGINT_MAX = 2**63 - 1
@@ -72,6 +73,9 @@ def arrival_for(request: Any) -> Arrival | None:
         return None
     keys = [key] if isinstance(key, str) else list(key or [])
     cost = check_cost(headers.get(HEADER_COST, getattr(task, "concurrency_cost", 1)), task)
+    mode = headers.get(HEADER_MODE, getattr(task, "concurrency_mode", "shared"))
+    if keys and check_mode(mode, task, cost=cost, keys=keys):
+        cost = EXCLUSIVE_COST  # runs alone on its key (readers and writers; bounds.EXCLUSIVE_COST)
     seq = headers.get(HEADER_GROUP_SEQ)
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= BIGINT_MAX):
         raise InvalidKey(f"header {HEADER_GROUP_SEQ} must be an integer from 0 to {BIGINT_MAX}, got {seq!r}")

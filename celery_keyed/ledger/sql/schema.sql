@@ -545,10 +545,10 @@ ALTER FUNCTION keyed_release_many(text[], integer[], bigint[], text[], text[], t
 
 -- keyed_promote_plain: give the free slots of the (key, shard) rows p_keys[i] / p_shards[i] to the next waiters of
 -- their keys, key by key in key order, each line in its order (priority, then arrival: D10), as long as its head is
--- plain — one key, no group, no reservation, on a name that is neither fair nor rated. At the first head that is
--- not plain the key's line stops and one row with task_id NULL names the key: the caller promotes the rest of that
--- line (promote.promote_waiters), in the same transaction. A head that needs more slots than any of the given
--- shards has free stops its line (the room stays for it).
+-- plain — one key, no group, no reservation, shared (not exclusive: migration 0012), on a name that is neither
+-- fair nor rated. At the first head that is not plain the key's line stops and one row with task_id NULL names
+-- the key: the caller promotes the rest of that line (promote.promote_waiters), in the same transaction. A head
+-- that needs more slots than any of the given shards has free stops its line (the room stays for it).
 -- Locks (lock order): every given slot row in (key, shard) order (a caller that holds them already holds them), then
 -- the keys' head rows in key order. Each promotion takes its slot with the guarded UPDATE (D1), moves the waiting
 -- row into a claim with a fresh nonce (D5) — or, for a releaser that runs it itself (p_local_holder set, its queue
@@ -606,7 +606,8 @@ BEGIN
              LIMIT 1
                FOR UPDATE SKIP LOCKED;
             EXIT WHEN NOT FOUND;
-            IF v_fair OR v_rated OR w.group_key IS NOT NULL OR w.keys IS NOT NULL OR w.reserved_keys IS NOT NULL THEN
+            IF v_fair OR v_rated OR w.group_key IS NOT NULL OR w.keys IS NOT NULL OR w.reserved_keys IS NOT NULL
+               OR w.cost >= 1073741824 THEN
                 key := v_key; task_id := NULL; attempt := NULL; nonce := NULL; fence := NULL; shard := NULL;
                 queue := NULL; message := NULL;
                 RETURN NEXT;  -- not plain: the caller promotes the rest of this line
