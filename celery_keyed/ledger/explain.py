@@ -7,7 +7,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_keyed.ledger.bounds import is_exclusive
 from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.slots import in_flight
 
 EXPLAIN_TASK = sa.text(
     "SELECT task_id, key, group_key, outcome, detail, finished_attempt, arrived_at FROM keyed_tasks"
@@ -29,7 +31,7 @@ EXPLAIN_WAITING = sa.text(
            (SELECT count(*) FROM keyed_waiting o
              WHERE o.key = w.key AND NOT o.shadow AND o.not_before IS NULL AND NOT o.group_blocked
                AND (o.priority > w.priority OR (o.priority = w.priority AND o.arrival < w.arrival))) AS ahead,
-           (SELECT COALESCE(sum(s.used), 0) FROM keyed_slots s WHERE s.key = w.key) AS in_flight,
+           (SELECT COALESCE(sum({in_flight('s.used')}), 0) FROM keyed_slots s WHERE s.key = w.key) AS in_flight,
            keyed_effective_limit(split_part(w.key, ':', 1), {NOW}) AS k
       FROM keyed_waiting w WHERE w.task_id = :task_id ORDER BY w.attempt DESC LIMIT 1
     """
@@ -123,7 +125,7 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             f"attempt {claim['attempt']} is over ({claim['held_outcome']}) but its remote call may still be running:"
             f" its slots of {_holds(claim)} stay held for {max(float(claim['lease_left']), 0.0):.1f}s more"
             " (uncertain hold)",
-            dict(claim),
+            {**claim, "mode": _mode(claim)},
         )
     if task["outcome"] is not None:
         return Explanation(
@@ -140,7 +142,7 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
                 "promoted",
                 f"attempt {claim['attempt']} was given a slot of {holds} and "
                 f"is being dispatched (deadline {claim['dispatch_deadline']})",
-                dict(claim),
+                {**claim, "mode": _mode(claim)},
             )
         return Explanation(
             task_id,
@@ -148,7 +150,7 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             f"attempt {claim['attempt']} is running under {holds}, fence "
             f"{claim['fence']}, holder {claim['holder']}, lease left "
             f"{float(claim['lease_left']):.1f}s",
-            dict(claim),
+            {**claim, "mode": _mode(claim)},
         )
     wait = conn.execute(EXPLAIN_WAITING, {"task_id": task_id, "now": now}).mappings().first()
     if wait is None:
@@ -158,7 +160,7 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             "no attempt is running or waiting: between attempts (retry backoff or in transit)",
             dict(task),
         )
-    facts = dict(wait)
+    facts = {**wait, "mode": _mode(wait)}
     if wait["shadow"]:
         return Explanation(
             task_id,
@@ -210,18 +212,29 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
                 f"key {wait['key']} is paused (limit 0); {wait['ahead']} waiting ahead",
                 facts,
             )
+        alone = ""
+        if facts["mode"] == "exclusive":
+            alone = " to run alone (exclusive: it starts when nothing of the key runs)"
         return Explanation(
             task_id,
             "waiting",
-            f"waiting behind {wait['ahead']} others for key {wait['key']} (in flight {wait['in_flight']}/{wait['k']})",
+            f"waiting behind {wait['ahead']} others for key {wait['key']}{alone}"
+            f" (in flight {wait['in_flight']}/{wait['k']})",
             facts,
         )
     return Explanation(task_id, "waiting", f"waiting for group {wait['group_key']}", facts)
 
 
+def _mode(row: Any) -> str:
+    """``concurrency_mode`` of a claim or a parked attempt (readers and writers)."""
+    return "exclusive" if is_exclusive(row["cost"]) else "shared"
+
+
 def _holds(claim: Any) -> str:
     keys = [claim["key"], *(claim["extra_keys"] or [])] if claim["key"] else []
     cost = f"{claim['cost']} slots of " if claim["cost"] and claim["cost"] > 1 else ""
+    if _mode(claim) == "exclusive":
+        cost = "all of "  # alone on its key
     parts = [
         (f"{cost}key {keys[0]} (shard {claim['shard']})" if len(keys) == 1 else f"{cost}keys {', '.join(keys)}")
         if keys

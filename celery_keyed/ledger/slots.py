@@ -82,6 +82,14 @@ FITS = f"""(CASE WHEN CAST(:cost AS integer) >= {EXCLUSIVE_COST}
                  THEN s.used = 0 AND keyed_name_shards(:name) = 1 AND {_SHARE} >= 1
                  ELSE s.used + :cost <= {_SHARE} END)"""
 
+
+
+def in_flight(used: str) -> str:
+    """SQL: the attempts a ``used`` counter stands for, for operators' views — an exclusive holder counts as one
+    attempt, not as its EXCLUSIVE_COST slots."""
+    return f"({used} % {EXCLUSIVE_COST} + {used} / {EXCLUSIVE_COST})"
+
+
 # slots_take: add ``cost`` uses to a shard the caller holds locked, if it still has room for them (FITS).
 SLOTS_TAKE = sa.text(
     f"""

@@ -19,6 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.slots import in_flight
 
 #: The effective limit and its source for every name that appears in ``names`` (a CTE of one column ``name``).
 _LIMITS = f"""
@@ -42,7 +43,7 @@ _AGE = f"CASE WHEN w.oldest IS NOT NULL THEN GREATEST(EXTRACT(EPOCH FROM {NOW} -
 STATUS_NAMES = sa.text(
     f"""
     WITH slot AS (
-        SELECT key, min(name) AS name, sum(used) AS in_flight FROM keyed_slots
+        SELECT key, min(name) AS name, sum({in_flight('used')}) AS in_flight FROM keyed_slots
          WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY key
     ), head AS (
         SELECT key, name, waiting FROM keyed_keys WHERE CAST(:name AS text) IS NULL OR name = :name
@@ -87,7 +88,7 @@ STATUS_NAMES = sa.text(
 STATUS_KEYS = sa.text(
     f"""
     WITH slot AS (
-        SELECT key, min(name) AS name, sum(used) AS in_flight FROM keyed_slots
+        SELECT key, min(name) AS name, sum({in_flight('used')}) AS in_flight FROM keyed_slots
          WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY key
     ), head AS (
         SELECT key, name, waiting FROM keyed_keys WHERE CAST(:name AS text) IS NULL OR name = :name

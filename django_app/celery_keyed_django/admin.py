@@ -27,7 +27,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from celery_keyed.ledger import Token
+from celery_keyed.ledger import EXCLUSIVE_COST, Token
 from celery_keyed.ledger.admin_queries import force_release
 from celery_keyed_django import ledger as ledger_access
 from celery_keyed_django.forms import ExplainForm, OverrideForm, ReasonForm
@@ -551,7 +551,9 @@ class KeyAdmin(ReadOnlyAdmin):
     def in_flight_display(self, obj: Any) -> str:
         if not obj.in_flight:
             return "0"
-        return format_html('<a href="{}">{}</a>', _url("claim_changelist", query={"key": obj.key}), obj.in_flight)
+        # An exclusive holder (readers and writers) holds EXCLUSIVE_COST slots: shown as the one task it is.
+        tasks = obj.in_flight % EXCLUSIVE_COST + obj.in_flight // EXCLUSIVE_COST
+        return format_html('<a href="{}">{}</a>', _url("claim_changelist", query={"key": obj.key}), tasks)
 
     @admin.display(description="Waiting", ordering="waiting")
     def waiting_display(self, obj: Any) -> str:

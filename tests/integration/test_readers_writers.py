@@ -224,3 +224,23 @@ def test_a_release_racing_a_reader_hands_the_key_to_the_waiting_writer(
         wait_until_blocked(engine, r)
     assert r.finish().verdict is Verdict.PARKED
     assert running(scalar) == {"w"} and used(scalar) == EXCLUSIVE_COST
+
+
+def test_explain_and_status_show_the_mode_and_count_a_writer_once(engine: sa.Engine, ledger: Ledger) -> None:
+    from celery_keyed.ledger import status_keys, status_names
+
+    ledger.configure({"doc": NameConfig("doc", limit=3)})
+    w = writer(ledger, "w")
+    reader(ledger, "r")
+    writer(ledger, "w2")
+    running_w = ledger.explain("w")
+    assert running_w.state == "running" and running_w.facts["mode"] == "exclusive"
+    assert "all of key doc:1" in running_w.text
+    waiting_r, waiting_w2 = ledger.explain("r"), ledger.explain("w2")
+    assert waiting_r.facts["mode"] == "shared" and "(in flight 1/3)" in waiting_r.text
+    assert waiting_w2.facts["mode"] == "exclusive" and "to run alone" in waiting_w2.text
+    with engine.connect() as conn:
+        (key,) = status_keys(conn, name="doc")
+        (name,) = status_names(conn, name="doc")
+    assert key.in_flight == 1 and key.waiting == 2 and name.in_flight == 1
+    finish(ledger, "w", w.fence)
