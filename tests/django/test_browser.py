@@ -127,7 +127,8 @@ def test_pause_and_resume_a_name_from_the_admin(
         shoot(browser, "waiting")
 
         # A running claim, and the force-release confirmation (declined): the worker's claim stays.
-        long = producer.hold.delay("other:2", 3, note="long")
+        # Long enough to outlast the browser's steps below on a loaded machine (its claim is checked after them).
+        long = producer.hold.delay("other:2", 15, note="long")
         cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'long'", 1, timeout=30)
         browser.get(f"{live_server.url}/admin/celery_keyed_django/claim/")
         shoot(browser, "claims")
@@ -149,7 +150,7 @@ def test_pause_and_resume_a_name_from_the_admin(
         assert "cleared" in browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text.lower()
         cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end' AND note = 'paused'", 3, timeout=30)
         assert {r.get(timeout=10) for r in paused} == {"paused"}
-        assert long.get(timeout=10) == "long"
+        assert long.get(timeout=60) == "long"
 
         browser.get(f"{live_server.url}/admin/celery_keyed_django/override/add/?name=acct")
         browser.get(f"{live_server.url}/admin/celery_keyed_django/overridelog/")
