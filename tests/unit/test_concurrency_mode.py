@@ -3,12 +3,15 @@ refuses (no broker, no database)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from celery import Celery
 
 from celery_keyed import keyed_task
 from celery_keyed.headers import HEADER_COST, HEADER_KEY, HEADER_MODE, INHERITED
 from celery_keyed.ledger import EXCLUSIVE_COST, Arrival, InvalidKey
+from celery_keyed.worker.intake import arrival_for
 
 
 @pytest.fixture
@@ -54,3 +57,45 @@ def test_calls_an_exclusive_task_cannot_make(app: Celery) -> None:
 def test_an_exclusive_arrival_is_its_whole_key() -> None:
     assert Arrival("t", key="doc:1", cost=EXCLUSIVE_COST).exclusive
     assert not Arrival("t", key="doc:1", cost=3).exclusive
+
+
+def _received(headers: dict, task: object) -> SimpleNamespace:
+    from kombu.message import Message
+
+    headers = {"id": "t1", "task": "t", **headers}
+    message = Message(
+        body=b"[[], {}, {}]",
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers=headers,
+        delivery_info={"exchange": "", "routing_key": "celery"},
+    )
+    return SimpleNamespace(
+        id="t1",
+        name="t",
+        task=task,
+        args=[],
+        kwargs={},
+        _request_dict=dict(headers),
+        delivery_info={"routing_key": "celery"},
+        _expires=None,
+        _message=message,
+    )
+
+
+def test_the_worker_reads_the_mode_from_the_header_else_the_task() -> None:
+    shared, exclusive = SimpleNamespace(), SimpleNamespace(concurrency_mode="exclusive")
+    assert arrival_for(_received({HEADER_KEY: "doc:1"}, shared)).cost == 1
+    assert arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: "exclusive"}, shared)).cost == EXCLUSIVE_COST
+    assert arrival_for(_received({HEADER_KEY: "doc:1"}, exclusive)).exclusive
+    assert not arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: "shared"}, exclusive)).exclusive
+
+
+def test_a_foreign_producers_bad_mode_is_bad_input() -> None:
+    """InvalidKey at the gate's edge: a recorded rejection with a KeyedRejected result (D16)."""
+    with pytest.raises(InvalidKey, match="'shared' or 'exclusive'"):
+        arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: 1}, SimpleNamespace()))
+    with pytest.raises(InvalidKey, match="exactly one concurrency key"):
+        arrival_for(_received({HEADER_KEY: ["doc:1", "doc:2"], HEADER_MODE: "exclusive"}, SimpleNamespace()))
+    with pytest.raises(InvalidKey, match="no concurrency_cost"):
+        arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: "exclusive", HEADER_COST: 2}, SimpleNamespace()))
