@@ -76,3 +76,33 @@ def test_the_worker_reads_the_header() -> None:
             debounce_of(_request({**keyed, HEADER_DEBOUNCE: bad}), ["doc:1"], None, 0)
     with pytest.raises(InvalidKey, match="group"):
         debounce_of(_request({**keyed, HEADER_DEBOUNCE: [5, None, "last"]}), ["doc:1"], "g:1", 0)
+
+
+def test_apply_async_sends_the_header_per_task_call_and_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``apply_async`` with Celery's publish stubbed: the header per task, per call (or none), per name
+    (read from the producer's own settings), never on a retry."""
+    from celery import Task
+
+    sent: list[Any] = []
+
+    def publish(self: Any, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any) -> Any:
+        sent.append(options["headers"].get(HEADER_DEBOUNCE))
+        return task_id
+
+    monkeypatch.setattr(Task, "apply_async", publish)
+    app = Celery("unit", set_as_current=False)
+    app.conf.keyed_database_url = "postgresql+psycopg://unit@127.0.0.1:1/none"  # never connected to
+    app.conf.keyed_concurrency_limits = {"feed": {"limit": 1, "debounce": 3.0, "debounce_keep": "first"}}
+
+    @keyed_task(app=app, concurrency_key="{key}")
+    def by_name(key: str) -> None: ...
+
+    @keyed_task(app=app, concurrency_key="doc:{doc}", debounce=5.0)
+    def by_task(doc: int) -> None: ...
+
+    by_name.apply_async(("feed:1",))  # the name's options
+    by_name.apply_async(("other:1",))  # a name without them
+    by_name.apply_async(("feed:1",), debounce=None)  # not this call
+    by_task.apply_async((1,), debounce_max=20.0)
+    by_task.apply_async((1,), retries=1)  # a retry: never debounced again
+    assert sent == [[3.0, None, "first"], None, None, [5.0, 20.0, "last"], None]
