@@ -244,3 +244,63 @@ def test_explain_and_status_show_the_mode_and_count_a_writer_once(engine: sa.Eng
         (name,) = status_names(conn, name="doc")
     assert key.in_flight == 1 and key.waiting == 2 and name.in_flight == 1
     finish(ledger, "w", w.fence)
+
+
+def test_threads_mixing_readers_and_writers_never_break_the_rule(engine: sa.Engine, ledger: Ledger, scalar) -> None:
+    """Four threads admit, run and release a random mix of readers and writers on one key (K = 3), each through
+    the ledger's own calls on its own connections; a finished attempt's promotions are bound and run by the thread
+    that released it. At every start the claims of the key are at most K readers or one writer alone; at the end
+    nothing is held or waiting and the books balance."""
+    import random
+    import threading
+    import time
+
+    ledger.configure({"doc": NameConfig("doc", limit=3)})
+    per_thread, threads = 25, 4
+    errors: list[str] = []
+
+    def check() -> None:
+        with engine.connect() as conn:
+            n, writers = conn.execute(
+                sa.text("SELECT count(*), count(*) FILTER (WHERE cost >= :x) FROM keyed_claims WHERE key = 'doc:1'"),
+                {"x": EXCLUSIVE_COST},
+            ).one()
+        if n > 3 or (writers and n != 1):
+            errors.append(f"{n} claims with {writers} writers")
+
+    def run_and_finish(task_id: str, fence: int) -> None:
+        check()
+        time.sleep(0.003)  # the body: long enough for the threads' attempts to overlap
+        for p in finish(ledger, task_id, fence):
+            run_and_finish(p.task_id, run(ledger, p))
+
+    def work(t: int) -> None:
+        rnd = random.Random(t)
+        for i in range(per_thread):
+            task_id = f"t{t}-{i}"
+            cost = EXCLUSIVE_COST if rnd.random() < 0.25 else 1
+            got = ledger.admit(Arrival(task_id, key="doc:1", cost=cost, message={}))
+            if got.admitted:
+                run_and_finish(task_id, got.fence)
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join(timeout=120)
+    # Whatever is still parked runs now (its promotions were dispatched to the thread that released).
+    for _ in range(per_thread * threads):
+        left = scalar("SELECT task_id FROM keyed_claims WHERE key = 'doc:1' LIMIT 1")
+        if left is None:
+            break
+        c = ledger.explain(str(left)).facts
+        fence = c["fence"] if c.get("state") == "running" else None
+        if fence is None:
+            nonce = scalar("SELECT nonce FROM keyed_claims WHERE task_id = :t", t=left)
+            fence = ledger.bind(Token(str(left), 0), nonce)
+        run_and_finish(str(left), fence)
+    assert errors == []
+    assert used(scalar) == 0
+    assert scalar("SELECT count(*) FROM keyed_waiting") == 0
+    assert ledger.books() == {"completed": per_thread * threads, "arrivals": per_thread * threads}
+    assert check_counters_once(engine) == []
