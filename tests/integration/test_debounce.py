@@ -5,6 +5,7 @@ balance. Time is passed to every call (``now=``): nothing sleeps."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -211,3 +212,24 @@ def test_debounce_options_are_checked() -> None:
         Arrival("a", key="search:1", group_key="g:1", debounce=1.0)
     assert Arrival("a", key="search:1", debounce=5.0).debounce_max == 60.0
     assert Arrival("a", key="search:1", debounce=90.0).debounce_max == 90.0
+
+
+def test_an_arrival_never_waits_for_a_burst_another_transaction_is_closing(
+    ledger: Ledger, engine: sa.Engine, clock
+) -> None:
+    """Race: the sweep (here: a connection holding the row, as WAITING_CLEAR_DUE does when it makes the row due) has
+    the open burst's row locked; an arrival of the key does not wait for it (SKIP LOCKED) and opens a new burst. The
+    held row is left to its holder; the books balance either way."""
+    t0 = clock()
+    ledger.configure({"search": NameConfig("search", limit=2)}, now=t0)
+    _arrive(ledger, "a", t0)
+    with engine.connect() as holder:
+        holder.execute(sa.text("SELECT 1 FROM keyed_waiting WHERE task_id = 'a' FOR UPDATE"))
+        started = time.monotonic()
+        b = _arrive(ledger, "b", t0 + timedelta(seconds=1))
+        assert time.monotonic() - started < 2.0  # did not wait for the lock
+        assert b.verdict is Verdict.PARKED and b.superseded == ()
+        holder.rollback()
+    report = ledger.sweep(now=t0 + timedelta(seconds=6))
+    assert sorted(_run(ledger, report.promotions, t0 + timedelta(seconds=6))) == ["a", "b"]
+    assert ledger.books() == {"completed": 2, "arrivals": 2}
