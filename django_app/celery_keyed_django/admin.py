@@ -625,6 +625,8 @@ class ClaimAdmin(ReadOnlyAdmin):
         if obj.group_key is not None:
             parts.append(f"group {obj.group_key}")
         cost = f" ({obj.cost} slots of each)" if obj.cost and obj.cost > 1 else ""
+        if obj.cost and obj.cost >= EXCLUSIVE_COST:
+            cost = " (exclusive: alone on its key)"  # readers and writers
         return ", ".join(parts) + cost if parts else "—"
 
     @admin.display(description="Held for", ordering="claimed_at")
