@@ -145,6 +145,9 @@ class GateService:
         # Admission off the loop (worker/admission.py): on when the pool semaphore keeps a pool process for a
         # request while its admission is decided (prefork on the event loop); else admission runs on the loop.
         self.admission: AdmissionService | None = None
+        # Park at receipt (``receive``): a thread of its own, so that a burst of parks never queues in front of the
+        # admissions of requests a pool process is kept for.
+        self.receipts: AdmissionService | None = None
         self._pool_release: Callable[[], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -186,6 +189,12 @@ class GateService:
             if self.admission is None:
                 self.admission = AdmissionService(self._decide, self._deliver, batch=self.settings.admission_batch)
             self.admission.start()
+            if self.settings.park_at_receipt:
+                if self.receipts is None:
+                    self.receipts = AdmissionService(
+                        self._decide, self._deliver, batch=self.settings.admission_batch, name="keyed-receipt"
+                    )
+                self.receipts.start()
         if timer is not None:
             self.timers.append(timer.call_repeatedly(self.settings.probe_interval, self.breaker.probe_once))
             if hub is None:  # a polling transport (no event loop to wake): drain on a short timer
@@ -201,6 +210,8 @@ class GateService:
         self.sweeper.stop(join=False)
         if self.admission is not None:
             self.admission.stop()  # decides what was handed over; the loop's part (below) gives it back
+        if self.receipts is not None:
+            self.receipts.stop()
         self.releaser.stop(join=False)
         for entry in self.timers:
             with contextlib.suppress(Exception):
@@ -278,21 +289,23 @@ class GateService:
     def notify_never_ran(self) -> None:
         self.sweeper.notify_never_ran()
 
-    # -- park at receipt (consumer loop thread; decided by the admission service) ---------------------------
+    # -- park at receipt (consumer loop thread; decided by the receipt service's thread) ----------------------
 
     def receive(self, request: Any, handle: Callable[[Any], Any]) -> Any:
         """Loop thread: Celery hands ``request`` on for a pool process (``handle``: the consumer's
         ``on_task_request``). An arrival whose key has a line here (it parked or promoted attempts recently) would
         only park once a pool process is ready for it, holding that process — which a promotion handed to this
-        worker, or an attempt that will run, needs — for a round trip. So it goes to the admission service now,
-        which parks it without a pool process (``Ledger.park_at_receipt``; ``keyed_park_at_receipt``). Where its
-        key turns out to have room and no line, nothing is written and it goes on to ``handle`` as usual: a slot
-        is claimed only when a pool process can start the attempt (D3).
+        worker, or an attempt that will run, needs — for a round trip. So it goes to the receipt service now (an
+        admission service on a thread of its own, ``keyed-receipt``, so that a burst of parks never queues in front
+        of the admissions of requests a pool process is kept for), which parks it without a pool process
+        (``Ledger.park_at_receipt``; ``keyed_park_at_receipt``). Where its key turns out to have room and no line,
+        nothing is written and it goes on to ``handle`` as usual: a slot is claimed only when a pool process can
+        start the attempt (D3).
 
         Only plain arrivals (one key, no group, no not-before, cost 1), and never ahead of an earlier request of
         the same key still waiting here for a pool process (the line's order is the order the ledger receives
         them, D10)."""
-        admission_service = self.admission
+        admission_service = self.receipts
         if (
             not self.settings.park_at_receipt
             or admission_service is None

@@ -53,7 +53,9 @@ class AdmissionService:
         deliver: Callable[[list[Job]], None],
         *,
         batch: int,
+        name: str = "keyed-admission",
     ) -> None:
+        self._name = name
         self._decide = decide
         self._deliver = deliver
         self._batch = max(1, batch)
@@ -74,7 +76,7 @@ class AdmissionService:
                 self._accepting = True
                 return
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="keyed-admission", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._accepting = True
         self._thread.start()
 
