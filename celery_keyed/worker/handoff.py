@@ -267,7 +267,9 @@ class Handoff:
                 if key is None:
                     headers = getattr(request, "_request_dict", None) or {}
                     key = headers.get(HEADER_KEY)
-                if isinstance(key, str) and releaser.is_contended(key):
+                # A task with several keys (a list header) parks when any of them has a line.
+                keys = key if isinstance(key, list) else [key]
+                if any(isinstance(k, str) and releaser.is_contended(k) for k in keys):
                     continue
             will_run += 1
         return will_run < size

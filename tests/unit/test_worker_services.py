@@ -149,3 +149,37 @@ def test_the_heartbeat_and_the_sweeper_start_and_stop_twice() -> None:
         service.stop()
         service.stop()
         assert [t.name for t in threading.enumerate()].count(name) == 0
+
+
+def test_the_pool_counts_as_busy_only_with_requests_that_will_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Handoff.pool_has_room``: received requests of keys with a line here will park and give their process back
+    at once, so they do not make the pool look busy — a task with several keys too (a list header), when any of
+    its keys has a line. Counted busy, the pool would make every promotion be published behind the broker's queue."""
+    import threading as _threading
+
+    from celery.worker import state as worker_state
+
+    from celery_keyed.headers import HEADER_KEY
+    from celery_keyed.worker.handoff import Handoff
+
+    gate = SimpleNamespace(consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=1)), releaser=None)
+    releaser = Releaser(gate)  # type: ignore[arg-type]
+    gate.releaser = releaser
+    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+
+    class Received:  # hashable, as Celery's requests are (they live in sets)
+        def __init__(self, key: object) -> None:
+            self.keyed_arrival_key = None
+            self._request_dict = {HEADER_KEY: key}
+
+    def received(key: object) -> Received:
+        return Received(key)
+
+    releaser.mark_contended("tenant:1")
+    parking = [received(["api:x", "tenant:1"]), received("tenant:1")]  # will park: a key has a line here
+    monkeypatch.setattr(worker_state, "reserved_requests", set(parking))
+    monkeypatch.setattr(worker_state, "active_requests", set())
+    assert handoff.pool_has_room()
+    running = [received(["api:x", "tenant:2"])]  # will run: no key of it has a line here
+    monkeypatch.setattr(worker_state, "reserved_requests", set(parking + running))
+    assert not handoff.pool_has_room()
