@@ -131,6 +131,7 @@ class GateService:
         )
         self.lock = threading.Lock()
         self.running: dict[Token, Running] = {}
+        self.releasing = 0  # releases between leaving ``running`` and the releaser's hands (under ``lock``)
         self.closed = False  # shutdown began: no local handoff; the heartbeat ends with the last tracked claim
         self.stopping = threading.Event()  # the consumer is stopped (a decision handed back now is stale)
         self.generation = 0  # consumer starts: a decision handed back after a restart is stale
@@ -236,12 +237,24 @@ class GateService:
             _current = None
         self.handoff.close()  # the threads are stopped: nobody writes to the pipe any more
 
-    def close(self) -> None:
+    def close(self, wait: float = 0.0) -> None:
         """Shut down and end the heartbeat now, whatever it still tracks (tests; a process that owns no
-        running body any more)."""
+        running body any more). ``wait``: seconds to wait first for the running attempts to end and their
+        releases to commit (``idle``), so that no release checks out a connection of the engine after it was
+        disposed (one nobody would close)."""
         self.shutdown()
+        deadline = time.monotonic() + wait
+        while not self.idle() and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.heartbeat.stop()
         self.engine.dispose()
+
+    def idle(self) -> bool:
+        """No attempt runs here and no release is on its way to the ledger."""
+        with self.lock:
+            if self.running or self.releasing:
+                return False
+        return self.releaser.idle()
 
     def _warn_prefix_capture(self) -> None:
         """§3.11: configuring a name turns every ``name:*`` key from a mutex into a gate. Runs before the
@@ -699,19 +712,24 @@ class GateService:
         token, fence = claim
         with self.lock:
             self.running.pop(token, None)
-        key = getattr(request, "keyed_arrival_key", None)
-        hold = getattr(request.task, "uncertain_hold", None) if uncertain else None
-        self.releaser.hand_over(
-            token,
-            fence,
-            outcome,
-            key=key,
-            name=request.name,
-            contended=self.releaser.is_contended(key),
-            uncertain=uncertain,
-            hold=hold,
-            after=ack,
-        )
+            self.releasing += 1
+        try:
+            key = getattr(request, "keyed_arrival_key", None)
+            hold = getattr(request.task, "uncertain_hold", None) if uncertain else None
+            self.releaser.hand_over(
+                token,
+                fence,
+                outcome,
+                key=key,
+                name=request.name,
+                contended=self.releaser.is_contended(key),
+                uncertain=uncertain,
+                hold=hold,
+                after=ack,
+            )
+        finally:
+            with self.lock:
+                self.releasing -= 1
 
     # -- inspection (``celery keyed inspect``, through Celery's remote control) ----------------------------
 

@@ -292,13 +292,22 @@ def keyed_worker(keyed_configure: Callable[[Celery], Celery]) -> Iterator[Callab
         stack.callback(restore_apps)
         options.setdefault("loglevel", "WARNING")
         options.setdefault("perform_ping_check", False)
+        gates: list[Any] = []
+        # Registered before the worker's context so that it runs after the worker stopped (an ExitStack
+        # unwinds last in, first out): end the gate's heartbeat and close its ledger connections then, once
+        # the attempts still running have been released. Closed earlier, a release on its way would check out
+        # a connection from the disposed engine's new pool that nobody closes (a ResourceWarning at garbage
+        # collection, an error under ``filterwarnings = error``), and the heartbeat would renew into a
+        # database the test is about to drop.
+        # A task the worker's stop left running in a pool thread ends within ``shutdown_timeout`` (the fixture's
+        # promise), its release included.
+        wait = float(options.get("shutdown_timeout", 10.0))
+        stack.callback(lambda: [gate.close(wait=wait) for gate in gates])
         worker = stack.enter_context(start_worker(app, concurrency=concurrency, pool=pool, **options))
         gate = current_gate()
         if gate is None:
             raise RuntimeError("celery-keyed: the worker started without its gate (KeyedGate bootstep)")
-        # After the worker stopped: end the gate's heartbeat and close its ledger connections now (the
-        # heartbeat would otherwise renew into a database the test is about to drop).
-        stack.callback(gate.close)
+        gates.append(gate)
         return worker
 
     with stack:

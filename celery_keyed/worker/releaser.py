@@ -81,6 +81,7 @@ class Releaser:
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._accepting = False  # a releaser thread runs and takes new releases
+        self._working = 0  # releases taken from ``_releases`` (or run in a caller's thread) not finished yet
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()  # the current thread's; a new one per start
 
@@ -160,25 +161,39 @@ class Releaser:
                 self._releases.append(job)
                 self._ready.set()
                 return
-        local = on_loop and not self.gate.closed
-        if not local:  # nobody here can start a promotion bound to us: every promotion is published (D5)
-            job.local_queues = job.local_tasks = None
-        self._release_now(job, local=local)
+            self._working += 1
+        try:
+            local = on_loop and not self.gate.closed
+            if not local:  # nobody here can start a promotion bound to us: every promotion is published (D5)
+                job.local_queues = job.local_tasks = None
+            self._release_now(job, local=local)
+        finally:
+            with self._lock:
+                self._working -= 1
 
     def queued(self) -> int:
         with self._lock:
             return len(self._releases)
 
+    def idle(self) -> bool:
+        """No release handed over is waiting or running (those that failed wait in ``pending``)."""
+        with self._lock:
+            return not self._releases and not self._working
+
     def release_once(self) -> int:
         """Give back one batch of the releases handed over (in order); the number it took."""
         with self._lock:
             jobs = [self._releases.popleft() for _ in range(min(self.batch, len(self._releases)))]
+            self._working += len(jobs)
         if not jobs:
             return 0
         try:
             self._release_batch(jobs)
         except Exception:
             logger.exception("celery-keyed: a batch of %d releases failed", len(jobs))
+        finally:
+            with self._lock:
+                self._working -= len(jobs)
         return len(jobs)
 
     def _run(self, stop: threading.Event) -> None:

@@ -230,3 +230,58 @@ def test_keyed_configure_restores_the_settings(pytester: pytest.Pytester) -> Non
     pytester.makepyfile(test_restored=RESTORED)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+
+RUNNING_AT_TEARDOWN = """
+import gc
+import time
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+import celery_keyed
+from celery_keyed import keyed_task
+
+app = Celery("teardown", set_as_current=False)
+celery_keyed.install(app)
+
+
+@keyed_task(app=app, concurrency_key="account:{account_id}")
+def slow(account_id):
+    time.sleep(1.5)
+    return account_id
+
+
+@pytest.fixture
+def after_the_worker(keyed_ledger_url):
+    yield  # torn down after keyed_worker (set up before it), before the test's database is dropped
+    engine = sa.create_engine(keyed_ledger_url)
+    with engine.connect() as conn:
+        claims = conn.execute(sa.text("SELECT task_id, state FROM keyed_claims")).all()
+    engine.dispose()
+    assert claims == []  # both tasks ended and were released before the gate closed its connections
+    gc.collect()
+    open_connections = [c for c in gc.get_objects() if isinstance(c, psycopg.Connection) and not c.closed]
+    assert open_connections == []
+
+
+def test_tasks_still_running_when_the_test_returns(after_the_worker, keyed_worker):
+    keyed_worker(app, concurrency=2)
+    slow.delay(1)
+    slow.delay(2)
+    time.sleep(0.5)  # both run; the worker stops while they do
+"""
+
+
+def test_keyed_worker_releases_running_tasks_then_closes_its_connections(pytester: pytest.Pytester) -> None:
+    """The fixture closes the gate after the worker stopped and its running tasks were released, not before:
+    closed earlier, a release on its way checks out a connection of the disposed engine that nobody closes (a
+    ResourceWarning at garbage collection, an error under ``filterwarnings = error``: it failed the docs example
+    once in CI), and a task left running keeps its slot."""
+    pytester.makeini(f"[pytest]\nfilterwarnings =\n    error\n    {SETEX_WARNING}\n")
+    pytester.makepyfile(test_teardown=RUNNING_AT_TEARDOWN)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
