@@ -332,6 +332,8 @@ class GateService:
         key = request._request_dict.get(HEADER_KEY)
         if not isinstance(key, str) or not self.releaser.is_contended(key):
             return handle(request)
+        if request._request_dict.get(HEADER_NONCE) is not None:
+            return handle(request)  # a promotion published to a worker: already bound in the ledger, it never parks
         try:
             arrival = intake.arrival_for(request)
         except Exception:  # D16: admission at pool-ready records the rejection

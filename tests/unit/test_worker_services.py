@@ -183,3 +183,38 @@ def test_the_pool_counts_as_busy_only_with_requests_that_will_run(monkeypatch: p
     running = [received(["api:x", "tenant:2"])]  # will run: no key of it has a line here
     monkeypatch.setattr(worker_state, "reserved_requests", set(parking + running))
     assert not handoff.pool_has_room()
+
+
+@pytest.mark.parametrize("nonce", [False, True])
+def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.MonkeyPatch, nonce: bool) -> None:
+    """``GateService.receive``: a request carrying a promotion's nonce is already bound in the ledger (D5): it goes
+    straight on to its admission, which confirms it; sent to the receipt service it would cost a round trip that
+    cannot park it, while a pool process waits for it. A plain arrival of a key with a line here is parked there."""
+    from celery_keyed.gate import GateService
+    from celery_keyed.headers import HEADER_KEY, HEADER_NONCE
+    from celery_keyed.worker import intake
+
+    submitted: list[Any] = []
+    receipts = SimpleNamespace(accepting=True, submit=lambda job: submitted.append(job) or True)
+    gate = SimpleNamespace(
+        settings=SimpleNamespace(park_at_receipt=True),
+        receipts=receipts,
+        breaker=SimpleNamespace(is_open=False),
+        closed=False,
+        stopping=threading.Event(),
+        releaser=SimpleNamespace(is_contended=lambda key: True),
+        ledger=SimpleNamespace(parks_at_receipt=lambda arrival: True),
+        _line_here=lambda request, key: False,
+        generation=1,
+    )
+    monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key="account:1"))
+    headers: dict[str, Any] = {HEADER_KEY: "account:1"}
+    if nonce:
+        headers[HEADER_NONCE] = "n-1"
+    request = SimpleNamespace(_request_dict=headers, keyed_claim=None)
+    handled: list[Any] = []
+    answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
+    if nonce:
+        assert (answer, handled, submitted) == ("handled", [request], [])
+    else:
+        assert (answer, handled, len(submitted)) == (None, [], 1)
