@@ -24,7 +24,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import books, claims, fast_paths, groups, keys, names, slots, waiting
+from celery_keyed.ledger import books, claims, driver, fast_paths, groups, keys, names, slots, waiting
 from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, TaskOutcome, Token, Verdict
 from celery_keyed.ledger.bounds import tokens_of
 from celery_keyed.ledger.clock import clock_is_future
@@ -100,12 +100,12 @@ def admit_autocommit(
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
     if arrival.extra_keys:
         params.update(keys=list(arrival.keys), extra_keys=list(arrival.extra_keys))
-        row = conn.execute(fast_paths.CLAIM_NEW_MULTI, params).one()
+        row = driver.one(conn, fast_paths.CLAIM_NEW_MULTI, params)
         if row.shard is None:
             return None, bool(row.new)
         return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True
     statement = fast_paths.CLAIM_NEW_WAITING if _known_single_shard(name) else fast_paths.CLAIM_NEW
-    row = conn.execute(statement, params).one()
+    row = driver.one(conn, statement, params)
     _shards_seen[name] = (int(row.shards), time.monotonic() + _SHARDS_TTL)
     if row.shard is None:
         return None, bool(row.new)
@@ -147,7 +147,7 @@ def claim_many(
         "now": now,
     }
     answers: list[tuple[Admission | None, bool]] = [(None, False)] * len(arrivals)
-    for row in conn.execute(fast_paths.CLAIM_MANY, params):
+    for row in driver.run(conn, fast_paths.CLAIM_MANY, params):
         admitted = row.fence is not None
         answers[row.ord - 1] = (
             (Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True) if admitted else (None, bool(row.new))
@@ -167,7 +167,7 @@ def park_plain(
     p_park_only: the same locks and guards as ``admit_plain``): PARKED, or REJECTED when its waiting room is full;
     None when it is left to its admission once a pool process is ready for it (room and no line, or anything
     ``admit`` must decide). Never takes a slot (D3)."""
-    row = conn.execute(fast_paths.PARK_PLAIN, _plain_params(arrival, holder=holder, lease=lease, now=now)).one()
+    row = driver.one(conn, fast_paths.PARK_PLAIN, _plain_params(arrival, holder=holder, lease=lease, now=now))
     if row.verdict not in ("parked", "rejected"):
         return None
     return Admission(Verdict(row.verdict), detail=row.detail or "")
@@ -197,7 +197,7 @@ def admit_plain(
     in lock order): the Admission (ADMITTED, PARKED or REJECTED), or None when ``admit`` must decide (a known
     token, an expired task, room next to a promotable waiter, a full room under 'supersede', a group member) —
     with whether this call recorded the task's first arrival (pass it on as ``fresh``)."""
-    row = conn.execute(fast_paths.ADMIT_PLAIN, _plain_params(arrival, holder=holder, lease=lease, now=now)).one()
+    row = driver.one(conn, fast_paths.ADMIT_PLAIN, _plain_params(arrival, holder=holder, lease=lease, now=now))
     if row.verdict == "general":
         return None, bool(row.new)
     return Admission(Verdict(row.verdict), fence=row.fence, shard=row.shard, detail=row.detail or ""), bool(row.new)

@@ -17,7 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import books, claims, fast_paths, groups, keys, slots, waiting
+from celery_keyed.ledger import books, claims, driver, fast_paths, groups, keys, slots, waiting
 from celery_keyed.ledger.attempts import Outcome, Promotion, ReleaseReport, ReleaseRequest, Token
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.outcomes import final_outcome, unblock_head
@@ -298,7 +298,7 @@ def release_and_promote(
         "local_set": index,
     }
     done = FastReleases(rows=[])
-    for row in conn.execute(fast_paths.RELEASE_AND_PROMOTE, params):
+    for row in driver.run(conn, fast_paths.RELEASE_AND_PROMOTE, params):
         if row.kind == "release":
             done.rows.append(row)
         elif row.kind == "promotion":
