@@ -33,10 +33,13 @@ import click
 import sqlalchemy as sa
 
 from celery_keyed.ledger import (
+    FAIR_WEIGHT_MAX,
+    FAIR_WEIGHT_MIN,
     INT_MAX,
     SECONDS_MAX,
     SLOT_LIMIT_MAX,
     STATEMENT_TIMEOUT_MAX,
+    FairShare,
     InvalidConfig,
     InvalidKey,
     KeyStatus,
@@ -49,6 +52,8 @@ from celery_keyed.ledger import (
     applied_versions,
     check_counters_once,
     drop_idle_keys_once,
+    fair_shares,
+    fair_weight_overrides,
     holders_latest,
     migrate,
     names_newest_version,
@@ -293,6 +298,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         workers = [dict(r._mapping) for r in holders_latest(conn)]
         sends = [s for s in sent_by_name(conn) if name is None or s.name == name]
         outbox = [o for o in outbox_by_name(conn) if name is None or o.name == name]
+        shares = fair_shares(conn, name=name, limit=max(limit, 1) * 10) if limit else []
     notes = _config_notes(operator.settings, names, name) + _version_notes(operator.settings, newest, workers)
     if as_json:
         _print_json(
@@ -305,6 +311,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
                 "workers": workers,
                 "sends": [s.as_dict() for s in sends],
                 "outbox": [o.as_dict() for o in outbox],
+                "fair_shares": [f.as_dict() for f in shares],
                 "notes": notes,
             }
         )
@@ -317,6 +324,9 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         busy = sum(n.busy_keys for n in names)
         shown = f"{len(key_rows)} of {total} keys shown" if idle else f"{len(key_rows)} of {busy} busy keys shown"
         click.echo(f"({shown}; {total} keys in the ledger" + (f" for {name})" if name else ")"))
+    if shares:
+        click.echo()
+        click.echo(fair_shares_table(shares))
     if workers:
         click.echo()
         click.echo(f"configuration version stored: {newest}")
@@ -483,6 +493,30 @@ def explain(operator: Operator, task_id: str, as_json: bool) -> None:
 # -- set-limit / clear-limit -------------------------------------------------------------------------------
 
 
+def expiry_of(expires_in: float | None, until: str | None) -> datetime | None:
+    """An override's expiry from ``--expires-in SECONDS`` or ``--until ISO`` (no offset = UTC); None: none."""
+    if expires_in is not None and until is not None:
+        raise click.UsageError("give --expires-in or --until, not both")
+    now = datetime.now(UTC)
+    if expires_in is not None:
+        return now + timedelta(seconds=expires_in)
+    if until is None:
+        return None
+    try:
+        expires_at = datetime.fromisoformat(until)
+    except ValueError:
+        raise click.BadParameter(f"not an ISO 8601 time: {until!r}", param_hint="'--until'") from None
+    if expires_at.tzinfo is None:
+        expires_at = expires_at.replace(tzinfo=UTC)
+    try:
+        expires_at = expires_at.astimezone(UTC)
+    except OverflowError:  # past 9999-12-31 in UTC: no timestamp in Python holds it
+        raise click.BadParameter(f"{until!r} is past the year 9999 in UTC", param_hint="'--until'") from None
+    if expires_at <= now:
+        raise click.BadParameter(f"{until!r} is in the past", param_hint="'--until'")
+    return expires_at
+
+
 @keyed.command("set-limit", context_settings={"ignore_unknown_options": True})  # "-1" is a bad N, not an option
 @click.argument("name", callback=_name_argument)
 @click.argument("limit", type=click.IntRange(min=0, max=SLOT_LIMIT_MAX), metavar="N")
@@ -518,25 +552,7 @@ def set_limit(
     promotes waiting tasks at once."""
     if not reason.strip():
         raise click.BadParameter("a reason is required", param_hint="'--reason'")
-    if expires_in is not None and until is not None:
-        raise click.UsageError("give --expires-in or --until, not both")
-    now = datetime.now(UTC)
-    expires_at = None
-    if expires_in is not None:
-        expires_at = now + timedelta(seconds=expires_in)
-    elif until is not None:
-        try:
-            expires_at = datetime.fromisoformat(until)
-        except ValueError:
-            raise click.BadParameter(f"not an ISO 8601 time: {until!r}", param_hint="'--until'") from None
-        if expires_at.tzinfo is None:
-            expires_at = expires_at.replace(tzinfo=UTC)
-        try:
-            expires_at = expires_at.astimezone(UTC)
-        except OverflowError:  # past 9999-12-31 in UTC: no timestamp in Python holds it
-            raise click.BadParameter(f"{until!r} is past the year 9999 in UTC", param_hint="'--until'") from None
-        if expires_at <= now:
-            raise click.BadParameter(f"{until!r} is in the past", param_hint="'--until'")
+    expires_at = expiry_of(expires_in, until)
     author = author if author is not None else _default_author()
     with operator.engine.connect() as conn:
         before = status_names(conn, name=name)
@@ -765,3 +781,116 @@ def inspect_command(ctx: click.Context, timeout: float, as_json: bool) -> None:
         if reply["pending_releases"]:
             click.echo(f"  {len(reply['pending_releases'])} release(s) not committed yet (retried by the heartbeat)")
         click.echo("")
+
+
+# -- weighted fair sharing (issue 14 item 5; ledger/fair_weights.py) -----------------------------------------------
+
+
+def fair_shares_table(shares: list[FairShare]) -> str:
+    """Who holds and waits under each busy key of the fair names: the fair key with the lowest load among those
+    waiting gets the key's next free slot."""
+    rows = [
+        (s.key, "(none)" if s.fair_key is None else s.fair_key, f"{s.weight:g}", s.holding, f"{s.share:.1f}",
+         s.waiting, f"{s.load:.2f}")
+        for s in shares
+    ]
+    return "fair shares (next slot: the lowest load that waits)\n" + render_table(
+        ("KEY", "FAIR KEY", "WEIGHT", "HOLDS", "SHARE", "WAITING", "LOAD"), rows, right=(2, 3, 4, 5, 6)
+    )
+
+
+@keyed.command("set-weight")
+@click.argument("name", callback=_name_argument)
+@click.argument("prefix")
+@click.argument("weight", type=click.FloatRange(min=FAIR_WEIGHT_MIN, max=FAIR_WEIGHT_MAX))
+@click.option("--reason", required=True, help="Why (required; kept in the audit trail).")
+@click.option("--expires-in", type=Seconds(), metavar="SECONDS", help="The override lapses after this many seconds.")
+@click.option("--until", "until", metavar="ISO", help="The override lapses at this time (ISO 8601; no offset = UTC).")
+@click.option("--author", default=None, help="Who sets it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def set_weight(
+    operator: Operator,
+    name: str,
+    prefix: str,
+    weight: float,
+    reason: str,
+    expires_in: float | None,
+    until: str | None,
+    author: str | None,
+    as_json: bool,
+) -> None:
+    """Give the fair keys of NAME that equal PREFIX or start with PREFIX: the weight WEIGHT at runtime.
+
+    While several fair keys of a key wait, each one's share of the key's slots follows its weight. Wins over the
+    tasks' fair_weight and keyed_fair_weights; takes effect at the next promotion, never stops running tasks."""
+    if not reason.strip():
+        raise click.BadParameter("a reason is required", param_hint="'--reason'")
+    expires_at = expiry_of(expires_in, until)
+    author = author if author is not None else _default_author()
+    config = operator.settings.limits.get(name)
+    operator.ledger.set_fair_weight(name, prefix, weight, reason=reason, author=author, expires_at=expires_at)
+    result = {
+        "name": name,
+        "prefix": prefix,
+        "weight": weight,
+        "reason": reason,
+        "author": author,
+        "expires_at": expires_at,
+        "fair_name": bool(config is not None and config.fair),
+    }
+    if as_json:
+        _print_json(result)
+        return
+    if not result["fair_name"]:
+        click.echo(f"note: {name!r} is not configured fair here: weights only matter for a fair name", err=True)
+    until_text = f" until {_when(expires_at)}" if expires_at else ""
+    click.echo(f"{name}: fair keys {prefix} weigh {weight:g}{until_text} (from the next promotion on)")
+
+
+@keyed.command("clear-weight")
+@click.argument("name", callback=_name_argument)
+@click.argument("prefix")
+@click.option("--reason", default="", help="Why (kept in the audit trail).")
+@click.option("--author", default=None, help="Who clears it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def clear_weight(operator: Operator, name: str, prefix: str, reason: str, author: str | None, as_json: bool) -> None:
+    """Remove the runtime weight of the fair keys PREFIX of NAME: the tasks' weight, else the configured one, else 1,
+    applies again from the next promotion on."""
+    author = author if author is not None else _default_author()
+    cleared = operator.ledger.clear_fair_weight(name, prefix, reason=reason, author=author)
+    if as_json:
+        _print_json({"name": name, "prefix": prefix, "cleared": cleared})
+        return
+    if not cleared:
+        click.echo(f"{name}: no fair weight override of {prefix} to clear (nothing changed)")
+        return
+    click.echo(f"{name}: fair weight override of {prefix} cleared")
+
+
+@keyed.command("weights")
+@click.option("--name", "name", metavar="NAME", help="Only this name.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def weights(operator: Operator, name: str | None, as_json: bool) -> None:
+    """The fair weights: configured (keyed_fair_weights) and live runtime overrides."""
+    with operator.engine.connect() as conn:
+        overrides = [dict(r._mapping) for r in fair_weight_overrides(conn, name)]
+    configured = {
+        n: dict(c.fair_weights or {})
+        for n, c in sorted(operator.settings.limits.items())
+        if c.fair and (name is None or n == name)
+    }
+    if as_json:
+        _print_json({"configured": configured, "overrides": overrides})
+        return
+    rows = [(n, prefix, f"{w:g}", "config", "", "") for n, table in configured.items() for prefix, w in table.items()]
+    rows += [
+        (o["name"], o["prefix"], f"{o['weight']:g}", "override", o["reason"], _when(o["expires_at"]))
+        for o in overrides
+    ]
+    if not rows:
+        click.echo("no fair weights: every fair key weighs what its tasks carry, else 1")
+        return
+    click.echo(render_table(("NAME", "PREFIX", "WEIGHT", "SOURCE", "REASON", "EXPIRES"), rows, right=(2,)))

@@ -23,6 +23,8 @@ HEADER_NONCE = "keyed_nonce"
 HEADER_COST = "keyed_cost"
 #: Whose share of a ``fair`` name's slots the call uses.
 HEADER_FAIR = "keyed_fair"
+#: The weight of that fair key as the call gives it (``fair_weight``; weighted fair sharing, issue 14 item 5).
+HEADER_FAIR_WEIGHT = "keyed_fair_weight"
 #: ``concurrency_mode``: "exclusive" (runs alone on its key) or "shared" (sent only when either is not the default).
 HEADER_MODE = "keyed_mode"
 #: The attempt's fence number, set by the worker in the request it runs (``self.request.keyed_fence``, D7); Celery
@@ -33,14 +35,18 @@ HEADER_FENCE = "keyed_fence"
 HEADER_DEBOUNCE = "keyed_debounce"
 
 GATE_HEADERS = (
-    HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR, HEADER_MODE
+    HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR, HEADER_MODE,
+    HEADER_FAIR_WEIGHT,
 )
 
 #: Never survive a retry or a copy: an admission token and a fence belong to one attempt.
 NOT_INHERITED = (HEADER_NONCE, HEADER_FENCE, HEADER_DEBOUNCE)
 
 #: What a retry or a copy keeps from the headers it was sent with, unless the call names new keys.
-INHERITED = (HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR, HEADER_MODE)
+INHERITED = (
+    HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR, HEADER_MODE,
+    HEADER_FAIR_WEIGHT,
+)
 
 #: The task option (class attribute or ``apply_async`` keyword) each header is computed from, in the order the
 #: producer computes them. ``keyed_group_seq`` has no option: it is allocated at publish.
@@ -51,4 +57,5 @@ OPTION_OF_HEADER = {
     HEADER_COST: "concurrency_cost",
     HEADER_FAIR: "fair_key",
     HEADER_MODE: "concurrency_mode",
+    HEADER_FAIR_WEIGHT: "fair_weight",
 }

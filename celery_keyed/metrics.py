@@ -27,7 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import status_names, status_prepare
+from celery_keyed.ledger import fair_shares, status_names, status_prepare
 
 logger = logging.getLogger("celery_keyed")
 
@@ -38,6 +38,9 @@ try:
 except ImportError:  # the optional extra is not installed: every hook below is a no-op
     prometheus_client = None  # type: ignore[assignment]
     Collector = object  # type: ignore[assignment,misc]
+
+#: The most (key, fair key) rows a scrape reads for the fair gauges (fair keys that hold or wait).
+FAIR_SERIES_MAX = 1000
 
 #: Seconds: a handoff is well under 25 ms (DESIGN §8); the upper buckets catch republished promotions.
 HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -193,6 +196,7 @@ class LedgerCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         # The families without samples: registering never queries the ledger.
         yield from self._families()
+        yield from self._fair([])
 
     def collect(self) -> Iterator[Metric]:
         started_at = time.perf_counter()
@@ -202,9 +206,10 @@ class LedgerCollector(Collector):
             with self.engine.begin() as conn:
                 status_prepare(conn, timeout=self.timeout)
                 names = status_names(conn)
+                shares = fair_shares(conn, limit=FAIR_SERIES_MAX)
         except Exception as exc:
             logger.warning("celery-keyed metrics: could not read the ledger: %s", exc)
-            names = []
+            names, shares = [], []
             up = 0.0
         in_flight, waiting, oldest, limit, keys, paused, up_family, duration = families
         for n in names:
@@ -217,7 +222,35 @@ class LedgerCollector(Collector):
         up_family.add_metric([], up)
         duration.add_metric([], time.perf_counter() - started_at)
         yield from families
+        yield from self._fair(shares)
 
+    @staticmethod
+    def _fair(shares: list[Any]) -> list[GaugeMetricFamily]:
+        """Weighted fair sharing (issue 14 item 5): per fair name and fair key (summed over the name's keys; only
+        fair keys that hold or wait, at most FAIR_SERIES_MAX rows read), slots held, attempts waiting, weight."""
+        held = GaugeMetricFamily(
+            "celery_keyed_fair_in_flight", "Slots a fair key holds over the keys of a fair name.",
+            labels=["name", "fair_key"],
+        )
+        waiting = GaugeMetricFamily(
+            "celery_keyed_fair_waiting", "Parked attempts of a fair key over the keys of a fair name.",
+            labels=["name", "fair_key"],
+        )
+        weight = GaugeMetricFamily(
+            "celery_keyed_fair_weight", "The weight of a fair key of a fair name (override, task, table, else 1).",
+            labels=["name", "fair_key"],
+        )
+        sums: dict[tuple[str, str], list[float]] = {}
+        for share in shares:
+            row = sums.setdefault((share.key.split(":", 1)[0], share.fair_key or ""), [0.0, 0.0, 0.0])
+            row[0] += share.holding
+            row[1] += share.waiting
+            row[2] = max(row[2], share.weight)
+        for labels, (h, w, wt) in sorted(sums.items()):
+            held.add_metric(list(labels), h)
+            waiting.add_metric(list(labels), w)
+            weight.add_metric(list(labels), wt)
+        return [held, waiting, weight]
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
         return [

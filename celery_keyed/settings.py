@@ -7,7 +7,9 @@ Every setting is documented in the README (section "Settings"). In Django, put t
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,7 @@ DEFAULTS: dict[str, Any] = {
     "send_arrival_timeout": 3600.0,  # seconds a send accepted at send holds its place until it arrives
     "config_version": 0,  # version of keyed_concurrency_limits: an older worker never overwrites a newer one's
     "register_at_publish": False,  # store each keyed message in the ledger at publish; republish what never arrives
+    "fair_weights": {},  # by fair name: {fair-key prefix: weight}; joins that name's keyed_concurrency_limits entry
 }
 
 
@@ -123,7 +126,7 @@ def read_settings(conf: Any) -> KeyedSettings:
         raise InvalidConfig(f"keyed_statement_timeout must be at least 0.001 seconds, got {statement_timeout!r}")
     return KeyedSettings(
         database_url=url,
-        limits=parse_limits(get("concurrency_limits")),
+        limits=with_fair_weights(parse_limits(get("concurrency_limits")), get("fair_weights")),
         lease=lease,
         heartbeat_interval=heartbeat,
         self_fence=bool(get("self_fence")),
@@ -152,6 +155,26 @@ def read_settings(conf: Any) -> KeyedSettings:
         config_version=check_int(get("config_version"), "keyed_config_version", minimum=0, maximum=INT_MAX),
         register_at_publish=_flag(get("register_at_publish"), "keyed_register_at_publish"),
     )
+
+
+def with_fair_weights(limits: dict[str, NameConfig], setting: Any) -> dict[str, NameConfig]:
+    """``keyed_fair_weights`` ({name: {fair-key prefix: weight}}) merged into the names' configurations: each name
+    must be configured ``fair`` in ``keyed_concurrency_limits`` (weights share a fair name's slots; a typo must not
+    pass silently). The table replaces a ``fair_weights`` option given there."""
+    if not setting:
+        return limits
+    if not isinstance(setting, Mapping):
+        raise InvalidConfig(f"keyed_fair_weights must be a dict by name, got {type(setting).__name__}")
+    merged = dict(limits)
+    for name, table in setting.items():
+        config = limits.get(name)
+        if config is None or not config.fair:
+            raise InvalidConfig(
+                f"keyed_fair_weights names {name!r}, which keyed_concurrency_limits does not configure as fair"
+                " (add fair: True)"
+            )
+        merged[name] = dataclasses.replace(config, fair_weights=table)
+    return merged
 
 
 def django_database_url(alias: str, databases: dict[str, Any] | None = None) -> str:

@@ -21,6 +21,7 @@ from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names 
     HEADER_COST,
     HEADER_DEBOUNCE,
     HEADER_FAIR,
+    HEADER_FAIR_WEIGHT,
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
     HEADER_KEY,
@@ -55,6 +56,10 @@ class KeyedTask(Task):
       the key starts while it runs; FIFO across modes, so readers never starve a writer (one concurrency key, an
       unsharded name; README "Readers and writers");
     - ``fair_key``: whose share of a ``fair`` name's slots the call uses (e.g. ``"tenant:{tenant_id}"``);
+    - ``fair_weight``: that fair key's weight (a positive number, a callable of the call's arguments by name, or a
+      template naming one argument, ``"{weight}"``; default: the name's ``keyed_fair_weights``, else 1): while
+      several fair keys wait, each one's share of a key's slots follows its weight; a runtime override (``celery
+      keyed set-weight``) wins (README "Weighted fair sharing");
     - ``debounce`` (seconds), ``debounce_max`` (seconds from the burst's first arrival; default 60, or ``debounce``
       when longer) and ``debounce_keep`` (``"last"``, the default, or ``"first"``): calls of one key within the
       quiet period replace each other and one runs once the key has been quiet that long (README "Debounce"; per
@@ -88,6 +93,7 @@ class KeyedTask(Task):
     concurrency_cost: int = 1
     concurrency_mode: str = "shared"
     fair_key: KeySpec = None
+    fair_weight: Any = None
     uncertain_hold: float | None = None
     admit_at_send: bool = False
     dedupe_key: KeySpec = None
@@ -104,7 +110,8 @@ class KeyedTask(Task):
         explicit: dict[str, Any] = {
             name: options.pop(name)
             for name in (
-                "concurrency_key", "group_key", "supersede_key", "concurrency_cost", "fair_key", "concurrency_mode"
+                "concurrency_key", "group_key", "supersede_key", "concurrency_cost", "fair_key", "concurrency_mode",
+                "fair_weight",
             )
             if name in options
         }
@@ -245,6 +252,11 @@ class KeyedTask(Task):
             )
             if value is not None:
                 headers[header] = value
+        if HEADER_FAIR in headers:
+            spec = explicit["fair_weight"] if "fair_weight" in explicit else key_spec(self, "fair_weight")
+            weight = evaluate_weight(spec, self, args, kwargs)
+            if weight is not None:
+                headers[HEADER_FAIR_WEIGHT] = weight
         cost = explicit.get("concurrency_cost", self.concurrency_cost)
         check_cost(cost, self)
         if cost != 1 and HEADER_KEY in headers:
@@ -311,6 +323,35 @@ def evaluate_key(
     if isinstance(spec, list):
         raise InvalidKey(f"{task.name}: {option} must be one key (only concurrency_key takes a list)")
     return _normalize(spec, task, option)
+
+
+def evaluate_weight(spec: Any, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
+    """A ``fair_weight`` spec against a call's arguments: None (no weight of its own), a number, a callable of the
+    arguments by name, or a template naming one argument (``"{weight}"``); the checked weight (``InvalidKey`` for
+    anything else: bad input never waits)."""
+    value = spec
+    if callable(spec):
+        value = spec(**bind_arguments(task, args, kwargs))
+    elif isinstance(spec, str):
+        whole = _WHOLE_FIELD.match(spec)
+        arguments = bind_arguments(task, args, kwargs)
+        if whole is None or whole.group(1) not in arguments:
+            raise InvalidKey(f"{task.name}: fair_weight {spec!r} must name one argument of the call, like '{{weight}}'")
+        value = arguments[whole.group(1)]
+    return check_fair_weight(value, task)
+
+
+def check_fair_weight(value: Any, task: Any) -> float | None:
+    """A fair weight from a call or a header: None, or a number from FAIR_WEIGHT_MIN to FAIR_WEIGHT_MAX
+    (``InvalidKey`` otherwise)."""
+    if value is None:
+        return None
+    from celery_keyed.ledger import InvalidConfig, check_weight
+
+    try:
+        return check_weight(value, f"{getattr(task, 'name', task)}: fair_weight")
+    except InvalidConfig as exc:
+        raise InvalidKey(str(exc)) from None
 
 
 def evaluate_keys(spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | list[str] | None:
@@ -436,6 +477,7 @@ def keyed_task(
     group_key: KeySpec = ...,
     supersede_key: KeySpec = ...,
     fair_key: KeySpec = ...,
+    fair_weight: Any = ...,
     concurrency_cost: int = ...,
     concurrency_mode: str = ...,
     **options: Any,
@@ -453,6 +495,7 @@ def keyed_task(
     group_key: KeySpec = ...,
     supersede_key: KeySpec = ...,
     fair_key: KeySpec = ...,
+    fair_weight: Any = ...,
     concurrency_cost: int = ...,
     concurrency_mode: str = ...,
     **options: Any,

@@ -58,6 +58,17 @@ from celery_keyed.ledger.bounds import (
 from celery_keyed.ledger.claims import HeldClaim, claims_renew
 from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState, translate
 from celery_keyed.ledger.explain import Explanation, explain
+from celery_keyed.ledger.fair_weights import (
+    FAIR_WEIGHT_MAX,
+    FAIR_WEIGHT_MIN,
+    FairShare,
+    check_prefix,
+    check_weight,
+    clear_fair_weight,
+    fair_shares,
+    fair_weight_overrides,
+    set_fair_weight,
+)
 from celery_keyed.ledger.groups import groups_register
 from celery_keyed.ledger.holders import (
     holders_gone,
@@ -107,6 +118,8 @@ __all__ = [
     "DEFAULT_DISPATCH_TIMEOUT",
     "DEFAULT_RESERVE_TIMEOUT",
     "EXCLUSIVE_COST",
+    "FAIR_WEIGHT_MAX",
+    "FAIR_WEIGHT_MIN",
     "INT_MAX",
     "SECONDS_MAX",
     "SLOT_LIMIT_MAX",
@@ -114,6 +127,7 @@ __all__ = [
     "Admission",
     "Arrival",
     "Explanation",
+    "FairShare",
     "HeldClaim",
     "InvalidConfig",
     "InvalidKey",
@@ -145,12 +159,17 @@ __all__ = [
     "check_counters_once",
     "check_debounce",
     "check_int",
+    "check_prefix",
     "check_seconds",
+    "check_weight",
     "claims_renew",
+    "clear_fair_weight",
     "clear_override",
     "configure_names",
     "drop_idle_keys_once",
     "explain",
+    "fair_shares",
+    "fair_weight_overrides",
     "groups_register",
     "holders_latest",
     "key_name",
@@ -169,6 +188,7 @@ __all__ = [
     "schema_missing",
     "sent_admit",
     "sent_by_name",
+    "set_fair_weight",
     "set_override",
     "status_key_count",
     "status_keys",
@@ -750,6 +770,40 @@ class Ledger:
             return self.transaction(
                 lambda conn: clear_override(conn, name, reason=reason, author=author, dispatch=self.dispatch, now=now)
             )
+
+    def set_fair_weight(
+        self,
+        name: str,
+        prefix: str,
+        weight: float,
+        *,
+        reason: str,
+        author: str = "",
+        expires_at: datetime | None = None,
+        now: datetime | None = None,
+    ) -> None:
+        """Set the runtime weight of the fair keys of ``name`` matching ``prefix`` (ledger/fair_weights.py), audited;
+        it takes effect at the next promotion of each key (it makes no room, so it promotes nothing)."""
+        with schema_required(self.engine):
+            self.transaction(
+                lambda conn: set_fair_weight(
+                    conn, name, prefix, weight, reason=reason, author=author, expires_at=expires_at, now=now
+                )
+            )
+
+    def clear_fair_weight(
+        self, name: str, prefix: str, *, reason: str = "", author: str = "", now: datetime | None = None
+    ) -> bool:
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: clear_fair_weight(conn, name, prefix, reason=reason, author=author, now=now)
+            )
+
+    def fair_shares(
+        self, *, name: str | None = None, key: str | None = None, limit: int = 200, now: datetime | None = None
+    ) -> list[FairShare]:
+        with schema_required(self.engine), self.engine.connect() as conn:
+            return fair_shares(conn, name=name, key=key, limit=limit, now=now)
 
     def promote_key(self, key: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: promote.promote_key(conn, key, dispatch=self.dispatch, now=now))

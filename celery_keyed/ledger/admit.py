@@ -156,8 +156,9 @@ def claim_many(
 
 
 def plain(arrival: Arrival) -> bool:
-    """Whether ``admit_plain`` may decide ``arrival``: one key, no group, no not-before, cost 1, no supersede key."""
-    return batchable(arrival) and arrival.cost == 1 and arrival.supersede_key is None
+    """Whether ``admit_plain`` may decide ``arrival``: one key, no group, no not-before, cost 1, no supersede key,
+    no fair weight of its own (the plain path parks without one: waiting.waiting_insert stores it)."""
+    return batchable(arrival) and arrival.cost == 1 and arrival.supersede_key is None and arrival.fair_weight is None
 
 
 def park_plain(

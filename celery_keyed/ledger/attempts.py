@@ -58,6 +58,7 @@ class Arrival:
     extra_keys: tuple[str, ...] = ()
     cost: int = 1
     fair_key: str | None = None
+    fair_weight: float | None = None  # its fair key's weight from the call (None: table, else 1; fair_weights.py)
     debounce: float | None = None
     debounce_max: float | None = None
     debounce_keep: str = "last"
@@ -77,6 +78,12 @@ class Arrival:
             raise ValueError(f"an attempt cannot hold the same key twice: {self.keys!r}")
         if not isinstance(self.cost, int) or isinstance(self.cost, bool) or self.cost < 1:
             raise ValueError(f"cost must be a positive integer, got {self.cost!r}")
+        if self.fair_weight is not None and (
+            isinstance(self.fair_weight, bool)
+            or not isinstance(self.fair_weight, int | float)
+            or not 0 < self.fair_weight < float("inf")
+        ):
+            raise ValueError(f"fair_weight must be a positive number, got {self.fair_weight!r}")
         if not isinstance(self.attempt, int) or isinstance(self.attempt, bool) or self.attempt < 0:
             raise ValueError(f"attempt must be a non-negative integer, got {self.attempt!r}")
 

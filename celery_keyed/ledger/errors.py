@@ -37,6 +37,10 @@ CONFIG_RULES: dict[str, str] = {
     "keyed_names_burst_with_rate": "burst needs a rate and must be at least 1",
     "keyed_overrides_limit_nonnegative": "an override limit must be a non-negative integer (0 pauses)",
     "keyed_overrides_reason_present": "an override needs a reason",
+    "keyed_names_fair_weights_object": "fair_weights must be a table of fair-key prefix -> weight",
+    "keyed_waiting_fair_weight_positive": "a fair weight must be a positive number",
+    "keyed_fair_weight_overrides_weight_positive": "a fair weight must be a positive number",
+    "keyed_fair_weight_overrides_reason_present": "a fair weight override needs a reason",
 }
 
 #: Named constraints that state an invariant of the ledger's rows: a statement that breaks one asked a transition

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger.bounds import is_exclusive
 from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.fair_weights import fair_shares
 from celery_keyed.ledger.slots import in_flight
 
 EXPLAIN_TASK = sa.text(
@@ -26,7 +27,8 @@ EXPLAIN_CLAIM = sa.text(
 EXPLAIN_WAITING = sa.text(
     f"""
     SELECT w.attempt, w.key, w.keys, w.cost, w.group_key, w.group_seq, w.shadow, w.group_blocked, w.deadline,
-           w.priority, w.debounce_key, w.debounce_cap,
+           w.priority, w.debounce_key, w.debounce_cap, w.fair_key,
+           COALESCE((SELECT c.fair FROM keyed_names c WHERE c.name = split_part(w.key, ':', 1)), false) AS fair,
            w.not_before, w.not_before > {NOW} AS not_due,
            (SELECT count(*) FROM keyed_waiting o
              WHERE o.key = w.key AND NOT o.shadow AND o.not_before IS NULL AND NOT o.group_blocked
@@ -212,6 +214,8 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
                 f"key {wait['key']} is paused (limit 0); {wait['ahead']} waiting ahead",
                 facts,
             )
+        if wait["fair"]:
+            return Explanation(task_id, "waiting", _fair_text(conn, wait, facts, now=now), facts)
         alone = ""
         if facts["mode"] == "exclusive":
             alone = " to run alone (exclusive: it starts when nothing of the key runs)"
@@ -223,6 +227,25 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             facts,
         )
     return Explanation(task_id, "waiting", f"waiting for group {wait['group_key']}", facts)
+
+
+def _fair_text(conn: sa.Connection, wait: Any, facts: dict[str, Any], *, now: Any) -> str:
+    """A waiter of a fair name (weighted fair sharing, issue 14 item 5): its fair key's weight, slots held and load,
+    and how many fair keys that wait have a lower load (they are served first); ``facts["fair_shares"]``."""
+    shares = fair_shares(conn, key=wait["key"], now=now)
+    facts["fair_shares"] = [s.as_dict() for s in shares]
+    mine = next((s for s in shares if s.fair_key == wait["fair_key"]), None)
+    who = "no fair key" if wait["fair_key"] is None else f"fair key {wait['fair_key']}"
+    if mine is None:
+        return f"waiting for key {wait['key']} (fair; in flight {wait['in_flight']}/{wait['k']})"
+    before = sum(1 for s in shares if s.waiting and s.fair_key != mine.fair_key and s.load < mine.load)
+    facts.update(fair_weight=mine.weight, fair_holding=mine.holding, fair_load=mine.load, fair_share=mine.share)
+    return (
+        f"waiting for key {wait['key']} (in flight {wait['in_flight']}/{wait['k']}); fair sharing: {who} weighs "
+        f"{mine.weight:g} and holds {mine.holding} slot{'' if mine.holding == 1 else 's'} (its weighted share "
+        f"{mine.share:.1f}, load {mine.load:.2f}); {before} waiting fair key{'' if before == 1 else 's'} with a lower "
+        f"load go{'es' if before == 1 else ''} first, then its own line of {mine.waiting}"
+    )
 
 
 def _mode(row: Any) -> str:

@@ -7,6 +7,7 @@ A name with no row is a mutex (K = 1) with an unbounded waiting room.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,12 +29,13 @@ from celery_keyed.ledger.bounds import (
 )
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
+from celery_keyed.ledger.fair_weights import check_weights
 from celery_keyed.ledger.keyspec import validate_name
 
 Overflow = Literal["reject", "supersede"]
 
 _KNOWN_OPTIONS = {
-    "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair",
+    "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair", "fair_weights",
     "admit_at_send", "register_at_publish",
     "debounce", "debounce_max", "debounce_keep",
 }
@@ -49,6 +51,8 @@ class NameConfig:
     once), because the remote call may still be running; ``rate`` starts per second allowed per key (a token
     bucket; settings also take "100/m", "6/s", "500/h"), ``burst`` the tokens a key can save up (default 1);
     ``fair``: waiters share a key's slots round-robin by their fair key instead of one FIFO line;
+    ``fair_weights``: a fair name's weights by fair-key prefix (``{"tenant:big": 3}``; default 1): while several
+    fair keys wait, each one's share of a key's slots follows its weight (ledger/fair_weights.py);
     ``admit_at_send``: producers ask the ledger before publishing a task of this name and raise ``KeyedRejected``
     when its waiting room is full or its dedupe key is live (read by the producer from its own settings; not
     stored in the ledger); ``register_at_publish``: producers store each message of this name in the ledger's
@@ -64,6 +68,7 @@ class NameConfig:
     rate: float | None = None
     burst: float | None = None
     fair: bool = False
+    fair_weights: Mapping[str, float] | None = None
     admit_at_send: bool = False
     register_at_publish: bool = False
     # Debounce (issue 14 item 2; producer side, like admit_at_send: not stored in the ledger): a task of this name
@@ -94,6 +99,10 @@ class NameConfig:
             check_number(self.burst, f"{self.name}: burst", minimum=1, maximum=BURST_MAX, unit="a number of tokens")
         if not isinstance(self.fair, bool):
             raise InvalidConfig(f"{self.name}: fair must be True or False, got {self.fair!r}")
+        if self.fair_weights is not None:
+            if not self.fair:
+                raise InvalidConfig(f"{self.name}: fair_weights need fair=True (weights share a fair name's slots)")
+            object.__setattr__(self, "fair_weights", check_weights(self.fair_weights, f"{self.name}: fair_weights"))
         if not isinstance(self.admit_at_send, bool):
             raise InvalidConfig(f"{self.name}: admit_at_send must be True or False, got {self.admit_at_send!r}")
         if not isinstance(self.register_at_publish, bool):
@@ -152,14 +161,15 @@ def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
 NAMES_UPSERT = sa.text(
     f"""
     INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, rate, burst,
-                             fair, config_version, updated_at)
+                             fair, fair_weights, config_version, updated_at)
     SELECT :name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, :rate, :burst, :fair,
-           :version, {NOW}
+           CAST(:fair_weights AS jsonb), :version, {NOW}
      WHERE NOT EXISTS (SELECT 1 FROM keyed_names n WHERE n.config_version > :version)
     ON CONFLICT (name) DO UPDATE SET
         slot_limit = excluded.slot_limit, shards = excluded.shards, max_waiting = excluded.max_waiting,
         max_wait = excluded.max_wait, overflow = excluded.overflow, uncertain_hold = excluded.uncertain_hold,
-        rate = excluded.rate, burst = excluded.burst, fair = excluded.fair, config_version = excluded.config_version,
+        rate = excluded.rate, burst = excluded.burst, fair = excluded.fair, fair_weights = excluded.fair_weights,
+        config_version = excluded.config_version,
         updated_at = excluded.updated_at
      WHERE keyed_names.config_version <= excluded.config_version
     RETURNING name
@@ -208,6 +218,7 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, n
             "rate": config.rate,
             "burst": config.burst,
             "fair": config.fair,
+            "fair_weights": None if config.fair_weights is None else json.dumps(dict(config.fair_weights)),
             "version": version,
             "now": now,
         },

@@ -145,6 +145,9 @@ def promote_waiters(
     """Promote waiters of ``key`` into ``free_shards`` (rows the caller holds locked; at most one promotion per
     entry), in order. The caller holds the key's head row too.
 
+    A fair name's line is read again after each promotion: the next free slot goes to the fair key with the lowest
+    load (slots held / weight) as this promotion left it (waiting.WAITING_NEXT_FAIR, issue 14 item 5).
+
     FIFO per key: when the head of the line needs more slots than are free (a weight), nobody behind it passes:
     the free slots stay reserved for it. An attempt with several keys takes its other keys without waiting (out
     of lock order) where no one stands before it in their lines; when one has no room it moves to that key's
@@ -188,6 +191,8 @@ def promote_waiters(
                 local = None  # the releaser runs one promotion itself; the others are dispatched (D4/D5)
             budget -= 1
             progressed = True
+            if line.fair:
+                break  # weighted fair sharing: the next slot goes by the loads this promotion changed (read again)
         if not progressed:
             break
     return promoted

@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import books, claims, groups, keys, overrides, slots, waiting
+from celery_keyed.ledger import books, claims, fair_weights, groups, keys, overrides, slots, waiting
 from celery_keyed.ledger.attempts import Outcome, Promotion, TaskOutcome, Token
 from celery_keyed.ledger.claims import Holding
 from celery_keyed.ledger.events import events_record
@@ -118,6 +118,7 @@ def sweep_once(
             break
     with engine.begin() as conn:
         report.promotions += overrides.expire_overrides(conn, dispatch=dispatch, now=now)
+        fair_weights.expire_fair_weights(conn, now=now)  # read as lapsed already; this writes the audit row
     with engine.connect() as conn:
         orphans = conn.execute(waiting.WAITING_ORPHAN_SHADOWS, {"batch": _BATCH}).all()
     for o in orphans:

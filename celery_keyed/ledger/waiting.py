@@ -20,7 +20,7 @@ from celery_keyed.ledger.clock import NOW
 _COLUMNS = (
     "task_id, attempt, key, group_key, group_seq, priority, arrival, arrived_at, not_before, deadline, "
     "supersede_key, shadow, group_blocked, queue, message, keys, cost, reserved_keys, reserved_shards, reserved_at, "
-    "fair_key, debounce_key, debounce_cap"
+    "fair_key, debounce_key, debounce_cap, fair_weight"
 )
 
 #: SQL: the debounce period and the burst's hard maximum as intervals (bind ``debounce``, ``debounce_max``, seconds).
@@ -45,7 +45,8 @@ WAITING_INSERT = sa.text(
             :supersede_key, :shadow, :group_blocked, :queue, CAST(:message AS jsonb), CAST(:keys AS text[]), :cost,
             NULL, NULL, NULL, :fair_key,
             CAST(:debounce_key AS text),
-            CASE WHEN CAST(:debounce_key AS text) IS NOT NULL THEN {_DEBOUNCE_CAP} END)
+            CASE WHEN CAST(:debounce_key AS text) IS NOT NULL THEN {_DEBOUNCE_CAP} END,
+            CAST(:fair_weight AS double precision))
     ON CONFLICT (task_id, attempt) DO NOTHING
     RETURNING arrival
     """
@@ -84,12 +85,15 @@ WAITING_CLEAR_DUE_FOR_KEY = sa.text(
     """
 )
 
-# waiting_next_fair: the next promotable attempts of a fair key: the head of each fair key's own line, those
-# whose fair key holds the fewest of the key's slots first, then by priority and arrival (round-robin).
+# waiting_next_fair: the next promotable attempts of a key of a fair name: the head of each fair key's own line,
+# those whose fair key has the lowest load first — the slots it holds of the key divided by its weight
+# (keyed_fair_weight: override, else the head's call weight, else the name's table, else 1; issue 14 item 5) — then
+# by priority and arrival. With weights all 1 this is round-robin by slots held; promote.promote_waiters takes one
+# row per reading, so every promotion sees the loads the previous one left.
 WAITING_NEXT_FAIR = sa.text(
     f"""
     WITH heads AS (
-        SELECT DISTINCT ON (fair_key) task_id, attempt, fair_key, priority, arrival FROM keyed_waiting
+        SELECT DISTINCT ON (fair_key) task_id, attempt, fair_key, fair_weight, priority, arrival FROM keyed_waiting
          WHERE key = :key AND NOT shadow AND not_before IS NULL AND NOT group_blocked
            AND (deadline IS NULL OR deadline > {NOW})
          ORDER BY fair_key, priority DESC, arrival
@@ -97,12 +101,13 @@ WAITING_NEXT_FAIR = sa.text(
         SELECT h.task_id, h.attempt, h.priority, h.arrival,
                (SELECT COALESCE(sum(c.cost), 0) FROM keyed_claims c
                  WHERE (c.key = :key OR c.extra_keys @> ARRAY[CAST(:key AS text)])
-                   AND c.fair_key IS NOT DISTINCT FROM h.fair_key) AS holding
-          FROM heads h ORDER BY holding, h.priority DESC, h.arrival LIMIT :limit
+                   AND c.fair_key IS NOT DISTINCT FROM h.fair_key)
+               / keyed_fair_weight(split_part(:key, ':', 1), h.fair_key, h.fair_weight, {NOW}) AS load
+          FROM heads h ORDER BY load, h.priority DESC, h.arrival LIMIT :limit
     )
     SELECT {", ".join("w." + c.strip() for c in _COLUMNS.split(","))}
       FROM keyed_waiting w JOIN ranked r ON r.task_id = w.task_id AND r.attempt = w.attempt
-     ORDER BY r.holding, r.priority DESC, r.arrival
+     ORDER BY r.load, r.priority DESC, r.arrival
        FOR UPDATE OF w SKIP LOCKED
     """
 )
@@ -350,6 +355,7 @@ def waiting_insert(
         "keys": list(arrival.keys) if arrival.extra_keys else None,
         "cost": arrival.cost,
         "fair_key": arrival.fair_key,
+        "fair_weight": arrival.fair_weight,
         "debounce_key": None if shadow else arrival.debounce_key,
         "debounce": arrival.debounce,
         "debounce_max": arrival.debounce_max,

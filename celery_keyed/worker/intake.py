@@ -16,6 +16,7 @@ from celery_keyed.headers import (
     HEADER_COST,
     HEADER_DEBOUNCE,
     HEADER_FAIR,
+    HEADER_FAIR_WEIGHT,
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
     HEADER_KEY,
@@ -24,7 +25,15 @@ from celery_keyed.headers import (
 )
 from celery_keyed.ledger import EXCLUSIVE_COST, INT_MAX, Arrival, InvalidKey, normalize_key
 from celery_keyed.messages import record_message
-from celery_keyed.task import check_cost, check_mode, evaluate_key, evaluate_keys, key_spec
+from celery_keyed.task import (
+    check_cost,
+    check_fair_weight,
+    check_mode,
+    evaluate_key,
+    evaluate_keys,
+    evaluate_weight,
+    key_spec,
+)
 
 #: PostgreSQL's bigint (the ledger's group sequence numbers); attempt numbers and priorities are integers (INT_MAX).
 BIGINT_MAX = 2**63 - 1
@@ -63,12 +72,14 @@ def arrival_for(request: Any) -> Arrival | None:
         group = evaluate_key(key_spec(task, "group_key"), task, args, kwargs, option="group_key")
         supersede = evaluate_key(key_spec(task, "supersede_key"), task, args, kwargs, option="supersede_key")
         fair = evaluate_key(key_spec(task, "fair_key"), task, args, kwargs, option="fair_key")
+        weight = evaluate_weight(key_spec(task, "fair_weight"), task, args, kwargs) if fair is not None else None
     else:
         key = header_keys(key)
         group = None if group is None else normalize_key(group)
         supersede = None if supersede is None else str(supersede)
         fair = headers.get(HEADER_FAIR)
         fair = None if fair is None else normalize_key(fair)
+        weight = check_fair_weight(headers.get(HEADER_FAIR_WEIGHT), task)
     if key is None and group is None:
         return None
     keys = [key] if isinstance(key, str) else list(key or [])
@@ -92,6 +103,7 @@ def arrival_for(request: Any) -> Arrival | None:
         extra_keys=tuple(keys[1:]),
         cost=cost,
         fair_key=fair,
+        fair_weight=weight,
         group_key=group,
         group_seq=seq,
         task_name=request.name,

@@ -413,7 +413,7 @@ class OverrideLogAdmin(ReadOnlyAdmin):
 @admin.register(Name)
 class NameAdmin(ReadOnlyAdmin):
     list_display = ("name", "slot_limit", "override_display", "effective_display", "shards", "max_waiting",
-                    "max_wait", "overflow", "rate", "fair", "config_version", "updated_at")
+                    "max_wait", "overflow", "rate", "fair", "fair_weights", "config_version", "updated_at")
     search_fields = ("name",)
     ordering = ("name",)
     list_title = "Configured names"
@@ -1151,3 +1151,7 @@ class OutboxAdmin(ReadOnlyAdmin):
             return "not published yet (waits for its transaction's commit)"
         times = obj.republished
         return f"registered, not received, republished {times} time{'' if times == 1 else 's'}"
+
+
+# Weighted fair sharing (issue 14 item 5): fair weight overrides and their audit trail, registered from their module.
+from celery_keyed_django import fair_weights_admin  # noqa: E402, F401

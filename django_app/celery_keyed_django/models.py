@@ -52,6 +52,9 @@ class Name(models.Model):
     rate = models.FloatField(null=True, blank=True, help_text="tasks per second per key (token bucket)")
     burst = models.FloatField(null=True, blank=True)
     fair = models.BooleanField(help_text="waiters share a key's slots round-robin by their fair key")
+    fair_weights = models.JSONField(  # weighted fair sharing (0016)
+        null=True, blank=True, help_text="weights by fair-key prefix (keyed_fair_weights); default 1"
+    )
     config_version = models.IntegerField(
         "configuration version", help_text="keyed_config_version of the worker that stored it (older never overwrite)"
     )
@@ -108,6 +111,53 @@ class OverrideLog(models.Model):
         default_permissions = ("view",)
         verbose_name = "override change"
         verbose_name_plural = "override changes"
+        ordering = ("-at", "-id")
+
+
+class FairWeightOverride(models.Model):
+    """An operator's runtime weight for the fair keys of a name that equal ``prefix`` or start with ``prefix:``
+    (``keyed_fair_weight_overrides``, 0016): it wins over the call's weight and the configured table."""
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.TextField()
+    prefix = models.TextField("fair-key prefix")
+    weight = models.FloatField()
+    reason = models.TextField()
+    author = models.TextField()
+    expires_at = models.DateTimeField(null=True, blank=True)
+    set_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_fair_weight_overrides"
+        default_permissions = ("view",)
+        verbose_name = "fair weight override"
+        ordering = ("name", "prefix")
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.prefix}"
+
+
+class FairWeightLog(models.Model):
+    """The fair weight overrides' audit trail (``keyed_fair_weight_log``): one row per set, clear or lapse."""
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.TextField()
+    prefix = models.TextField()
+    action = models.TextField()
+    old_weight = models.FloatField(null=True)
+    new_weight = models.FloatField(null=True)
+    reason = models.TextField()
+    author = models.TextField()
+    expires_at = models.DateTimeField(null=True)
+    at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_fair_weight_log"
+        default_permissions = ("view",)
+        verbose_name = "fair weight change"
+        verbose_name_plural = "fair weight changes"
         ordering = ("-at", "-id")
 
 
@@ -342,6 +392,7 @@ class Waiting(models.Model):
     fair_key = models.TextField(null=True)
     debounce_key = models.TextField(null=True)  # debounce (0011): the burst's identity in its line
     debounce_cap = models.DateTimeField(null=True)  # debounce (0011): the burst's latest due time
+    fair_weight = models.FloatField(null=True)  # weighted fair sharing (0016): the weight the call carries
 
     class Meta:
         managed = False

@@ -164,7 +164,7 @@ def test_a_null_key_header_is_still_gated(hostile_cluster: Cluster, foreign: Cel
 
 GATE_HEADERS = [
     "keyed_key", "keyed_group", "keyed_group_seq", "keyed_supersede", "keyed_nonce", "keyed_cost", "keyed_fair",
-    "keyed_fence", "retries",
+    "keyed_fence", "keyed_fair_weight", "retries",
 ]  # fmt: skip
 TASKS = ["hostile.tenant", "hostile.fmt", "hostile.boom", "hostile.echo", "hostile.limited", "hostile.grouped"]
 

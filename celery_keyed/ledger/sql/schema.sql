@@ -34,7 +34,10 @@ CREATE TABLE keyed_names (
     CONSTRAINT keyed_names_overflow_known CHECK (overflow IN ('reject', 'supersede')),
     CONSTRAINT keyed_names_uncertain_hold_positive CHECK (uncertain_hold > 0),
     CONSTRAINT keyed_names_rate_positive CHECK (rate > 0),
-    CONSTRAINT keyed_names_burst_with_rate CHECK (burst IS NULL OR (rate IS NOT NULL AND burst >= 1))
+    CONSTRAINT keyed_names_burst_with_rate CHECK (burst IS NULL OR (rate IS NOT NULL AND burst >= 1)),
+    -- weighted fair sharing (0016): {"fair-key prefix": weight, ...} from keyed_fair_weights (keyed_fair_weight)
+    fair_weights jsonb,
+    CONSTRAINT keyed_names_fair_weights_object CHECK (fair_weights IS NULL OR jsonb_typeof(fair_weights) = 'object')
 );
 
 -- Overrides: an operator's runtime limit for a name (0 pauses), who, why, until when.
@@ -63,6 +66,38 @@ CREATE TABLE keyed_override_log (
     CONSTRAINT keyed_override_log_action_known CHECK (action IN ('set', 'clear', 'expire'))
 );
 CREATE INDEX keyed_override_log_name_idx ON keyed_override_log (name, at);
+
+-- Fair weight overrides (0016): an operator's runtime weight for the fair keys of a name that equal prefix or start
+-- with prefix followed by ':', who, why, until when (keyed_fair_weight reads them).
+CREATE TABLE keyed_fair_weight_overrides (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name text NOT NULL,
+    prefix text NOT NULL,
+    weight double precision NOT NULL,
+    reason text NOT NULL,
+    author text NOT NULL DEFAULT '',
+    expires_at timestamptz,
+    set_at timestamptz NOT NULL,
+    CONSTRAINT keyed_fair_weight_overrides_one_per_prefix UNIQUE (name, prefix),
+    CONSTRAINT keyed_fair_weight_overrides_weight_positive CHECK (weight > 0),
+    CONSTRAINT keyed_fair_weight_overrides_reason_present CHECK (btrim(reason) <> '')
+);
+
+-- Fair weight audit trail: one row per set, clear or lapse (as keyed_override_log for limits).
+CREATE TABLE keyed_fair_weight_log (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name text NOT NULL,
+    prefix text NOT NULL,
+    action text NOT NULL,
+    old_weight double precision,
+    new_weight double precision,
+    reason text NOT NULL DEFAULT '',
+    author text NOT NULL DEFAULT '',
+    expires_at timestamptz,
+    at timestamptz NOT NULL,
+    CONSTRAINT keyed_fair_weight_log_action_known CHECK (action IN ('set', 'clear', 'expire'))
+);
+CREATE INDEX keyed_fair_weight_log_name_idx ON keyed_fair_weight_log (name, at);
 
 -- Slots: one counter row per key and shard. used = claims that exist for (key, shard) (D1); the bound
 -- used < share(limit) is checked by the guarded UPDATE that claims, under this row's lock.
@@ -229,7 +264,10 @@ CREATE TABLE keyed_waiting (
         cardinality(reserved_keys) IS NOT DISTINCT FROM cardinality(reserved_shards)),
     CONSTRAINT keyed_waiting_reserved_when CHECK ((reserved_keys IS NULL) = (reserved_at IS NULL)),
     -- a debounced row (0011) has both: its burst's identity in its line and its latest due time
-    CONSTRAINT keyed_waiting_debounce_pair CHECK ((debounce_key IS NULL) = (debounce_cap IS NULL))
+    CONSTRAINT keyed_waiting_debounce_pair CHECK ((debounce_key IS NULL) = (debounce_cap IS NULL)),
+    -- the weight the parked call carries (task option / header fair_weight, 0016); NULL: none
+    fair_weight double precision,
+    CONSTRAINT keyed_waiting_fair_weight_positive CHECK (fair_weight > 0)
 );
 -- FIFO per key by priority then arrival, over promotable rows only, so promotion never walks past rows that
 -- are not yet due, shadows or blocked group members.
@@ -292,6 +330,35 @@ BEGIN
     END IF;
     SELECT c.slot_limit INTO v_limit FROM keyed_names c WHERE c.name = p_name;
     RETURN COALESCE(v_limit, 1);
+END
+$$;
+
+-- The weight of fair key p_fair_key of name p_name, whose head carries p_task_weight (NULL: none), 0016: a live
+-- override (longest matching prefix), else the call's weight, else the name's table (longest matching prefix), else
+-- 1. A prefix matches a fair key equal to it or starting with it and ':' ("tenant" matches "tenant:7"; "tenant:big"
+-- matches "tenant:big" and "tenant:big:eu", never "tenant:bigger"). PL/pgSQL like keyed_effective_limit: called once per
+-- waiting fair key at every promotion of a fair line, its lookups keep their plans for the session.
+CREATE FUNCTION keyed_fair_weight(p_name text, p_fair_key text, p_task_weight double precision,
+                                  p_now timestamptz) RETURNS double precision
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_weight double precision;
+BEGIN
+    SELECT o.weight INTO v_weight FROM keyed_fair_weight_overrides o
+     WHERE o.name = p_name AND (o.expires_at IS NULL OR o.expires_at > COALESCE(p_now, now()))
+       AND (p_fair_key = o.prefix OR starts_with(p_fair_key, o.prefix || ':'))
+     ORDER BY length(o.prefix) DESC LIMIT 1;
+    IF v_weight IS NOT NULL THEN
+        RETURN v_weight;
+    END IF;
+    IF p_task_weight IS NOT NULL THEN
+        RETURN p_task_weight;
+    END IF;
+    SELECT CAST(w.value AS double precision) INTO v_weight
+      FROM keyed_names c CROSS JOIN LATERAL jsonb_each_text(c.fair_weights) AS w(prefix, value)
+     WHERE c.name = p_name AND (p_fair_key = w.prefix OR starts_with(p_fair_key, w.prefix || ':'))
+     ORDER BY length(w.prefix) DESC LIMIT 1;
+    RETURN COALESCE(v_weight, 1.0);
 END
 $$;
 
