@@ -204,3 +204,8 @@ def _define_tasks(app: Any, ns: Any) -> None:
 
 if "CELERY_BROKER_URL" in os.environ and "KEYED_DATABASE_URL" in os.environ:
     app = make_app(os.environ).app
+
+if os.environ.get("KEYED_TEST_DIE_AFTER_POP"):  # tests/acceptance/midpop.py: a worker killed mid-pop
+    from tests.acceptance.midpop import die_after_pop
+
+    die_after_pop(os.environ["KEYED_TEST_DIE_AFTER_POP"])

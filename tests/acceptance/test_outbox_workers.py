@@ -7,6 +7,7 @@ balance: one task id, one outcome."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 import redis
@@ -72,3 +73,38 @@ def test_a_late_copy_and_its_republished_twin_run_once(outbox_cluster: Cluster, 
     assert _starts(cluster, result.id) == 1
     assert cluster.scalar("SELECT count(*) FROM keyed_outbox") == 0
     assert dict(cluster.rows("SELECT outcome, count(*) FROM keyed_tasks GROUP BY outcome")) == {"completed": 1}
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["outbox", "no-outbox"])
+def test_a_message_popped_by_a_worker_killed_mid_pop(
+    outbox_cluster: Cluster, broker, producer, registered: bool
+) -> None:
+    """A real worker process dies right after its BRPOP took the message off the list and before kombu recorded
+    it as unacked (tests/acceptance/midpop.py): the broker holds no copy any more. Registered at publish, the
+    message is published again from the ledger's copy and runs exactly once; without the outbox it is lost —
+    the control that shows the fault really loses it."""
+    cluster = outbox_cluster
+    prefix = f"midpop-{registered}-"
+    result = producer.hold.apply_async(
+        ("acct:3", 0.1, "mid-pop"), task_id=f"{prefix}{uuid.uuid4().hex[:8]}", keyed_register_at_publish=registered
+    )
+    cluster.env["KEYED_TEST_DIE_AFTER_POP"] = prefix
+    try:
+        dying = cluster.start_worker("w1", concurrency=2, wait=False)
+        assert dying.wait(timeout=60) == 9, cluster.logs["w1"].read_text()[-3000:]
+    finally:
+        del cluster.env["KEYED_TEST_DIE_AFTER_POP"]
+    assert broker.llen("celery") == 0
+    assert not any(result.id in str(value) for value in broker.hvals("unacked"))  # lost for the broker
+    assert cluster.scalar("SELECT count(*) FROM keyed_tasks") == 0  # and the gate never saw it
+    cluster.start_worker("w2", concurrency=2)
+    if registered:
+        assert result.get(timeout=30) == "mid-pop"
+        cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'", 1)
+        assert _starts(cluster, result.id) == 1
+        assert cluster.scalar("SELECT count(*) FROM keyed_outbox") == 0
+        assert dict(cluster.rows("SELECT outcome, count(*) FROM keyed_tasks GROUP BY outcome")) == {"completed": 1}
+    else:
+        time.sleep(3 * ARRIVAL)  # longer than an outbox copy would have waited
+        assert _starts(cluster, result.id) == 0
+        assert cluster.scalar("SELECT count(*) FROM keyed_tasks") == 0
