@@ -64,6 +64,12 @@ bench-peers: venv
 bench-scale: venv
 	$(VPY) -m bench.scale $(if $(QUICK),--quick) $(SCALE_ARGS)
 
+# What the outbox costs a producer (issue 14 item 8): keyed publishes without it, with keyed_register_at_publish
+# (a ledger commit each) and in a caller's transaction (~1 min; QUICK=1 ~20 s). Holds the benchmark lock (flock).
+.PHONY: bench-publish
+bench-publish: venv
+	$(VPY) -m bench.publish $(if $(QUICK),--quick)
+
 # The example project (Django + Celery) on a throwaway Postgres + Redis: Django migrate, two real workers and beat,
 # the eight-arrival fixture and a mixed multi-tenant workload, then the timelines, the books, a verdict (exit 0 =
 # every expectation held) and demo-out/inflight.png. SERVE=1 then keeps Django admin up (login demo / demo) until
