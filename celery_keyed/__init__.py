@@ -42,10 +42,14 @@ __all__ = [
     "KeyedSuperseded",
     "KeyedTask",
     "__version__",
+    "clear_key_limit",
     "clear_limit",
     "install",
     "keyed_task",
+    "pause_key",
+    "resume_key",
     "revoke",
+    "set_key_limit",
     "set_limit",
 ]
 
@@ -131,6 +135,48 @@ def clear_limit(app: Any, name: str, *, reason: str = "", author: str = "", conn
         clear_override(connection, name, reason=reason, author=author)
         return
     _dispatch(app, _ledger(app).clear_override(name, reason=reason, author=author))
+
+
+def pause_key(app: Any, key: str, seconds: float, *, reason: str, author: str = "") -> Any:
+    """Pause one key (not its whole name) for ``seconds``: nothing new of the key starts before then, cluster-wide;
+    running tasks go on; its waiting tasks keep their places and start when the pause ends. Only ever extends a
+    pause. Returns the end of the pause in force (a ``datetime``). Inside a task: ``self.keyed_pause(seconds)``."""
+    until, _ = _ledger(app).pause_key(key, seconds, reason=reason, author=author)
+    return until
+
+
+def resume_key(app: Any, key: str, *, reason: str = "", author: str = "") -> bool:
+    """End the pause of ``key`` now (its waiting tasks start); False when it was not paused."""
+    promotions = _ledger(app).resume_key(key, reason=reason, author=author)
+    _dispatch(app, promotions or [])
+    return promotions is not None
+
+
+def set_key_limit(
+    app: Any,
+    key: str,
+    limit: int,
+    *,
+    reason: str,
+    author: str = "",
+    expires_in: float | None = None,
+    expires_at: Any = None,
+) -> None:
+    """Give one key a limit of its own (it replaces its name's limit for that key; 0 stops it), for ``expires_in``
+    seconds or until ``expires_at`` (neither: until cleared). Inside a task: ``self.keyed_set_limit(n)``."""
+    _dispatch(
+        app,
+        _ledger(app).set_key_limit(
+            key, limit, reason=reason, author=author, expires_in=expires_in, expires_at=expires_at
+        ),
+    )
+
+
+def clear_key_limit(app: Any, key: str, *, reason: str = "", author: str = "") -> bool:
+    """Remove the key's own limit (its name's applies again); False when it had none."""
+    promotions = _ledger(app).clear_key_limit(key, reason=reason, author=author)
+    _dispatch(app, promotions or [])
+    return promotions is not None
 
 
 def revoke(app: Any, task_id: str, **kwargs: Any) -> None:

@@ -42,6 +42,7 @@ from celery_keyed.ledger import (
     FairShare,
     InvalidConfig,
     InvalidKey,
+    KeyOverride,
     KeyStatus,
     Ledger,
     LedgerError,
@@ -55,8 +56,10 @@ from celery_keyed.ledger import (
     fair_shares,
     fair_weight_overrides,
     holders_latest,
+    key_overrides_live,
     migrate,
     names_newest_version,
+    normalize_key,
     outbox_by_name,
     override_get,
     schema_missing,
@@ -298,6 +301,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         workers = [dict(r._mapping) for r in holders_latest(conn)]
         sends = [s for s in sent_by_name(conn) if name is None or s.name == name]
         outbox = [o for o in outbox_by_name(conn) if name is None or o.name == name]
+        key_overrides = key_overrides_live(conn, name=name)  # a key's own pause or limit (issue 14 item 4)
         shares = fair_shares(conn, name=name, limit=max(limit, 1) * 10) if limit else []
     notes = _config_notes(operator.settings, names, name) + _version_notes(operator.settings, newest, workers)
     if as_json:
@@ -311,6 +315,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
                 "workers": workers,
                 "sends": [s.as_dict() for s in sends],
                 "outbox": [o.as_dict() for o in outbox],
+                "key_overrides": [k.as_dict() for k in key_overrides],
                 "fair_shares": [f.as_dict() for f in shares],
                 "notes": notes,
             }
@@ -324,6 +329,9 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
         busy = sum(n.busy_keys for n in names)
         shown = f"{len(key_rows)} of {total} keys shown" if idle else f"{len(key_rows)} of {busy} busy keys shown"
         click.echo(f"({shown}; {total} keys in the ledger" + (f" for {name})" if name else ")"))
+    if key_overrides:
+        click.echo()
+        click.echo(key_overrides_table(key_overrides))
     if shares:
         click.echo()
         click.echo(fair_shares_table(shares))
@@ -423,6 +431,8 @@ def _names_table(names: list[NameStatus]) -> str:
             note += f": {n.override_reason}"
         elif n.paused:
             note = "PAUSED"
+        if n.paused_keys or n.limited_keys:
+            note = "; ".join(x for x in (note, key_overrides_note(n)) if x)
         waiting = f"{n.waiting} ({n.debounced} debounced)" if n.debounced else n.waiting
         rows.append(
             (n.name, n.limit, n.source, _rules(n), n.keys, n.in_flight, waiting, _age(n.oldest_waiting_age), note)
@@ -626,6 +636,185 @@ def clear_limit(operator: Operator, name: str, reason: str, author: str | None, 
         f"{name}: override {existing.slot_limit} cleared; limit {now_limit} ({now_source}); "
         f"{len(promotions)} waiting task(s) promoted"
     )
+
+
+# -- key overrides: pause-key / resume-key / set-key-limit / clear-key-limit (issue 14 item 4) ----------------
+
+
+def _key_argument(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    try:
+        return normalize_key(value)
+    except InvalidKey as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _time_option(value: str | None, option: str) -> datetime | None:
+    """An ISO 8601 time in the future (no offset = UTC), or None."""
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"not an ISO 8601 time: {value!r}", param_hint=option) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    try:
+        when = when.astimezone(UTC)
+    except OverflowError:  # past 9999-12-31 in UTC: no timestamp in Python holds it
+        raise click.BadParameter(f"{value!r} is past the year 9999 in UTC", param_hint=option) from None
+    if when <= datetime.now(UTC):
+        raise click.BadParameter(f"{value!r} is in the past", param_hint=option)
+    return when
+
+
+def _reason(reason: str) -> str:
+    if not reason.strip():
+        raise click.BadParameter("a reason is required", param_hint="'--reason'")
+    return reason
+
+
+def key_overrides_note(n: NameStatus) -> str:
+    """The names table's word on a name's keys with an override of their own."""
+    parts = []
+    if n.paused_keys:
+        parts.append(f"{n.paused_keys} key{'s' if n.paused_keys != 1 else ''} paused")
+    if n.limited_keys:
+        parts.append(f"{n.limited_keys} key{'s' if n.limited_keys != 1 else ''} with own limit")
+    return ", ".join(parts)
+
+
+def key_overrides_table(overrides: list[KeyOverride]) -> str:
+    """The keys with an override of their own in force: paused until when and why, their own limit and why."""
+    rows = [
+        (
+            o.key,
+            o.effective_limit,
+            "-" if o.paused_until is None else _when(o.paused_until),
+            "-" if o.paused_until is None else f"{o.pause_reason} ({o.pause_author or '?'})",
+            "-" if o.slot_limit is None else o.slot_limit,
+            "-" if o.slot_limit is None else _when(o.expires_at) if o.expires_at else "until cleared",
+            "-" if o.slot_limit is None else f"{o.reason} ({o.author or '?'})",
+        )
+        for o in overrides
+    ]
+    return "key overrides (a key's own pause or limit; a paused name pauses every key)\n" + render_table(
+        ("KEY", "LIMIT NOW", "PAUSED UNTIL", "PAUSE REASON", "OWN LIMIT", "LIMIT UNTIL", "LIMIT REASON"),
+        rows,
+        right=(1, 4),
+    )
+
+
+def _done(as_json: bool, result: dict[str, Any], text: str) -> None:
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(text)
+
+
+@keyed.command("pause-key")
+@click.argument("key", callback=_key_argument)
+@click.option("--for", "seconds", type=Seconds(), metavar="SECONDS", help="Pause for this many seconds.")
+@click.option("--until", "until", metavar="ISO", help="Pause until this time (ISO 8601; no offset = UTC).")
+@click.option("--reason", required=True, help="Why (required; kept in the audit trail).")
+@click.option("--author", default=None, help="Who pauses it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def pause_key_command(
+    operator: Operator, key: str, seconds: float | None, until: str | None, reason: str, author: str | None,
+    as_json: bool,
+) -> None:
+    """Pause one KEY (not its whole name): no task of KEY starts before the pause ends; running ones go on; waiting
+    ones keep their places and start when it ends. Only ever extends a pause (resume-key ends it)."""
+    _reason(reason)
+    if (seconds is None) == (until is None):
+        raise click.UsageError("give --for SECONDS or --until ISO (one of the two)")
+    author = author if author is not None else _default_author()
+    paused_until, changed = operator.ledger.pause_key(
+        key, seconds, until=_time_option(until, "'--until'"), reason=reason, author=author
+    )
+    result = {"key": key, "paused_until": paused_until, "changed": changed, "reason": reason, "author": author}
+    text = (
+        f"{key}: paused until {_when(paused_until)}"
+        if changed
+        else f"{key}: already paused until {_when(paused_until)} (a pause is only extended; nothing changed)"
+    )
+    _done(as_json, result, text)
+
+
+@keyed.command("resume-key")
+@click.argument("key", callback=_key_argument)
+@click.option("--reason", default="", help="Why (kept in the audit trail).")
+@click.option("--author", default=None, help="Who resumes it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def resume_key_command(operator: Operator, key: str, reason: str, author: str | None, as_json: bool) -> None:
+    """End the pause of KEY now: its waiting tasks start (as its limit allows)."""
+    author = author if author is not None else _default_author()
+    promotions = operator.ledger.resume_key(key, reason=reason, author=author)
+    operator.dispatch(promotions or [])
+    promoted = len(promotions or [])
+    result = {"key": key, "resumed": promotions is not None, "promoted": promoted}
+    text = (
+        f"{key}: resumed; {promoted} waiting task(s) promoted"
+        if promotions is not None
+        else f"{key}: not paused (nothing changed)"
+    )
+    _done(as_json, result, text)
+
+
+@keyed.command("set-key-limit", context_settings={"ignore_unknown_options": True})  # "-1" is a bad N
+@click.argument("key", callback=_key_argument)
+@click.argument("limit", type=click.IntRange(min=0, max=SLOT_LIMIT_MAX), metavar="N")
+@click.option("--reason", required=True, help="Why (required; kept in the audit trail).")
+@click.option("--expires-in", type=Seconds(), metavar="SECONDS", help="The limit lapses after this many seconds.")
+@click.option("--until", "until", metavar="ISO", help="The limit lapses at this time (ISO 8601; no offset = UTC).")
+@click.option("--author", default=None, help="Who sets it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def set_key_limit_command(
+    operator: Operator, key: str, limit: int, reason: str, expires_in: float | None, until: str | None,
+    author: str | None, as_json: bool,
+) -> None:
+    """Give one KEY a limit of its own: N tasks of KEY at once, cluster-wide, instead of its name's limit (other keys
+    of the name keep theirs). Lowering never preempts; raising promotes waiting tasks at once."""
+    _reason(reason)
+    if expires_in is not None and until is not None:
+        raise click.UsageError("give --expires-in or --until, not both")
+    author = author if author is not None else _default_author()
+    expires_at = _time_option(until, "'--until'")
+    promotions = operator.ledger.set_key_limit(
+        key, limit, reason=reason, author=author, expires_at=expires_at, expires_in=expires_in
+    )
+    operator.dispatch(promotions)
+    own = operator.ledger.key_override(key)
+    until = None if own is None else own.expires_at
+    result = {
+        "key": key, "limit": limit, "expires_at": until, "reason": reason, "author": author,
+        "promoted": len(promotions), "effective_limit": None if own is None else own.effective_limit,
+    }
+    until_text = f" until {_when(until)}" if until else ""
+    _done(as_json, result, f"{key}: own limit {limit}{until_text}; {len(promotions)} waiting task(s) promoted")
+
+
+@keyed.command("clear-key-limit")
+@click.argument("key", callback=_key_argument)
+@click.option("--reason", default="", help="Why (kept in the audit trail).")
+@click.option("--author", default=None, help="Who clears it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def clear_key_limit_command(operator: Operator, key: str, reason: str, author: str | None, as_json: bool) -> None:
+    """Remove the limit of KEY's own: its name's limit applies to it again at once (a pause of KEY stays)."""
+    author = author if author is not None else _default_author()
+    promotions = operator.ledger.clear_key_limit(key, reason=reason, author=author)
+    operator.dispatch(promotions or [])
+    promoted = len(promotions or [])
+    result = {"key": key, "cleared": promotions is not None, "promoted": promoted}
+    text = (
+        f"{key}: own limit cleared; {promoted} waiting task(s) promoted"
+        if promotions is not None
+        else f"{key}: no limit of its own to clear (nothing changed)"
+    )
+    _done(as_json, result, text)
 
 
 # -- reconcile ---------------------------------------------------------------------------------------------

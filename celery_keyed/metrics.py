@@ -196,6 +196,7 @@ class LedgerCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         # The families without samples: registering never queries the ledger.
         yield from self._families()
+        yield from self._key_overrides([])
         yield from self._fair([])
 
     def collect(self) -> Iterator[Metric]:
@@ -222,6 +223,7 @@ class LedgerCollector(Collector):
         up_family.add_metric([], up)
         duration.add_metric([], time.perf_counter() - started_at)
         yield from families
+        yield from self._key_overrides(names)
         yield from self._fair(shares)
 
     @staticmethod
@@ -251,6 +253,23 @@ class LedgerCollector(Collector):
             waiting.add_metric(list(labels), w)
             weight.add_metric(list(labels), wt)
         return [held, waiting, weight]
+    @staticmethod
+    def _key_overrides(names: list[Any]) -> list[GaugeMetricFamily]:
+        """A key that throttles itself (issue 14 item 4): per name, how many of its keys are paused on their own now,
+        and how many have a limit of their own (never a series per key)."""
+        paused = GaugeMetricFamily(
+            "celery_keyed_keys_paused", "Keys of a name paused on their own now (keyed_pause, pause-key).",
+            labels=["name"],
+        )
+        limited = GaugeMetricFamily(
+            "celery_keyed_keys_own_limit", "Keys of a name with a limit of their own now (keyed_set_limit).",
+            labels=["name"],
+        )
+        for n in names:
+            paused.add_metric([n.name], n.paused_keys)
+            limited.add_metric([n.name], n.limited_keys)
+        return [paused, limited]
+
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
         return [

@@ -79,6 +79,15 @@ from celery_keyed.ledger.holders import (
     machine_identity,
     new_holder,
 )
+from celery_keyed.ledger.key_overrides import (
+    KeyOverride,
+    clear_key_limit,
+    key_override_get,
+    key_overrides_live,
+    pause_key,
+    resume_key,
+    set_key_limit,
+)
 from celery_keyed.ledger.keys import keys_captured_by
 from celery_keyed.ledger.keyspec import key_name, normalize_key, validate_name
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
@@ -131,6 +140,7 @@ __all__ = [
     "HeldClaim",
     "InvalidConfig",
     "InvalidKey",
+    "KeyOverride",
     "KeyStatus",
     "Ledger",
     "LedgerError",
@@ -164,6 +174,7 @@ __all__ = [
     "check_weight",
     "claims_renew",
     "clear_fair_weight",
+    "clear_key_limit",
     "clear_override",
     "configure_names",
     "drop_idle_keys_once",
@@ -173,6 +184,8 @@ __all__ = [
     "groups_register",
     "holders_latest",
     "key_name",
+    "key_override_get",
+    "key_overrides_live",
     "keys_captured_by",
     "migrate",
     "names_newest_version",
@@ -182,13 +195,16 @@ __all__ = [
     "outbox_register",
     "override_get",
     "parse_limits",
+    "pause_key",
     "prune_books_once",
     "reclaim_once",
     "reconcile_once",
+    "resume_key",
     "schema_missing",
     "sent_admit",
     "sent_by_name",
     "set_fair_weight",
+    "set_key_limit",
     "set_override",
     "status_key_count",
     "status_keys",
@@ -807,6 +823,70 @@ class Ledger:
 
     def promote_key(self, key: str, *, now: datetime | None = None) -> list[Promotion]:
         return self.transaction(lambda conn: promote.promote_key(conn, key, dispatch=self.dispatch, now=now))
+
+    # -- key overrides (issue 14 item 4: a key that throttles itself; ledger/key_overrides.py) -------------------
+
+    def set_key_limit(
+        self,
+        key: str,
+        limit: int,
+        *,
+        reason: str,
+        author: str = "",
+        expires_at: datetime | None = None,
+        expires_in: float | None = None,
+        now: datetime | None = None,
+    ) -> list[Promotion]:
+        """Give ``key`` a limit of its own (its name's no longer applies to it) until ``expires_at`` / for
+        ``expires_in`` seconds (neither: until cleared), audited; the promotions a raised limit made."""
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: set_key_limit(
+                    conn, key, limit, reason=reason, author=author, expires_at=expires_at, expires_in=expires_in,
+                    dispatch=self.dispatch, now=now,
+                )
+            )
+
+    def clear_key_limit(
+        self, key: str, *, reason: str = "", author: str = "", now: datetime | None = None
+    ) -> list[Promotion] | None:
+        """Remove the key's own limit (its name's applies again); None when it had none."""
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: clear_key_limit(conn, key, reason=reason, author=author, dispatch=self.dispatch, now=now)
+            )
+
+    def pause_key(
+        self,
+        key: str,
+        seconds: float | None = None,
+        *,
+        until: datetime | None = None,
+        reason: str,
+        author: str = "",
+        now: datetime | None = None,
+    ) -> tuple[datetime, bool]:
+        """Pause ``key`` (not its name) for ``seconds`` or until ``until``: nothing new of it starts before then,
+        running attempts go on, its waiters keep their places. Only ever extends a pause. (End of the pause in force,
+        whether this call set it.)"""
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: pause_key(conn, key, seconds, until=until, reason=reason, author=author, now=now)
+            )
+
+    def resume_key(
+        self, key: str, *, reason: str = "", author: str = "", now: datetime | None = None
+    ) -> list[Promotion] | None:
+        """End the pause of ``key`` now; its waiters are promoted (returned). None when it was not paused."""
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: resume_key(conn, key, reason=reason, author=author, dispatch=self.dispatch, now=now)
+            )
+
+    def key_override(self, key: str, *, now: datetime | None = None) -> KeyOverride | None:
+        """The override of ``key`` in force now (its own limit, its pause), or None."""
+        with schema_required(self.engine), self.engine.connect() as conn:
+            return key_override_get(conn, key, now=now)
 
     def sweep(
         self,

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from celery_keyed.ledger.bounds import is_exclusive
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.fair_weights import fair_shares
+from celery_keyed.ledger.key_overrides import KeyOverride, key_override_get
 from celery_keyed.ledger.slots import in_flight
 
 EXPLAIN_TASK = sa.text(
@@ -34,7 +35,7 @@ EXPLAIN_WAITING = sa.text(
              WHERE o.key = w.key AND NOT o.shadow AND o.not_before IS NULL AND NOT o.group_blocked
                AND (o.priority > w.priority OR (o.priority = w.priority AND o.arrival < w.arrival))) AS ahead,
            (SELECT COALESCE(sum({in_flight('s.used')}), 0) FROM keyed_slots s WHERE s.key = w.key) AS in_flight,
-           keyed_effective_limit(split_part(w.key, ':', 1), {NOW}) AS k
+           keyed_key_limit(w.key, {NOW}) AS k
       FROM keyed_waiting w WHERE w.task_id = :task_id ORDER BY w.attempt DESC LIMIT 1
     """
 )
@@ -163,6 +164,9 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             dict(task),
         )
     facts = {**wait, "mode": _mode(wait)}
+    own = key_override_get(conn, wait["key"], now=now) if wait["key"] is not None else None
+    if own is not None:  # a key override (issue 14 item 4): the key's own limit, its pause
+        facts["key_override"] = own.as_dict()
     if wait["shadow"]:
         return Explanation(
             task_id,
@@ -211,7 +215,7 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             return Explanation(
                 task_id,
                 "paused",
-                f"key {wait['key']} is paused (limit 0); {wait['ahead']} waiting ahead",
+                _paused_text(wait, own),
                 facts,
             )
         if wait["fair"]:
@@ -223,7 +227,7 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             task_id,
             "waiting",
             f"waiting behind {wait['ahead']} others for key {wait['key']}{alone}"
-            f" (in flight {wait['in_flight']}/{wait['k']})",
+            f" (in flight {wait['in_flight']}/{wait['k']}{_own_limit_text(own)})",
             facts,
         )
     return Explanation(task_id, "waiting", f"waiting for group {wait['group_key']}", facts)
@@ -246,6 +250,27 @@ def _fair_text(conn: sa.Connection, wait: Any, facts: dict[str, Any], *, now: An
         f"{mine.share:.1f}, load {mine.load:.2f}); {before} waiting fair key{'' if before == 1 else 's'} with a lower "
         f"load go{'es' if before == 1 else ''} first, then its own line of {mine.waiting}"
     )
+
+
+def _paused_text(wait: Any, own: KeyOverride | None) -> str:
+    """Why a waiter's key has limit 0: the key's own pause (issue 14 item 4), or its name's."""
+    if own is not None and own.paused_until is not None:
+        by = f" by {own.pause_author}" if own.pause_author else ""
+        return (
+            f"key {wait['key']} is paused until {own.paused_until} ({own.pause_reason}{by}); {wait['ahead']} waiting"
+            " ahead; the key's line starts again when the pause ends (running tasks of the key go on)"
+        )
+    if own is not None and own.slot_limit == 0:
+        return f"key {wait['key']} has its own limit 0 ({own.reason}); {wait['ahead']} waiting ahead"
+    return f"key {wait['key']} is paused (limit 0: its name is paused); {wait['ahead']} waiting ahead"
+
+
+def _own_limit_text(own: KeyOverride | None) -> str:
+    """``; the key's own limit ...`` when the key has one (it replaces its name's)."""
+    if own is None or own.slot_limit is None:
+        return ""
+    until = f" until {own.expires_at}" if own.expires_at is not None else ""
+    return f"; the key's own limit{until}: {own.reason}"
 
 
 def _mode(row: Any) -> str:

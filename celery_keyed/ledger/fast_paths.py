@@ -24,18 +24,19 @@ _CLAIM_NEW = """
         RETURNING (xmax = 0) AS new, outcome, finished_attempt,
                   COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
     ), lim AS (
-        SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n,
-               (SELECT c.rate FROM keyed_names c WHERE c.name = :name) AS rate
+        SELECT keyed_name_shards(:name) AS n, (SELECT c.rate FROM keyed_names c WHERE c.name = :name) AS rate
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim, arr
          WHERE arr.new AND NOT arr.expired AND lim.rate IS NULL
-           AND s.key = :key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard) AND NOT {PROMOTABLE}
+           AND s.key = :key AND s.used + :cost <= keyed_shard_share(keyed_key_limit(:key, {NOW}), lim.n, s.shard)
+           AND NOT {PROMOTABLE}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s {lock_wait}
     ), took AS (
         UPDATE keyed_slots s SET used = s.used + :cost
           FROM pick, lim
-         WHERE s.key = :key AND s.shard = pick.shard AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
+         WHERE s.key = :key AND s.shard = pick.shard
+           AND s.used + :cost <= keyed_shard_share(keyed_key_limit(:key, {NOW}), lim.n, s.shard)
         RETURNING s.shard
     ), claimed AS (
         INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
@@ -73,14 +74,15 @@ CLAIM_NEW_MULTI = sa.text(
         SELECT w.key, w.ord, split_part(w.key, ':', 1) AS name
           FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS w(key, ord)
     ), lim AS (
-        SELECT want.key, want.ord, keyed_effective_limit(want.name, {NOW}) AS k, keyed_name_shards(want.name) AS n,
+        SELECT want.key, want.ord, keyed_name_shards(want.name) AS n,
                (SELECT c.rate FROM keyed_names c WHERE c.name = want.name) AS rate
           FROM want
     ), pick AS (
         SELECT lim.key, lim.ord, p.shard
           FROM arr, lim, LATERAL (
                SELECT s.shard FROM keyed_slots s
-                WHERE s.key = lim.key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
+                WHERE s.key = lim.key AND s.used + :cost <= keyed_shard_share(keyed_key_limit(lim.key, {NOW}), lim.n,
+                                                                              s.shard)
                   AND NOT EXISTS (
                       SELECT 1 FROM keyed_waiting w
                        WHERE w.key = lim.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= {NOW})
@@ -148,7 +150,7 @@ RELEASE_FAST = sa.text(
           FROM lk
          WHERE sl.key = lk.key AND sl.shard = lk.shard
         RETURNING sl.key, sl.shard,
-                  GREATEST(keyed_shard_share(keyed_effective_limit(sl.name, {NOW}), keyed_name_shards(sl.name),
+                  GREATEST(keyed_shard_share(keyed_key_limit(sl.key, {NOW}), keyed_name_shards(sl.name),
                                              sl.shard) - sl.used, 0) AS free
     )
     SELECT c.task_id, c.attempt, c.key, c.shard, c.fence,

@@ -4,7 +4,8 @@
 0 pauses a name. An override takes effect at the next claim (the claim statement reads it through
 ``keyed_effective_limit``); lowering never preempts running attempts; raising or clearing promotes waiters
 in the same transaction (D2). Every function runs in the caller's transaction, so an override can commit or
-roll back together with the caller's own work (DESIGN §3.7).
+roll back together with the caller's own work (DESIGN §3.7). The overrides of single keys (a key's own pause or limit,
+issue 14 item 4) are ``key_overrides.py``; both write the audit trail through ``OVERRIDE_LOG_INSERT``.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ OVERRIDES_DELETE_EXPIRED = sa.text(
     """
 )
 
+# override_log_insert: one row of the audit trail; ``key`` NULL for a name's override, the key for a key's (0014).
 OVERRIDE_LOG_INSERT = sa.text(
     f"""
-    INSERT INTO keyed_override_log (name, action, old_limit, new_limit, reason, author, expires_at, at)
-    VALUES (:name, :action, :old_limit, :new_limit, :reason, :author, :expires_at, {NOW})
+    INSERT INTO keyed_override_log (name, key, action, old_limit, new_limit, reason, author, expires_at, at)
+    VALUES (:name, CAST(:key AS text), :action, :old_limit, :new_limit, :reason, :author, :expires_at, {NOW})
     """
 )
 
@@ -93,7 +95,9 @@ def set_override(
     }
     old = conn.execute(OVERRIDES_LOCK, {"name": name}).scalar_one_or_none()
     conn.execute(OVERRIDES_SET, params)
-    conn.execute(OVERRIDE_LOG_INSERT, {**params, "action": "set", "old_limit": old, "new_limit": limit})
+    conn.execute(
+        OVERRIDE_LOG_INSERT, {**params, "key": None, "action": "set", "old_limit": old, "new_limit": limit}
+    )
     return promote_name(conn, name, dispatch=dispatch, now=now)
 
 
@@ -114,6 +118,7 @@ def clear_override(
         OVERRIDE_LOG_INSERT,
         {
             "name": name,
+            "key": None,
             "action": "clear",
             "old_limit": old,
             "new_limit": None,
@@ -136,6 +141,7 @@ def expire_overrides(
             OVERRIDE_LOG_INSERT,
             {
                 "name": row.name,
+                "key": None,
                 "action": "expire",
                 "old_limit": row.slot_limit,
                 "new_limit": None,

@@ -18,6 +18,7 @@ from celery_keyed.ledger import books, claims, fair_weights, groups, keys, overr
 from celery_keyed.ledger.attempts import Outcome, Promotion, TaskOutcome, Token
 from celery_keyed.ledger.claims import Holding
 from celery_keyed.ledger.events import events_record
+from celery_keyed.ledger.key_overrides import lapse_one_key_override
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.outcomes import finish_never_ran
 from celery_keyed.ledger.promote import (
@@ -137,6 +138,12 @@ def sweep_once(
                     keys.keys_remove_waiting(conn, o.key, dropped, now=now)
             else:
                 conn.execute(waiting.WAITING_SHADOW_LIVE, params)
+    while True:  # key overrides (0014): a key pause that ended, a key limit that lapsed: the key's waiters start (D2)
+        with engine.begin() as conn:
+            found, promoted = lapse_one_key_override(conn, dispatch=dispatch, now=now)
+            report.promotions += promoted
+        if not found:
+            break
     while True:
         with engine.begin() as conn:
             lost = conn.execute(

@@ -24,17 +24,18 @@ from celery_keyed.ledger.waiting import PROMOTABLE_EXISTS
 SLOTS_CLAIM_ANY = sa.text(
     f"""
     WITH lim AS (
-        SELECT keyed_effective_limit(:name, {NOW}) AS k, keyed_name_shards(:name) AS n
+        SELECT keyed_name_shards(:name) AS n
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim
-         WHERE s.key = :key AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
+         WHERE s.key = :key AND s.used + :cost <= keyed_shard_share(keyed_key_limit(:key, {NOW}), lim.n, s.shard)
            AND NOT {PROMOTABLE_EXISTS}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
     ), took AS (
         UPDATE keyed_slots s SET used = s.used + :cost
           FROM pick, lim
-         WHERE s.key = :key AND s.shard = pick.shard AND s.used + :cost <= keyed_shard_share(lim.k, lim.n, s.shard)
+         WHERE s.key = :key AND s.shard = pick.shard
+           AND s.used + :cost <= keyed_shard_share(keyed_key_limit(:key, {NOW}), lim.n, s.shard)
         RETURNING s.shard
     )
     SELECT (SELECT shard FROM took) AS shard, lim.n AS shards FROM lim
@@ -55,7 +56,7 @@ SLOTS_ENSURE = sa.text(
 SLOTS_LOCK_ALL = sa.text(
     f"""
     SELECT s.shard, s.used,
-           keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard) AS share,
+           keyed_shard_share(keyed_key_limit(:key, {NOW}), keyed_name_shards(:name), s.shard) AS share,
            keyed_name_shards(:name) AS shards
       FROM keyed_slots s
      WHERE s.key = :key
@@ -68,7 +69,7 @@ SLOTS_LOCK_ALL = sa.text(
 SLOTS_LOCK_ONE = sa.text(
     f"""
     SELECT s.used,
-           keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard) AS share
+           keyed_shard_share(keyed_key_limit(:key, {NOW}), keyed_name_shards(:name), s.shard) AS share
       FROM keyed_slots s WHERE s.key = :key AND s.shard = :shard
        FOR UPDATE
     """
@@ -77,7 +78,7 @@ SLOTS_LOCK_ONE = sa.text(
 # The guard of a take of ``cost`` slots of row ``s`` (the bound, D1): ``used + cost <= share``; for an exclusive
 # attempt (cost EXCLUSIVE_COST, readers and writers) ``used = 0`` on an unsharded, unpaused name instead — it then
 # holds EXCLUSIVE_COST, which no other attempt's ``used + cost <= share`` passes until it is given back.
-_SHARE = f"keyed_shard_share(keyed_effective_limit(:name, {NOW}), keyed_name_shards(:name), s.shard)"
+_SHARE = f"keyed_shard_share(keyed_key_limit(:key, {NOW}), keyed_name_shards(:name), s.shard)"
 FITS = f"""(CASE WHEN CAST(:cost AS integer) >= {EXCLUSIVE_COST}
                  THEN s.used = 0 AND keyed_name_shards(:name) = 1 AND {_SHARE} >= 1
                  ELSE s.used + :cost <= {_SHARE} END)"""
@@ -121,7 +122,7 @@ SLOTS_GIVE_BACK = sa.text(
     f"""
     UPDATE keyed_slots s SET used = s.used - :cost
      WHERE s.key = :key AND s.shard = :shard
-    RETURNING GREATEST(keyed_shard_share(keyed_effective_limit(s.name, {NOW}), keyed_name_shards(s.name), s.shard)
+    RETURNING GREATEST(keyed_shard_share(keyed_key_limit(s.key, {NOW}), keyed_name_shards(s.name), s.shard)
                        - s.used, 0) AS free
     """
 )
@@ -153,6 +154,11 @@ SLOTS_KEYS_AFTER = sa.text("SELECT DISTINCT key FROM keyed_slots WHERE key > :af
 # slots_lock_counters: lock every existing shard row of a key in shard order (reconcile: first lock, then count the
 # claims in a later statement, D1), answering each row's counter.
 SLOTS_LOCK_COUNTERS = sa.text("SELECT shard, used FROM keyed_slots WHERE key = :key ORDER BY shard FOR UPDATE")
+
+# slots_touch: rewrite every counter row of a key unchanged, under their locks (a key override that can stop claims,
+# 0014): a claim waiting for one of them then re-checks its guard against the override (keyed_key_limit reads with a
+# fresh snapshot), and one that holds one commits first. So once the override commits, no claim misses it.
+SLOTS_TOUCH = sa.text("UPDATE keyed_slots SET used = used WHERE key = :key")
 
 # slots_drop_idle: delete the counter rows of a key with nothing held (reconcile; the caller holds the locks).
 SLOTS_DROP_KEY = sa.text("DELETE FROM keyed_slots WHERE key = :key AND used = 0")

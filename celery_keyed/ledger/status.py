@@ -6,8 +6,9 @@ key rows' locks (D1): in flight = ``keyed_slots.used`` summed over a key's shard
 promoted and uncertain claims, and the reservations of multi-key waiters), waiting = ``keyed_keys.waiting``
 (attempts in the key's line). A key may have slot rows and no head row yet (the fast admission path
 creates only what it needs), hence the full joins. The effective limit is computed as in
-``keyed_effective_limit``: a live override, else the configured limit, else 1; ``source`` says which.
-Nothing here writes.
+``keyed_effective_limit``: a live override, else the configured limit, else 1; ``source`` says which. A key's limit
+is ``keyed_key_limit``'s (issue 14 item 4): its own pause (source ``key_paused``) or its own limit (``key``) when it
+has one and its name is not paused. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -62,8 +63,14 @@ STATUS_NAMES = sa.text(
          WHERE key IS NOT NULL AND NOT shadow
            AND (CAST(:name AS text) IS NULL OR split_part(key, ':', 1) = :name)
          GROUP BY 1
+    ), own AS (
+        SELECT name, count(*) FILTER (WHERE paused_until > {NOW}) AS paused_keys,
+               count(*) FILTER (WHERE slot_limit IS NOT NULL AND (expires_at IS NULL OR expires_at > {NOW}))
+                   AS limited_keys
+          FROM keyed_key_overrides WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY name
     ), {_LIMITS}, names AS (
         SELECT name FROM keyed_names UNION SELECT name FROM live UNION SELECT name FROM per_name
+        UNION SELECT name FROM own WHERE paused_keys > 0 OR limited_keys > 0
     )
     SELECT n.name, {_LIMIT_COLUMNS},
            COALESCE(p.keys, 0) AS keys, COALESCE(p.busy_keys, 0) AS busy_keys,
@@ -71,12 +78,14 @@ STATUS_NAMES = sa.text(
            w.oldest AS oldest_waiting_at,
            {_AGE} AS oldest_waiting_age,
            c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version,
-           COALESCE(w.debounced, 0) AS debounced
+           COALESCE(w.debounced, 0) AS debounced,
+           COALESCE(k.paused_keys, 0) AS paused_keys, COALESCE(k.limited_keys, 0) AS limited_keys
       FROM names n
       LEFT JOIN keyed_names c ON c.name = n.name
       LEFT JOIN live o ON o.name = n.name
       LEFT JOIN per_name p ON p.name = n.name
       LEFT JOIN oldest w ON w.name = n.name
+      LEFT JOIN own k ON k.name = n.name
      WHERE CAST(:name AS text) IS NULL OR n.name = :name
      ORDER BY n.name
     """
@@ -102,10 +111,14 @@ STATUS_KEYS = sa.text(
     ), {_LIMITS}
     SELECT t.key, t.name, {_LIMIT_COLUMNS},
            t.in_flight, t.waiting, w.oldest AS oldest_waiting_at,
-           {_AGE} AS oldest_waiting_age
+           {_AGE} AS oldest_waiting_age,
+           keyed_key_limit(t.key, {NOW}) AS key_limit,
+           CASE WHEN ko.paused_until > {NOW} THEN ko.paused_until END AS paused_until,
+           CASE WHEN ko.expires_at IS NULL OR ko.expires_at > {NOW} THEN ko.slot_limit END AS own_limit
       FROM top t
       LEFT JOIN keyed_names c ON c.name = t.name
       LEFT JOIN live o ON o.name = t.name
+      LEFT JOIN keyed_key_overrides ko ON ko.key = t.key
       LEFT JOIN LATERAL (
           SELECT min(x.arrived_at) AS oldest FROM keyed_waiting x WHERE x.key = t.key AND NOT x.shadow
       ) w ON t.waiting > 0
@@ -154,6 +167,8 @@ class NameStatus:
     uncertain_hold: float | None = None
     config_version: int | None = None  # keyed_config_version that stored its configuration (None: not configured)
     debounced: int = 0  # of the waiting: debounced tasks still in their key's quiet period (issue 14 item 2)
+    paused_keys: int = 0  # keys of the name paused on their own now (issue 14 item 4: keyed_pause, pause-key)
+    limited_keys: int = 0  # keys of the name with a limit of their own now (keyed_set_limit, set-key-limit)
 
     @property
     def paused(self) -> bool:
@@ -165,7 +180,9 @@ class NameStatus:
 
 @dataclass(frozen=True)
 class KeyStatus:
-    """One key: its name's effective ``limit`` and ``source``, in flight, waiting, oldest waiting arrival."""
+    """One key: its effective ``limit`` and ``source`` (``key_paused`` / ``key``: the key's own pause or limit, issue 14
+    item 4; else its name's: ``override``, ``config`` or ``default``), in flight, waiting, oldest waiting arrival,
+    and the end of its own pause (``paused_until``) if any."""
 
     key: str
     name: str
@@ -175,6 +192,7 @@ class KeyStatus:
     waiting: int
     oldest_waiting_at: datetime | None
     oldest_waiting_age: float | None
+    paused_until: datetime | None = None
 
     @property
     def paused(self) -> bool:
@@ -223,6 +241,8 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             uncertain_hold=r["uncertain_hold"],
             config_version=r["config_version"],
             debounced=int(r["debounced"]),
+            paused_keys=int(r["paused_keys"]),
+            limited_keys=int(r["limited_keys"]),
         )
         for r in rows
     ]
@@ -243,15 +263,28 @@ def status_keys(
         KeyStatus(
             key=r["key"],
             name=r["name"],
-            limit=int(r["slot_limit"]),
-            source=r["source"],
+            limit=int(r["key_limit"]),
+            source=_key_source(r),
             in_flight=int(r["in_flight"]),
             waiting=int(r["waiting"]),
             oldest_waiting_at=r["oldest_waiting_at"],
             oldest_waiting_age=_age(r["oldest_waiting_age"]),
+            paused_until=r["paused_until"],
         )
         for r in rows
     ]
+
+
+def _key_source(row: Any) -> str:
+    """Where a key's limit comes from (as ``keyed_key_limit`` decides): a paused name pauses every key; else the
+    key's own pause, else its own limit, else its name's source."""
+    if int(row["slot_limit"]) == 0:
+        return str(row["source"])
+    if row["paused_until"] is not None:
+        return "key_paused"
+    if row["own_limit"] is not None:
+        return "key"
+    return str(row["source"])
 
 
 def status_key_count(conn: sa.Connection, *, name: str | None = None) -> int:

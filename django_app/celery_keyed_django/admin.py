@@ -16,6 +16,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
+from django.contrib.admin.utils import quote
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce, Now
@@ -37,6 +38,7 @@ from celery_keyed_django.models import (
     Event,
     Holder,
     Key,
+    KeyOverride,
     Name,
     Outbox,
     Override,
@@ -174,6 +176,19 @@ def _limit_and_source(obj: Any) -> tuple[int, str]:
     if obj.configured_limit is not None:
         return obj.configured_limit, "configured"
     return 1, "default"
+
+
+def _key_limit_and_source(obj: Any) -> tuple[int, str]:
+    """A key's limit as ``keyed_key_limit`` decides it: a paused name pauses every key; else the key's own pause
+    (``key_paused``), else its own limit (``key``), else its name's."""
+    limit, source = _limit_and_source(obj)
+    if limit == 0:
+        return limit, source
+    if obj.key_paused_until is not None:
+        return 0, "key_paused"
+    if obj.key_limit is not None:
+        return obj.key_limit, "key"
+    return limit, source
 
 
 def _override_link(name: str, has_override: bool) -> str:
@@ -521,9 +536,14 @@ class KeyAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Key]:
         in_flight = Slot.objects.filter(key=OuterRef("key")).values("key").annotate(total=Sum("used")).values("total")
         oldest = Waiting.objects.filter(key=OuterRef("key"), shadow=False).order_by("arrival").values("arrived_at")
+        own = KeyOverride.objects.filter(key=OuterRef("key"))  # a key's own pause or limit (issue 14 item 4)
         return _limits(super().get_queryset(request)).annotate(
             in_flight=Coalesce(Subquery(in_flight[:1]), 0),
             oldest_waiting=Subquery(oldest[:1]),
+            key_paused_until=Subquery(own.filter(paused_until__gt=Now()).values("paused_until")[:1]),
+            key_limit=Subquery(
+                own.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now())).values("slot_limit")[:1]
+            ),
         )
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any], search_term: str) -> Any:
@@ -540,12 +560,17 @@ class KeyAdmin(ReadOnlyAdmin):
 
     @admin.display(description="Limit")
     def limit_display(self, obj: Any) -> str:
-        return str(_limit_and_source(obj)[0])
+        return str(_key_limit_and_source(obj)[0])
 
     @admin.display(description="Limit from")
     def source_display(self, obj: Any) -> str:
-        return {"override": "override", "configured": "configuration", "default": "default (mutex)"}[
-            _limit_and_source(obj)[1]]
+        source = _key_limit_and_source(obj)[1]
+        label = {"override": "override", "configured": "configuration", "default": "default (mutex)",
+                 "key_paused": "the key's pause", "key": "the key's own limit"}[source]
+        if source.startswith("key"):
+            return format_html('<a href="{}">{}</a>', _url("keyoverride_change", quote(obj.key)), label)
+        return label
+
 
     @admin.display(description="In flight")
     def in_flight_display(self, obj: Any) -> str:
@@ -567,7 +592,11 @@ class KeyAdmin(ReadOnlyAdmin):
 
     @admin.display(description="Paused")
     def paused_display(self, obj: Any) -> str:
-        if _limit_and_source(obj)[0] == 0:
+        limit, source = _key_limit_and_source(obj)
+        if source == "key_paused":
+            return format_html('<strong style="color:#ba2121">paused</strong> until {}',
+                               timezone.localtime(obj.key_paused_until).strftime("%H:%M:%S"))
+        if limit == 0:
             return format_html('<strong style="color:#ba2121">{}</strong>', "paused")
         return "—"
 
@@ -1154,4 +1183,5 @@ class OutboxAdmin(ReadOnlyAdmin):
 
 
 # Weighted fair sharing (issue 14 item 5): fair weight overrides and their audit trail, registered from their module.
-from celery_keyed_django import fair_weights_admin  # noqa: E402, F401
+# A key that throttles itself (issue 14 item 4): per-key pauses and limits, registered from their module.
+from celery_keyed_django import fair_weights_admin, key_overrides_admin  # noqa: E402, F401

@@ -92,8 +92,37 @@ class Override(models.Model):
         return self.name
 
 
+class KeyOverride(models.Model):
+    """A runtime limit and / or a pause of one key (``keyed_key_overrides``, 0014), set by an operator or by a task of
+    the key (``self.keyed_set_limit`` / ``self.keyed_pause``). Rows may hold a part that lapsed already (the sweep
+    clears it within a sweep interval): compare ``expires_at`` and ``paused_until`` with now."""
+
+    key = models.TextField(primary_key=True)
+    name = models.TextField()
+    slot_limit = models.IntegerField("key limit", null=True, blank=True)
+    expires_at = models.DateTimeField("limit expires", null=True, blank=True)
+    reason = models.TextField(null=True, blank=True)
+    author = models.TextField()
+    set_at = models.DateTimeField(null=True)
+    paused_until = models.DateTimeField(null=True, blank=True)
+    pause_reason = models.TextField(null=True, blank=True)
+    pause_author = models.TextField()
+    paused_at = models.DateTimeField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "keyed_key_overrides"
+        default_permissions = ("view",)
+        verbose_name = "key override"
+        ordering = ("key",)
+
+    def __str__(self) -> str:
+        return self.key
+
+
 class OverrideLog(models.Model):
-    """The overrides' audit trail (``keyed_override_log``): one row per set, clear or lapse."""
+    """The overrides' audit trail (``keyed_override_log``): one row per set, clear or lapse of a name's override, and
+    per set, clear, lapse, pause or resume of a key's (``key`` set, 0014)."""
 
     id = models.BigAutoField(primary_key=True)
     name = models.TextField()
@@ -104,6 +133,7 @@ class OverrideLog(models.Model):
     author = models.TextField()
     expires_at = models.DateTimeField(null=True)
     at = models.DateTimeField()
+    key = models.TextField(null=True)  # the key of a key override (0014); NULL for a name's
 
     class Meta:
         managed = False

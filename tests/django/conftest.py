@@ -40,6 +40,7 @@ LEDGER_TABLES = (
     "keyed_events",
     "keyed_books_pruned",
     "keyed_outbox",
+    "keyed_key_overrides",
     "keyed_fair_weight_overrides",
     "keyed_fair_weight_log",
 )

@@ -52,7 +52,9 @@ CREATE TABLE keyed_overrides (
     CONSTRAINT keyed_overrides_reason_present CHECK (btrim(reason) <> '')
 );
 
--- Override audit trail: one row per set, clear or lapse.
+-- Override audit trail: one row per set, clear or lapse of a name's override, and (0014) per set, clear, lapse,
+-- pause or resume of a key's (key set: the key; name: its name). A pause is new_limit 0 until expires_at; its end
+-- ('resume', by hand or by the sweep when it lapsed) is old_limit 0.
 CREATE TABLE keyed_override_log (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     name text NOT NULL,
@@ -63,9 +65,44 @@ CREATE TABLE keyed_override_log (
     author text NOT NULL DEFAULT '',
     expires_at timestamptz,
     at timestamptz NOT NULL,
-    CONSTRAINT keyed_override_log_action_known CHECK (action IN ('set', 'clear', 'expire'))
+    key text,
+    CONSTRAINT keyed_override_log_action_known CHECK (action IN ('set', 'clear', 'expire', 'pause', 'resume'))
 );
 CREATE INDEX keyed_override_log_name_idx ON keyed_override_log (name, at);
+CREATE INDEX keyed_override_log_key_idx ON keyed_override_log (key, at) WHERE key IS NOT NULL;
+
+-- Key overrides (0014): a runtime limit and / or a pause of ONE key (not its whole name), set by an operator or by a
+-- task of the key (self.keyed_set_limit / self.keyed_pause, e.g. on a 429 with Retry-After). slot_limit replaces the
+-- name's limit for this key until expires_at (NULL: until cleared); paused_until: nothing new of the key starts
+-- before then (running attempts go on). Both stop applying by themselves (keyed_key_limit compares them with the
+-- time of the claim); the sweep then clears them, logs it and promotes the key's waiters. A paused name pauses every
+-- key whatever its key override. Lock order: a key override row comes before every other row (its writers lock it
+-- first; claims only read it).
+CREATE TABLE keyed_key_overrides (
+    key text PRIMARY KEY,
+    name text NOT NULL,
+    slot_limit integer,
+    expires_at timestamptz,
+    reason text,
+    author text NOT NULL DEFAULT '',
+    set_at timestamptz,
+    paused_until timestamptz,
+    pause_reason text,
+    pause_author text NOT NULL DEFAULT '',
+    paused_at timestamptz,
+    CONSTRAINT keyed_key_overrides_name_of_key CHECK (name = split_part(key, ':', 1)),
+    CONSTRAINT keyed_key_overrides_limit_nonnegative CHECK (slot_limit >= 0),
+    -- a limit has its reason and time, a pause its own: neither without the other, never a blank reason
+    CONSTRAINT keyed_key_overrides_limit_reason CHECK (
+        (slot_limit IS NULL) = (reason IS NULL) AND (slot_limit IS NULL) = (set_at IS NULL) AND btrim(reason) <> ''),
+    CONSTRAINT keyed_key_overrides_pause_reason CHECK (
+        (paused_until IS NULL) = (pause_reason IS NULL) AND (paused_until IS NULL) = (paused_at IS NULL)
+        AND btrim(pause_reason) <> '')
+);
+CREATE INDEX keyed_key_overrides_name_idx ON keyed_key_overrides (name);
+-- The sweep finds the pauses and limits that lapsed without reading the rest.
+CREATE INDEX keyed_key_overrides_paused_idx ON keyed_key_overrides (paused_until) WHERE paused_until IS NOT NULL;
+CREATE INDEX keyed_key_overrides_expires_idx ON keyed_key_overrides (expires_at) WHERE expires_at IS NOT NULL;
 
 -- Fair weight overrides (0016): an operator's runtime weight for the fair keys of a name that equal prefix or start
 -- with prefix followed by ':', who, why, until when (keyed_fair_weight reads them).
@@ -362,6 +399,39 @@ BEGIN
 END
 $$;
 
+-- The effective limit of a key at a time (0014): 0 while its name's effective limit is 0 (a paused name pauses every
+-- key) or while the key is paused (keyed_key_overrides.paused_until in the future); else the key's own live limit;
+-- else its name's effective limit (keyed_effective_limit). Read inside every claim statement instead of the name's,
+-- so a key override takes effect at the next claim, and lapses by itself, with no cache. A key without an override
+-- costs one index probe more than its name's limit. VOLATILE on purpose: each call reads with a fresh snapshot, so a
+-- guard that calls it directly and is re-checked after waiting for a slot row's lock (READ COMMITTED re-evaluates
+-- the WHERE clause on the row's newest version) sees a pause or a lowered key limit committed meanwhile. Every key
+-- override that can stop claims (pause_key, set_key_limit) also rewrites the key's slot rows in its transaction,
+-- so a claim racing it either commits before it or re-checks against it: once the pause is committed, no claim of
+-- the key succeeds until it ends.
+CREATE FUNCTION keyed_key_limit(p_key text, p_now timestamptz) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_limit integer := keyed_effective_limit(split_part(p_key, ':', 1), p_now);
+    v_own integer;
+    v_expires timestamptz;
+    v_paused timestamptz;
+BEGIN
+    SELECT o.slot_limit, o.expires_at, o.paused_until INTO v_own, v_expires, v_paused
+      FROM keyed_key_overrides o WHERE o.key = p_key;
+    IF NOT FOUND OR v_limit = 0 THEN
+        RETURN v_limit;
+    END IF;
+    IF v_paused > p_now THEN
+        RETURN 0;
+    END IF;
+    IF v_own IS NOT NULL AND (v_expires IS NULL OR v_expires > p_now) THEN
+        RETURN v_own;
+    END IF;
+    RETURN v_limit;
+END
+$$;
+
 -- Shards of a name (1 unless configured). PL/pgSQL for the same reason.
 CREATE FUNCTION keyed_name_shards(p_name text) RETURNS integer
 LANGUAGE plpgsql STABLE AS $$
@@ -408,7 +478,6 @@ DECLARE
     r record;
     v_key text := NULL;
     v_blocked boolean := false;
-    v_limit integer;
     v_shards integer;
     v_rate double precision;
     v_shard integer;
@@ -439,16 +508,16 @@ BEGIN
         IF r.key IS DISTINCT FROM v_key THEN
             v_key := r.key;
             v_blocked := false;
-            SELECT keyed_effective_limit(split_part(r.key, ':', 1), v_now), keyed_name_shards(split_part(r.key, ':', 1)),
+            SELECT keyed_name_shards(split_part(r.key, ':', 1)),
                    (SELECT c.rate FROM keyed_names c WHERE c.name = split_part(r.key, ':', 1))
-              INTO v_limit, v_shards, v_rate;
+              INTO v_shards, v_rate;
         END IF;
         v_shard := NULL;
         v_fence := NULL;
         IF NOT v_blocked AND v_new[r.ord] AND v_rate IS NULL AND (r.deadline IS NULL OR r.deadline > v_now) THEN
             IF v_shards = 1 THEN
                 SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_shard_share(v_limit, v_shards, s.shard)
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_shard_share(keyed_key_limit(r.key, v_now), v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -457,7 +526,7 @@ BEGIN
                    FOR UPDATE OF s;
             ELSE
                 SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_shard_share(v_limit, v_shards, s.shard)
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_shard_share(keyed_key_limit(r.key, v_now), v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -469,7 +538,7 @@ BEGIN
                 -- The guard again under the lock: the bound holds even if the limit changed (D1).
                 UPDATE keyed_slots s SET used = s.used + r.cost
                  WHERE s.key = r.key AND s.shard = v_shard
-                   AND s.used + r.cost <= keyed_shard_share(v_limit, v_shards, s.shard)
+                   AND s.used + r.cost <= keyed_shard_share(keyed_key_limit(r.key, v_now), v_shards, s.shard)
                 RETURNING s.shard INTO v_shard;
             END IF;
             IF v_shard IS NOT NULL THEN
@@ -587,7 +656,7 @@ BEGIN
         SELECT gave.key, min(gave.ord) AS ord FROM gave GROUP BY gave.key
     ), room AS (
         SELECT f.ord, sl.key, sl.shard,
-               GREATEST(keyed_shard_share(keyed_effective_limit(sl.name, v_now), keyed_name_shards(sl.name), sl.shard)
+               GREATEST(keyed_shard_share(keyed_key_limit(sl.key, v_now), keyed_name_shards(sl.name), sl.shard)
                         - sl.used, 0) AS free
           FROM gave JOIN first_of_key f ON f.key = gave.key
           JOIN keyed_slots sl ON sl.key = gave.key AND sl.shard = gave.shard
@@ -652,7 +721,7 @@ BEGIN
          GROUP BY x.key ORDER BY x.key
     LOOP
         v_name := split_part(v_key, ':', 1);
-        SELECT COALESCE(sum(GREATEST(keyed_shard_share(keyed_effective_limit(v_name, v_now),
+        SELECT COALESCE(sum(GREATEST(keyed_shard_share(keyed_key_limit(v_key, v_now),
                                                        keyed_name_shards(v_name), s.shard) - s.used, 0)), 0)
           INTO v_budget
           FROM keyed_slots s WHERE s.key = v_key AND s.shard = ANY(v_shards);
@@ -685,10 +754,10 @@ BEGIN
              WHERE (s.key, s.shard) = (
                     SELECT s2.key, s2.shard FROM keyed_slots s2
                      WHERE s2.key = v_key AND s2.shard = ANY(v_shards)
-                       AND s2.used + w.cost <= keyed_shard_share(keyed_effective_limit(v_name, v_now),
+                       AND s2.used + w.cost <= keyed_shard_share(keyed_key_limit(v_key, v_now),
                                                                  keyed_name_shards(v_name), s2.shard)
                      ORDER BY s2.shard LIMIT 1)
-               AND s.used + w.cost <= keyed_shard_share(keyed_effective_limit(v_name, v_now),
+               AND s.used + w.cost <= keyed_shard_share(keyed_key_limit(v_key, v_now),
                                                         keyed_name_shards(v_name), s.shard)
             RETURNING s.shard INTO v_shard;
             EXIT WHEN v_shard IS NULL;  -- the head of the line waits for room; the room is kept for it (D10)
@@ -858,7 +927,7 @@ BEGIN
        AND (EXISTS (
                 SELECT 1 FROM keyed_slots s
                  WHERE s.key = p_key
-                   AND s.used + 1 <= keyed_shard_share(keyed_effective_limit(v_name, v_now), v_shards, s.shard))
+                   AND s.used + 1 <= keyed_shard_share(keyed_key_limit(p_key, v_now), v_shards, s.shard))
             OR NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = p_key)) THEN
         -- Park only (at receipt): no line and room (or a key's first use), so the arrival is left to its admission when a pool process
         -- is ready for it (D3), and nothing is written. Read without locks: a wrong guess either way is harmless —
@@ -891,7 +960,7 @@ BEGIN
     END IF;
     INSERT INTO keyed_keys (key, name, waiting, active_at) VALUES (p_key, v_name, 0, v_now)
     ON CONFLICT (key) DO UPDATE SET active_at = excluded.active_at;
-    v_limit := keyed_effective_limit(v_name, v_now);
+    v_limit := keyed_key_limit(p_key, v_now);
     SELECT s.shard INTO v_room FROM keyed_slots s
      WHERE s.key = p_key AND s.used + 1 <= keyed_shard_share(v_limit, v_shards, s.shard)
      ORDER BY s.shard LIMIT 1;
