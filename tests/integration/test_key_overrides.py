@@ -317,3 +317,26 @@ def test_the_bound_holds_while_tasks_throttle_their_key(engine: sa.Engine) -> No
     assert check_counters_once(engine) == []
     books = ledger.books()
     assert "open" not in books and books["arrivals"] == books.get("completed", 0) + books.get("revoked", 0) > 0
+
+
+def test_metrics_count_paused_and_limited_keys_per_name(database_url: str, ledger: Ledger) -> None:
+    """The gauges celery_keyed_keys_paused / celery_keyed_keys_own_limit, per name (never a series per key)."""
+    from prometheus_client import CollectorRegistry
+
+    from celery_keyed.metrics import LedgerCollector
+
+    ledger.pause_key("api:1", 60, reason="429")
+    ledger.pause_key("api:2", 60, reason="429")
+    ledger.set_key_limit("api:3", 4, reason="header")
+    ledger.set_key_limit("crm:1", 2, reason="header", expires_in=60)
+    registry = CollectorRegistry()
+    collector = LedgerCollector(database_url, timeout=1.0)
+    registry.register(collector)
+    try:
+        value = registry.get_sample_value
+        assert value("celery_keyed_keys_paused", {"name": "api"}) == 2
+        assert value("celery_keyed_keys_own_limit", {"name": "api"}) == 1
+        assert value("celery_keyed_keys_paused", {"name": "crm"}) == 0
+        assert value("celery_keyed_keys_own_limit", {"name": "crm"}) == 1
+    finally:
+        collector.engine.dispose()
