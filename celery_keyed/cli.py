@@ -648,25 +648,6 @@ def _key_argument(_ctx: click.Context, _param: click.Parameter, value: str) -> s
         raise click.BadParameter(str(exc)) from None
 
 
-def _time_option(value: str | None, option: str) -> datetime | None:
-    """An ISO 8601 time in the future (no offset = UTC), or None."""
-    if value is None:
-        return None
-    try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
-        raise click.BadParameter(f"not an ISO 8601 time: {value!r}", param_hint=option) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    try:
-        when = when.astimezone(UTC)
-    except OverflowError:  # past 9999-12-31 in UTC: no timestamp in Python holds it
-        raise click.BadParameter(f"{value!r} is past the year 9999 in UTC", param_hint=option) from None
-    if when <= datetime.now(UTC):
-        raise click.BadParameter(f"{value!r} is in the past", param_hint=option)
-    return when
-
-
 def _reason(reason: str) -> str:
     if not reason.strip():
         raise click.BadParameter("a reason is required", param_hint="'--reason'")
@@ -730,7 +711,7 @@ def pause_key_command(
         raise click.UsageError("give --for SECONDS or --until ISO (one of the two)")
     author = author if author is not None else _default_author()
     paused_until, changed = operator.ledger.pause_key(
-        key, seconds, until=_time_option(until, "'--until'"), reason=reason, author=author
+        key, seconds, until=expiry_of(None, until), reason=reason, author=author
     )
     result = {"key": key, "paused_until": paused_until, "changed": changed, "reason": reason, "author": author}
     text = (
@@ -781,7 +762,7 @@ def set_key_limit_command(
     if expires_in is not None and until is not None:
         raise click.UsageError("give --expires-in or --until, not both")
     author = author if author is not None else _default_author()
-    expires_at = _time_option(until, "'--until'")
+    expires_at = expiry_of(None, until)  # --expires-in goes to the ledger as seconds, counted on its clock
     promotions = operator.ledger.set_key_limit(
         key, limit, reason=reason, author=author, expires_at=expires_at, expires_in=expires_in
     )
