@@ -65,10 +65,12 @@ def test_a_heavy_tenant_keeps_to_its_weighted_share_while_another_waits(cluster:
     light_share = inside.count("light") / len(inside)
     assert 0.15 <= light_share <= 0.4, (light_share, inside)
     # Without weights (or without fair sharing) the light tenant would get half the starts (or none until the
-    # heavy backlog drained); with weight 3 the heavy one averaged about three running.
+    # heavy backlog drained); with weight 3 the heavy one ran about three times as many at once as the light one
+    # (measured in concurrency over the window: handoff gaps on a loaded machine stretch both alike).
     samples = [begin + (end - begin) * i / 200 for i in range(200)]
     heavy_mean = sum(_concurrency_at(heavy_spans, t) for t in samples) / len(samples)
-    assert 2.2 <= heavy_mean <= 3.0, heavy_mean
+    light_mean = sum(_concurrency_at(light_spans, t) for t in samples) / len(samples)
+    assert heavy_mean <= 3.0 and heavy_mean >= 2 * light_mean > 0, (heavy_mean, light_mean)
 
     cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
     cluster.wait_for("SELECT coalesce(sum(used), 0) FROM keyed_slots", 0)
