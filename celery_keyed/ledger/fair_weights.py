@@ -114,7 +114,7 @@ FAIR_WEIGHT_LIST = sa.text(
 
 # fair_shares: per key of a fair name and fair key that holds or waits: slots held, attempts waiting, the weight
 # (keyed_fair_weight over the head's call weight), the load that orders promotion, and the weighted share of the
-# key's limit among the fair keys of the key that hold or wait. Read only.
+# key's limit (keyed_key_limit: its own, else its name's) among the fair keys of the key that hold or wait. Read only.
 FAIR_SHARES = sa.text(
     f"""
     WITH fair AS (
@@ -140,8 +140,7 @@ FAIR_SHARES = sa.text(
           FROM held h FULL JOIN waits w ON w.key = h.key AND w.fair_key IS NOT DISTINCT FROM h.fair_key
     )
     SELECT key, fair_key, holding, waiting, weight, holding / weight AS load,
-           keyed_effective_limit(split_part(key, ':', 1), {NOW}) * weight / sum(weight) OVER (PARTITION BY key)
-               AS share
+           keyed_key_limit(key, {NOW}) * weight / sum(weight) OVER (PARTITION BY key) AS share
       FROM both_
      ORDER BY key, load, fair_key NULLS FIRST
      LIMIT :limit

@@ -263,3 +263,13 @@ def test_a_parked_weighted_call_keeps_its_weight_through_a_voided_promotion(
             )
         ).scalar()
     assert weight == 4.0
+
+
+def test_the_weighted_share_is_of_the_keys_own_limit(ledger: Ledger) -> None:
+    """A key with a limit of its own (a key override, 0014) shares that limit by weight."""
+    ledger.configure({"crm": NameConfig("crm", limit=4, fair=True, fair_weights={"a": 3})})
+    ledger.set_key_limit("crm:eu", 8, reason="bigger quota for eu")
+    fair_arrive(ledger, "a0", "a")
+    fair_arrive(ledger, "b0", "b")
+    shares = {s.fair_key: s.share for s in ledger.fair_shares(key="crm:eu")}
+    assert shares == {"a": pytest.approx(6.0), "b": pytest.approx(2.0)}
