@@ -273,3 +273,31 @@ def test_the_weighted_share_is_of_the_keys_own_limit(ledger: Ledger) -> None:
     fair_arrive(ledger, "b0", "b")
     shares = {s.fair_key: s.share for s in ledger.fair_shares(key="crm:eu")}
     assert shares == {"a": pytest.approx(6.0), "b": pytest.approx(2.0)}
+
+
+def test_the_fair_gauges_per_name_and_fair_key(ledger: Ledger, engine: sa.Engine) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from celery_keyed.metrics import LedgerCollector
+
+    ledger.configure({"crm": NameConfig("crm", limit=2, fair=True, fair_weights={"a": 3})})
+    for i in range(3):
+        fair_arrive(ledger, f"a{i}", "a")
+    fair_arrive(ledger, "b0", "b")
+    registry = CollectorRegistry()
+    registry.register(LedgerCollector(engine))
+    samples = {
+        (s.name, s.labels.get("fair_key")): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+        if s.name.startswith("celery_keyed_fair_")
+    }
+    assert samples == {
+        ("celery_keyed_fair_in_flight", "a"): 2.0,
+        ("celery_keyed_fair_in_flight", "b"): 0.0,
+        ("celery_keyed_fair_waiting", "a"): 1.0,
+        ("celery_keyed_fair_waiting", "b"): 1.0,
+        ("celery_keyed_fair_weight", "a"): 3.0,
+        ("celery_keyed_fair_weight", "b"): 1.0,
+    }
