@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import bootsteps
 from celery.utils.functional import maybe_list
-from celery.worker.control import Panel, inspect_command
+from celery.worker.control import Panel, control_command, inspect_command
 
 from celery_keyed.gate import GateService, current_gate
 from celery_keyed.settings import read_settings
@@ -91,3 +91,23 @@ def keyed_inspect(state: Any, **kwargs: Any) -> dict[str, Any]:
     if gate is None:
         return {"error": "no celery-keyed gate in this worker (install(app) not called, or shutting down)"}
     return gate.snapshot()
+
+
+@control_command(
+    name="keyed_cancel",
+    args=[("claims", list)],
+    signature="<[[task_id, attempt, holder], ...]>",
+)
+def keyed_cancel(state: Any, claims: list[Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Remote control command behind newest wins (``on_newer="cancel_running"``): a newer arrival asked the attempts
+    listed (task id, attempt, holder) to stop. The worker whose gate holds one checks the request in the ledger (the
+    authority: a stale or forged broadcast cancels nothing) and passes it on (``GateService.check_cancels``)."""
+    gate = current_gate()
+    if gate is None or not claims:
+        return {"ok": "nothing here"}
+    try:
+        wanted = [(str(c[0]), int(c[1]), c[2]) for c in claims if isinstance(c, list | tuple) and len(c) == 3]
+        gate.check_cancels(wanted)
+    except Exception:
+        logger.exception("celery-keyed: could not pass on a keyed_cancel request")
+    return {"ok": "checked"}

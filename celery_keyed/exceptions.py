@@ -23,7 +23,8 @@ class KeyedExpired(KeyedOutcome):
 
 
 class KeyedSuperseded(KeyedOutcome):
-    """A newer call with the same supersede key replaced this one in the waiting room."""
+    """A newer call with the same supersede key replaced this one in the waiting room, or cancelled it while it ran
+    (``on_newer="cancel_running"``)."""
 
     outcome = "superseded"
 

@@ -27,12 +27,15 @@ Threads and fields of the gate itself:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from signal import SIGTERM
 from typing import Any
 
 import sqlalchemy as sa
@@ -42,10 +45,11 @@ from celery.worker.strategy import default as default_strategy
 
 from celery_keyed import exceptions, metrics, signals
 from celery_keyed.engine import create_ledger_engine
-from celery_keyed.headers import HEADER_FENCE, HEADER_KEY, HEADER_NONCE
+from celery_keyed.headers import HEADER_FENCE, HEADER_KEY, HEADER_NONCE, HEADER_ON_NEWER, HEADER_SUPERSEDE
 from celery_keyed.ledger import (
     Admission,
     Arrival,
+    HeldClaim,
     InvalidKey,
     Ledger,
     LedgerError,
@@ -56,6 +60,7 @@ from celery_keyed.ledger import (
     new_holder,
 )
 from celery_keyed.settings import KeyedSettings
+from celery_keyed.task import set_cancel_probe
 from celery_keyed.worker import intake
 from celery_keyed.worker.admission import AdmissionService, Job
 from celery_keyed.worker.breaker import UNREACHABLE, Breaker
@@ -109,10 +114,21 @@ class Running:
     token: Token
     fence: int
     fenced: bool = False  # self-fencing already acted on it
+    cancelled: str | None = None  # newest wins: a newer arrival asked it to stop (its detail), passed on here
     claimed_at: float = field(default_factory=time.monotonic)
 
 
 _Running = Running  # the name tests knew
+
+
+def _cancellable(request: Any) -> bool:
+    """Whether a newer arrival can ask this attempt to stop (newest wins): its claim carries a supersede key only when
+    it was sent with ``on_newer`` or with a supersede key. The heartbeat asks the ledger about those only."""
+    headers = getattr(request, "_request_dict", None) or {}
+    if headers.get(HEADER_ON_NEWER) is not None or headers.get(HEADER_SUPERSEDE) is not None:
+        return True
+    task = getattr(request, "task", None)
+    return getattr(task, "on_newer", None) is not None or getattr(task, "supersede_key", None) is not None
 
 
 class GateService:
@@ -130,6 +146,7 @@ class GateService:
             dispatch=settings.dispatch_timeout,
         )
         self.lock = threading.Lock()
+        self.pid = os.getpid()  # the worker's main process (pool processes forked later inherit a copy of the gate)
         self.running: dict[Token, Running] = {}
         self.releasing = 0  # releases between leaving ``running`` and the releaser's hands (under ``lock``)
         self.closed = False  # shutdown began: no local handoff; the heartbeat ends with the last tracked claim
@@ -156,6 +173,7 @@ class GateService:
     def start(self) -> None:
         global _current
         _current = self
+        set_cancel_probe(self.cancelled)  # KeyedTask.keyed_cancelled (newest wins)
         self._loop_thread = threading.get_ident()  # Celery starts the consumer's steps on its loop thread
         metrics.serve(self.settings)  # keyed_metrics_port: once per process
         gone = None
@@ -235,6 +253,7 @@ class GateService:
         self.releaser.flush_pending()
         if _current is self:
             _current = None
+            set_cancel_probe(None)
         self.handoff.close()  # the threads are stopped: nobody writes to the pipe any more
 
     def close(self, wait: float = 0.0) -> None:
@@ -248,25 +267,6 @@ class GateService:
             time.sleep(0.02)
         self.heartbeat.stop()
         self.engine.dispose()
-
-    def widen_prefetch(self) -> Callable[[], None]:
-        """Loop thread: open the consumer's prefetch window by one while a finished task's ack waits for its release
-        to commit (D15), and return the call that closes it again (once; any thread). Without it the unacked message
-        of a finished task holds its place in the window and the broker sends the free pool process nothing until
-        the release has committed. kombu's QoS applies the change on the loop's next turn; an unlimited window
-        (prefetch 0) stays unlimited."""
-        qos = getattr(self.consumer, "qos", None)
-        if qos is None:
-            return lambda: None
-        qos.increment_eventually()
-        closed = threading.Event()
-
-        def narrow() -> None:
-            if not closed.is_set():
-                closed.set()
-                qos.decrement_eventually()
-
-        return narrow
 
     def idle(self) -> bool:
         """No attempt runs here and no release is on its way to the ledger."""
@@ -494,6 +494,8 @@ class GateService:
         """Loop thread: act on a decided admission. True: the request holds a slot (``fence``) and is tracked;
         the caller starts it. False: parked, dropped or refused (acked and announced here)."""
         metrics.started(arrival.token, None if admission is None else admission.verdict)
+        if admission is not None and admission.cancels:  # newest wins: older attempts were asked to stop
+            self.pass_on_cancels(admission.cancels, f"superseded by {arrival.task_id} (newest wins)")
         if admission is None:  # bound a promotion: the key has a line
             self.releaser.mark_contended(arrival.key)
         if admission is not None and admission.promotions:  # waiters ahead of it started with the room it found
@@ -731,6 +733,12 @@ class GateService:
             return
         request.keyed_claim = None
         token, fence = claim
+        detail = getattr(request, "keyed_cancelled", None)
+        if detail is not None:
+            # Newest wins: the cancel a newer arrival asked for reached this attempt (its pool process was terminated,
+            # or its keyed_cancelled() flag raised) before its outcome: it is recorded superseded however it ended.
+            outcome, uncertain = Outcome.SUPERSEDED, False
+            metrics.newest_wins("superseded")
         with self.lock:
             self.running.pop(token, None)
             self.releasing += 1
@@ -747,10 +755,97 @@ class GateService:
                 uncertain=uncertain,
                 hold=hold,
                 after=ack,
+                detail=detail or "",
             )
         finally:
             with self.lock:
                 self.releasing -= 1
+
+    # -- newest wins (on_newer="cancel_running", issue 14 item 1) ----------------------------------------------
+
+    def cancelled(self, task_id: str, attempt: int) -> bool:
+        """Any thread (the task's own, on the threads pool): whether the attempt runs here and a newer arrival's cancel
+        reached it (``KeyedTask.keyed_cancelled``)."""
+        if os.getpid() != self.pid:  # a prefork pool process forked after the gate started: a stale copy
+            return False
+        with self.lock:
+            entry = self.running.get(Token(task_id, attempt))
+        return entry is not None and entry.cancelled is not None
+
+    def cancel_running(self, entries: Iterable[tuple[Running, str]]) -> None:
+        """Heartbeat thread (or the cancel broadcast, on the loop): pass newer arrivals' cancel requests on to the
+        attempts this process runs. Prefork: the pool process is terminated (on the consumer loop, where Celery's own
+        terminate runs; an attempt whose outcome came first keeps it). Other pools: ``keyed_cancelled()`` turns true
+        and the body stops when it polls it. Either way the attempt's release records ``superseded``."""
+        prefork = self.heartbeat.can_terminate()
+        for entry, detail in entries:
+            if entry.cancelled is not None:
+                continue
+            entry.cancelled = detail
+            if not prefork:
+                entry.request.keyed_cancelled = detail
+                metrics.newest_wins("cancelled")
+                logger.info("celery-keyed: %s[%s] asked to stop: %s", entry.request.name, entry.token.task_id, detail)
+                continue
+            self.handoff.call_on_loop(functools.partial(self._terminate, entry, detail))
+
+    def _terminate(self, entry: Running, detail: str) -> None:
+        """Loop thread: terminate a prefork attempt a newer arrival cancelled, unless its outcome came first (its
+        outcome hooks run on this thread too: then its claim is gone and it keeps its own outcome).
+
+        Its pool process gets SIGTERM through the pool (``terminate_job``), and nothing else happens here: when the
+        pool has seen that process **exit**, it fails the attempt (``Terminated``), whose release (outcome superseded)
+        frees the slot. So the newest never starts while the old body may still run — Celery's own
+        ``Request.terminate`` fails the attempt at once, before the process is gone. Not started yet (no pool
+        process): the next heartbeat tries again."""
+        request = entry.request
+        if request.keyed_claim is None or request.keyed_claim[0] != entry.token:
+            return
+        pid = getattr(request, "worker_pid", None)
+        pool = getattr(self.consumer, "pool", None)
+        if not pid or pool is None:
+            entry.cancelled = None
+            return
+        request.keyed_cancelled = detail
+        metrics.newest_wins("cancelled")
+        logger.info("celery-keyed: terminating %s[%s] (pool process %s): %s", request.name, entry.token.task_id, pid,
+                    detail)
+        try:
+            pool.terminate_job(pid, SIGTERM)
+        except Exception:
+            logger.exception("celery-keyed: could not terminate %s[%s]", request.name, entry.token.task_id)
+
+    def pass_on_cancels(self, cancels: Iterable[tuple[str, int, str | None]], detail: str) -> None:
+        """Loop thread: an admission (committed) asked older attempts to stop (newest wins). Those this process runs
+        are cancelled now; the others' workers are told by the ``keyed_cancel`` broadcast (each holder's heartbeat
+        finds the request within ``keyed_heartbeat_interval`` anyway, so a lost broadcast only delays it)."""
+        cancels = list(cancels)
+        metrics.newest_wins("requested", len(cancels))
+        with self.lock:
+            here = [(self.running[Token(t, a)], detail) for t, a, h in cancels if Token(t, a) in self.running]
+        self.cancel_running(here)
+        others = [[t, a, h] for t, a, h in cancels if h is not None and h != self.ledger.holder]
+        if not others:
+            return
+        try:
+            self.app.control.broadcast("keyed_cancel", arguments={"claims": others})
+        except Exception:
+            logger.warning("celery-keyed: could not broadcast keyed_cancel; the holders' heartbeats will find it")
+
+    def check_cancels(self, holder_claims: Iterable[tuple[str, int, str | None]] | None = None) -> None:
+        """Ask the ledger which attempts this process runs have a cancel pending, and pass them on. ``holder_claims``:
+        when given (the broadcast), only those of this holder are looked at, and nothing is read unless one is."""
+        with self.lock:
+            running = list(self.running.values())
+        if holder_claims is not None:
+            wanted = {(t, int(a)) for t, a, h in holder_claims if h == self.ledger.holder}
+            running = [r for r in running if (r.token.task_id, r.token.attempt) in wanted]
+        running = [r for r in running if r.cancelled is None and _cancellable(r.request)]
+        if not running:
+            return
+        held = {HeldClaim(r.token.task_id, r.token.attempt, r.fence): r for r in running}
+        requested = self.ledger.cancel_requested(held)
+        self.cancel_running((held[claim], detail) for claim, detail in requested.items())
 
     # -- inspection (``celery keyed inspect``, through Celery's remote control) ----------------------------
 
@@ -769,6 +864,7 @@ class GateService:
                     "started": bool(getattr(r.request, "keyed_started", False)),
                     "held_for": round(now - r.claimed_at, 3),
                     "fenced": r.fenced,
+                    "cancelled": r.cancelled,
                 }
                 for r in self.running.values()
             ]

@@ -33,10 +33,13 @@ HEADER_FENCE = "keyed_fence"
 #: Debounce (issue 14 item 2): ``[seconds, max_seconds, keep]`` of a debounced call, from the call's, the task's or
 #: the name's options. Never survives a retry or a copy: a retry of a debounced task is not debounced again.
 HEADER_DEBOUNCE = "keyed_debounce"
+#: Newest wins (issue 14 item 1): ``"cancel_running"`` when a newer call of the same key and supersede key cancels the
+#: running one (``on_newer``; sent only then). A retry keeps it, so that its claim can be cancelled too.
+HEADER_ON_NEWER = "keyed_on_newer"
 
 GATE_HEADERS = (
     HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR, HEADER_MODE,
-    HEADER_FAIR_WEIGHT,
+    HEADER_FAIR_WEIGHT, HEADER_ON_NEWER,
 )
 
 #: Never survive a retry or a copy: an admission token and a fence belong to one attempt.
@@ -45,7 +48,7 @@ NOT_INHERITED = (HEADER_NONCE, HEADER_FENCE, HEADER_DEBOUNCE)
 #: What a retry or a copy keeps from the headers it was sent with, unless the call names new keys.
 INHERITED = (
     HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR, HEADER_MODE,
-    HEADER_FAIR_WEIGHT,
+    HEADER_FAIR_WEIGHT, HEADER_ON_NEWER,
 )
 
 #: The task option (class attribute or ``apply_async`` keyword) each header is computed from, in the order the
@@ -58,4 +61,5 @@ OPTION_OF_HEADER = {
     HEADER_FAIR: "fair_key",
     HEADER_MODE: "concurrency_mode",
     HEADER_FAIR_WEIGHT: "fair_weight",
+    HEADER_ON_NEWER: "on_newer",
 }

@@ -82,8 +82,16 @@ if prometheus_client is not None:
         "(recorded superseded at arrival: the burst's first arrival runs, keep first).",
         ["kind"],
     )
+    NEWEST_WINS: Any = prometheus_client.Counter(
+        "celery_keyed_newest_wins",
+        "Newest wins (on_newer='cancel_running', issue 14 item 1): 'requested' (an arrival admitted or parked by this "
+        "worker asked for the cancellation of an older attempt of its key and supersede key), 'cancelled' (this "
+        "worker passed a request on to an attempt it runs: terminated its pool process, or raised its "
+        "keyed_cancelled() flag), 'superseded' (such an attempt ended and was released as superseded).",
+        ["kind"],
+    )
 else:
-    ADMISSIONS = HANDOFF = DRIFT = OUTBOX_PUBLISHED = DEBOUNCED = None
+    ADMISSIONS = HANDOFF = DRIFT = OUTBOX_PUBLISHED = DEBOUNCED = NEWEST_WINS = None
 
 _promoted_at: dict[Any, float] = {}  # attempt token -> monotonic time of the release that promoted it
 _promoted_lock = threading.Lock()
@@ -144,6 +152,12 @@ def debounced(admission: Any) -> None:
             DEBOUNCED.labels(kind="replaced").inc(len(admission.superseded))
     elif verdict == "superseded":
         DEBOUNCED.labels(kind="superseded").inc()
+
+
+def newest_wins(kind: str, count: int = 1) -> None:
+    """Count newest-wins cancellations: ``requested``, ``cancelled`` or ``superseded``."""
+    if NEWEST_WINS is not None and count:
+        NEWEST_WINS.labels(kind=kind).inc(count)
 
 
 def outbox_published(kind: str, count: int = 1) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from billiard.einfo import ExceptionWithTraceback
+from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 from celery.exceptions import Ignore, Reject, Retry, Terminated, TimeLimitExceeded
 from celery.worker.request import Request
@@ -30,6 +30,7 @@ class KeyedRequest(Request):
         self.keyed_defer_ack = False  # inside an outcome hook: an ack waits for the release (D15)
         self.keyed_deferred_ack: Any = None  # the ack Celery asked for meanwhile
         self.keyed_receipt = False  # handed to the admission service at receipt (park at receipt), not back yet
+        self.keyed_cancelled: str | None = None  # newest wins: a newer arrival's cancel reached it (its detail)
         from celery_keyed.gate import current_gate
 
         gate = current_gate()
@@ -54,17 +55,7 @@ class KeyedRequest(Request):
             # the release has committed, so a worker that dies in between leaves the message to be redelivered
             # (and dropped by the ledger as finished) instead of an acked task whose outcome was never booked.
             if self.keyed_defer_ack and self.keyed_claim is not None:
-                # Meanwhile the pool process is free: the unacked message must not keep the next one away, so
-                # the prefetch window opens by one until this ack is sent (as Celery does for an ETA task).
-                narrow = gate.widen_prefetch()
-
-                def deferred() -> Any:
-                    try:
-                        return original_acknowledge(self)
-                    finally:
-                        narrow()
-
-                self.keyed_deferred_ack = deferred
+                self.keyed_deferred_ack = lambda: original_acknowledge(self)
                 return None
             return original_acknowledge(self)
 
@@ -83,6 +74,8 @@ class KeyedRequest(Request):
             return result
 
         def on_failure(exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+            if self.keyed_cancelled is not None:  # newest wins: the attempt ended because a newer call cancelled it
+                exc_info = superseded_info(self.keyed_cancelled, exc_info)
             try:
                 return deferring_acks(
                     lambda: original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
@@ -121,6 +114,24 @@ class KeyedRequest(Request):
         """The ack an outcome hook deferred until the release commits (D15), once; None when there is none."""
         ack, self.keyed_deferred_ack = self.keyed_deferred_ack, None
         return ack
+
+
+def superseded_info(detail: str, exc_info: Any) -> Any:
+    """Newest wins: the failure of an attempt a newer call cancelled, as Celery is to record it — a ``KeyedSuperseded``
+    failure (its pool process terminated, ``Terminated``; or whatever the body raised once it saw
+    ``keyed_cancelled()``), so Celery stores that result and acks the message instead of announcing a revoke (a
+    REVOKED result, which callers waiting in ``get()`` would see first)."""
+    from celery_keyed.exceptions import KeyedSuperseded
+
+    exc = getattr(exc_info, "exception", None)
+    if isinstance(exc, ExceptionWithTraceback):
+        exc = exc.exc
+    if isinstance(exc, KeyedSuperseded):
+        return exc_info
+    try:
+        raise KeyedSuperseded(detail) from None
+    except KeyedSuperseded:
+        return ExceptionInfo()
 
 
 def failure_outcome(request: Any, exc_info: Any) -> Outcome:

@@ -28,6 +28,7 @@ from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names 
     HEADER_KEY,
     HEADER_MODE,
     HEADER_NONCE,
+    HEADER_ON_NEWER,
     HEADER_SUPERSEDE,
     INHERITED,
     NOT_INHERITED,
@@ -65,6 +66,11 @@ class KeyedTask(Task):
       when longer) and ``debounce_keep`` (``"last"``, the default, or ``"first"``): calls of one key within the
       quiet period replace each other and one runs once the key has been quiet that long (README "Debounce"; per
       call ``apply_async(..., debounce=5.0)``, ``debounce=None`` for none; per name in ``keyed_concurrency_limits``);
+    - ``on_newer``: ``"cancel_running"`` (newest wins, issue 14 item 1): a newer call of the same first key and
+      supersede key (else the same task) cancels the attempt that holds a slot — prefork terminates its pool
+      process, other pools make ``self.keyed_cancelled()`` true — records it ``superseded`` and runs the newest once
+      the slot is free; None (the default) keeps today's behaviour: the newer call waits (README "Newest wins"; per
+      call ``apply_async(..., on_newer=None)``; per name ``on_newer`` in ``keyed_concurrency_limits``);
     - ``uncertain_hold``: seconds its slots stay held after a hard time limit or a lost worker, because the
       remote call it made may still be running (default: the names' ``uncertain_hold``, else none);
     - ``admit_at_send``: ask the ledger before publishing (one round trip in the caller's process) and raise
@@ -102,6 +108,7 @@ class KeyedTask(Task):
     debounce: float | None = None
     debounce_max: float | None = None
     debounce_keep: str = "last"
+    on_newer: str | None = None
     Strategy = "celery_keyed.gate:keyed_strategy"
     Request = "celery_keyed.request:KeyedRequest"
 
@@ -116,6 +123,8 @@ class KeyedTask(Task):
             )
             if name in options
         }
+        if "on_newer" in options:
+            explicit["on_newer"] = options.pop("on_newer")
         connection = options.pop("keyed_connection", None)
         at_send = options.pop("keyed_admit_at_send", None)
         at_publish = options.pop("keyed_register_at_publish", None)
@@ -133,6 +142,8 @@ class KeyedTask(Task):
                 computed[header] = inherited[header]
         debounce = None if options.get("retries") else self._debounce_header(debounce_call, computed)
         if debounce is not None:  # a retry is never debounced again (headers.NOT_INHERITED)
+            if HEADER_ON_NEWER in computed:
+                raise InvalidKey(f"{self.name}: on_newer='cancel_running' and debounce do not combine")
             computed[HEADER_DEBOUNCE] = debounce
         reserved = False
         if at_send is not False:
@@ -262,11 +273,43 @@ class KeyedTask(Task):
         check_cost(cost, self)
         if cost != 1 and HEADER_KEY in headers:
             headers[HEADER_COST] = cost
+        on_newer = self._on_newer(explicit, headers.get(HEADER_KEY))
+        if on_newer is not None:
+            headers[HEADER_ON_NEWER] = on_newer
         mode = explicit.get("concurrency_mode", self.concurrency_mode)
         exclusive = check_mode(mode, self, cost=cost, keys=headers.get(HEADER_KEY))
         if HEADER_KEY in headers and (exclusive or self.concurrency_mode != "shared"):
             headers[HEADER_MODE] = mode  # the worker falls back to the class's mode only without the header
         return headers
+
+    def _on_newer(self, explicit: Mapping[str, Any], keys: Any) -> str | None:
+        """The newest-wins policy of a keyed call: per call ``on_newer=`` (None: not this call), else the task's, else
+        its first key's name's in this app's ``keyed_concurrency_limits``. ``InvalidKey`` for an unknown value."""
+        if keys is None:
+            return None
+        if "on_newer" in explicit:
+            policy = explicit["on_newer"]
+        elif self.on_newer is not None:
+            policy = self.on_newer
+        else:
+            from celery_keyed.publisher import publisher_for
+
+            publisher = publisher_for(self.app)
+            first = keys[0] if isinstance(keys, list) else keys
+            config = publisher.settings.limits.get(str(first).split(":", 1)[0]) if publisher is not None else None
+            policy = None if config is None else config.on_newer
+        return check_on_newer(policy, self)
+
+    def keyed_cancelled(self) -> bool:
+        """Newest wins (``on_newer="cancel_running"``): whether a newer call of this task's key and supersede key asked
+        this attempt to stop and the worker passed it on. Poll it in long loops on pools that cannot terminate a task
+        (threads, gevent, eventlet, solo) and return early: the attempt is recorded ``superseded`` however it ends.
+        On prefork the pool process is terminated instead, so this stays False there. False outside a worker."""
+        probe = _cancel_probe
+        task_id = getattr(self.request, "id", None)
+        if probe is None or task_id is None:
+            return False
+        return probe(task_id, int(getattr(self.request, "retries", 0) or 0))
 
     def release_concurrency(self) -> bool:
         """Give back this attempt's concurrency slots now, from inside the task; the rest of the run is unkeyed
@@ -357,7 +400,6 @@ def set_cancel_probe(probe: Callable[[str, int], bool] | None) -> None:
     """Install (the gate's start) or remove (its shutdown) the probe behind ``KeyedTask.keyed_cancelled``."""
     global _cancel_probe
     _cancel_probe = probe
-
 
 
 def key_spec(task: Any, option: str) -> KeySpec:
@@ -454,6 +496,17 @@ def check_mode(mode: Any, task: Any, *, cost: Any = 1, keys: Any = None) -> bool
     if isinstance(keys, list | tuple) and len(keys) > 1:
         raise InvalidKey(f"{getattr(task, 'name', task)}: an exclusive task needs exactly one concurrency key")
     return True
+
+
+def check_on_newer(policy: Any, task: Any) -> str | None:
+    """``on_newer`` must be None or "cancel_running" (``InvalidKey`` otherwise: bad input never waits)."""
+    from celery_keyed.ledger import check_on_newer as check
+
+    try:
+        check(policy)
+    except ValueError as exc:
+        raise InvalidKey(f"{getattr(task, 'name', task)}: {exc}") from None
+    return None if policy is None else str(policy)
 
 
 def check_cost(cost: Any, task: Any) -> int:
@@ -554,6 +607,7 @@ def keyed_task(
     fair_weight: Any = ...,
     concurrency_cost: int = ...,
     concurrency_mode: str = ...,
+    on_newer: str | None = ...,
     **options: Any,
 ) -> Callable[[Callable[Concatenate[Any, P], R]], KeyedTaskFunction[P, R]]: ...
 
@@ -572,6 +626,7 @@ def keyed_task(
     fair_weight: Any = ...,
     concurrency_cost: int = ...,
     concurrency_mode: str = ...,
+    on_newer: str | None = ...,
     **options: Any,
 ) -> Callable[[Callable[P, R]], KeyedTaskFunction[P, R]]: ...
 
@@ -583,8 +638,8 @@ def keyed_task(*args: Any, **options: Any) -> Any:
     calls are checked against it; with ``bind=True`` the first parameter (the task) is left out.
 
     Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``group_key``,
-    ``supersede_key``, ``dedupe_key``, ``admit_at_send`` and ``register_at_publish``. Pass ``app=`` to register
-    on a specific app instead of every app (shared_task).
+    ``supersede_key``, ``dedupe_key``, ``admit_at_send``, ``register_at_publish`` and ``on_newer``. Pass ``app=`` to
+    register on a specific app instead of every app (shared_task).
     """
     app = options.pop("app", None)
     options.setdefault("base", KeyedTask)

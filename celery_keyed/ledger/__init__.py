@@ -38,6 +38,7 @@ from celery_keyed.ledger.attempts import (
     Token,
     Verdict,
     check_debounce,
+    check_on_newer,
 )
 from celery_keyed.ledger.books import (
     books_balance,
@@ -55,7 +56,7 @@ from celery_keyed.ledger.bounds import (
     check_int,
     check_seconds,
 )
-from celery_keyed.ledger.claims import HeldClaim, claims_renew
+from celery_keyed.ledger.claims import HeldClaim, claims_cancel_requested, claims_renew
 from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState, translate
 from celery_keyed.ledger.explain import Explanation, explain
 from celery_keyed.ledger.fair_weights import (
@@ -169,6 +170,7 @@ __all__ = [
     "check_counters_once",
     "check_debounce",
     "check_int",
+    "check_on_newer",
     "check_prefix",
     "check_seconds",
     "check_weight",
@@ -732,6 +734,15 @@ class Ledger:
     def renew(self, held: Iterable[HeldClaim], *, now: datetime | None = None) -> set[HeldClaim]:
         held = list(held)
         return self.transaction(lambda conn: claims_renew(conn, self.holder, held, lease=self.lease, now=now))
+
+    def cancel_requested(self, held: Iterable[HeldClaim]) -> dict[HeldClaim, str]:
+        """Of ``held`` (claims this holder renews), those whose cancellation a newer arrival asked for (newest wins,
+        ``on_newer="cancel_running"``), with who asked. One read."""
+        held = list(held)
+        if not held:
+            return {}
+        with self.engine.connect() as conn:
+            return claims_cancel_requested(conn, self.holder, held)
 
     def confirm(self, token: Token, fence: int, *, now: datetime | None = None) -> bool:
         """Bind a start to a claim taken earlier (D14): True when the claim of ``token`` is still this holder's,

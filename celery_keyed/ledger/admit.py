@@ -94,7 +94,7 @@ def admit_autocommit(
     shard lock ends with it (see _fast_claim)."""
     if arrival.key is None or arrival.group_key is not None or arrival.not_before is not None or arrival.exclusive:
         return None, False
-    if arrival.debounce is not None:  # debounced: it parks for its quiet period (admit)
+    if arrival.debounce is not None or arrival.on_newer is not None:  # decided by admit (it parks / cancels)
         return None, False
     name = key_name(arrival.key)
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
@@ -115,7 +115,7 @@ def admit_autocommit(
 def batchable(arrival: Arrival) -> bool:
     """Whether ``claim_many`` may decide ``arrival``: one key, no group, no not-before time, shared (the shape of
     fast_paths.CLAIM_NEW). Every other arrival takes the per-arrival path."""
-    if arrival.debounce is not None:  # debounced: it parks for its quiet period (admit)
+    if arrival.debounce is not None or arrival.on_newer is not None:  # decided by admit (it parks / cancels)
         return False
     return (
         arrival.key is not None
@@ -232,7 +232,7 @@ def admit(
         and not arrival.extra_keys
         and not arrival.exclusive
     )
-    fast = fast and arrival.debounce is None
+    fast = fast and arrival.debounce is None and arrival.on_newer is None
     row: Any = None
     if fast and not fresh:
         assert name is not None
@@ -278,6 +278,10 @@ def admit(
                 now=now,
             )
             return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
+
+    # Newest wins: ask for the cancellation of the older attempt of its key and supersede key. Its claim row is
+    # locked before the slot rows, the order a release takes them in (claim, task, slots): no cycle.
+    cancels = _cancel_older(conn, arrival, now=now)
 
     # Slow path: lock everything the decision depends on, in lock order (every key's shard rows, keys sorted,
     # then their head rows), then decide. Several keys: all have room or the attempt parks (all-or-nothing).
@@ -333,12 +337,16 @@ def admit(
                 holder=holder,
                 lease=lease,
                 holding=holding,
+                supersede_key=arrival.supersede_key if arrival.on_newer else None,
                 now=now,
             )
-            return Admission(Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted))
+            return Admission(
+                Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted), cancels=cancels
+            )
 
     too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 and not arrival.exclusive else None
     if too_heavy is not None:
+        _withdraw_cancels(conn, arrival, cancels)
         finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=too_heavy, now=now)
         return Admission(Verdict.REJECTED, detail=too_heavy, promotions=tuple(promoted))
     # Park in the line of the first key (in the task's order) without room for it; an attempt that waits for
@@ -356,6 +364,7 @@ def admit(
     if line is not None and not replaced:  # a replacing arrival takes the replaced one's place in the room
         superseded = _make_place(conn, arrival, line, now=now)
         if superseded is None:
+            _withdraw_cancels(conn, arrival, cancels)
             detail = f"waiting room of {line} is full"
             finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=detail, now=now)
             return Admission(Verdict.REJECTED, detail=detail, promotions=tuple(promoted))
@@ -363,12 +372,49 @@ def admit(
         conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, line=line,
         debounce_cap=debounce_cap, now=now,
     )
+    if cancels:  # newest wins: the slot the cancelled attempt frees goes to the newest
+        conn.execute(waiting.WAITING_TO_HEAD, {"task_id": arrival.task_id, "attempt": arrival.attempt})
     return Admission(
         Verdict.PARKED,
         superseded=(*replaced, *(superseded or ())),
         promotions=tuple(promoted),
         debounced=arrival.debounce is not None,
+        cancels=cancels,
     )
+
+
+def _cancel_older(conn: sa.Connection, arrival: Arrival, *, now: Any) -> tuple[tuple[str, int, str | None], ...]:
+    """Newest wins (``on_newer="cancel_running"``, issue 14 item 1): ask for the cancellation of the attempts of the
+    arrival's first key and supersede key that hold a slot, in the arrival's transaction: the request commits with
+    the arrival's claim or park, or not at all. The UPDATE waits for a release of that claim in progress: an attempt
+    that released first has no row and is not cancelled. The newest itself is admitted or parked as any arrival: it
+    starts only when the bound lets it (on a mutex, when the cancelled attempt's release promotes it)."""
+    if arrival.on_newer is None or arrival.key is None or arrival.supersede_key is None:
+        return ()
+    return tuple(
+        claims.claims_request_cancel(
+            conn,
+            key=arrival.key,
+            supersede_key=arrival.supersede_key,
+            task_id=arrival.task_id,
+            detail=_cancel_detail(arrival),
+            now=now,
+        )
+    )
+
+
+def _cancel_detail(arrival: Arrival) -> str:
+    return f"superseded by {arrival.task_id} (newest wins)"
+
+
+def _withdraw_cancels(conn: sa.Connection, arrival: Arrival, cancels: Sequence[tuple[str, int, str | None]]) -> None:
+    """A newest that is refused after all (its waiting room is full of other work) cancels nothing: the requests it
+    made in this transaction (rows it holds locked) are taken back."""
+    for task_id, attempt, _ in cancels:
+        conn.execute(
+            claims.CLAIMS_WITHDRAW_CANCEL,
+            {"task_id": task_id, "attempt": attempt, "detail": _cancel_detail(arrival)},
+        )
 
 
 def _debounce(
@@ -515,7 +561,7 @@ def _make_place(conn: sa.Connection, arrival: Arrival, line: str, *, now: Any) -
     policy: str | None = None
     if arrival.supersede_key:
         policy = _overflow_policy(conn, name)
-        if policy == "supersede":
+        if policy == "supersede" or arrival.on_newer is not None:  # newest wins replaces the parked ones too
             rows = conn.execute(
                 waiting.WAITING_DELETE_SUPERSEDED, {"key": line, "supersede_key": arrival.supersede_key}
             ).all()

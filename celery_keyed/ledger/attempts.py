@@ -40,7 +40,10 @@ class Arrival:
     issue 14 item 2): the attempt waits until its key has been quiet that long, and replaces
     (``debounce_keep="last"``) or gives way to (``"first"``) the waiting debounced attempt of its key with the same
     supersede key (else task name), at most ``debounce_max`` seconds after the burst's first arrival (default: 60,
-    or ``debounce`` when longer). See ``admit.admit`` and README "Debounce".
+    or ``debounce`` when longer). See ``admit.admit`` and README "Debounce". ``on_newer="cancel_running"`` (issue 14
+    item 1, newest wins): its arrival asks the worker holding a running (or promoted) attempt of the same first key
+    and supersede key (else task name) to cancel it, and replaces the parked ones; see ``admit.admit`` and README
+    "Newest wins".
     """
 
     task_id: str
@@ -62,8 +65,19 @@ class Arrival:
     debounce: float | None = None
     debounce_max: float | None = None
     debounce_keep: str = "last"
+    on_newer: str | None = None
 
     def __post_init__(self) -> None:
+        if self.on_newer is not None:
+            check_on_newer(self.on_newer)
+            if self.key is None:
+                raise ValueError("on_newer='cancel_running' needs a concurrency key")
+            if self.debounce is not None:
+                raise ValueError("on_newer='cancel_running' and debounce do not combine")
+            if self.supersede_key is None:  # newest of the same task on the key, unless a supersede key is given
+                object.__setattr__(self, "supersede_key", self.task_name or None)
+            if self.supersede_key is None:
+                raise ValueError("on_newer='cancel_running' needs a supersede key or a task name")
         if self.debounce is not None:
             check_debounce(self.debounce, self.debounce_max, self.debounce_keep)
             if self.key is None or self.group_key is not None:
@@ -131,6 +145,16 @@ def check_debounce(debounce: Any, debounce_max: Any = None, keep: Any = "last") 
         raise ValueError(f"debounce_keep must be 'last' or 'first', got {keep!r}")
 
 
+#: The values of ``on_newer`` besides None (today's behaviour: a newer arrival waits for the running one).
+ON_NEWER_POLICIES = ("cancel_running",)
+
+
+def check_on_newer(value: Any) -> None:
+    """Raise ValueError unless ``value`` is None or "cancel_running"."""
+    if value is not None and value not in ON_NEWER_POLICIES:
+        raise ValueError(f"on_newer must be None or 'cancel_running', got {value!r}")
+
+
 class Verdict(StrEnum):
     """What admission decided for an arrival."""
 
@@ -152,6 +176,9 @@ class Admission:
     # Attempts that were ahead of this arrival and started with the room it found (their not-before time had
     # passed, no sweep had run yet): the caller dispatches them, like a release's promotions.
     promotions: tuple[Promotion, ...] = ()
+    # Running (or promoted) attempts of the same key and supersede key whose cancellation this arrival asked for
+    # (``on_newer="cancel_running"``): (task id, attempt, holder or None).
+    cancels: tuple[tuple[str, int, str | None], ...] = ()
     debounced: bool = False  # a debounced arrival: parked for its quiet period, or superseded at arrival (keep first)
 
     @property
@@ -187,6 +214,7 @@ class Outcome(StrEnum):
     WORKER_LOST = "worker_lost"  # the attempt may be redelivered with the same token (D8)
     REVOKED = "revoked"  # revoked while running or while waiting
     DEAD_LETTERED = "dead_lettered"  # explicit dead-letter
+    SUPERSEDED = "superseded"  # cancelled by a newer arrival of its key and supersede key (on_newer), then ended
 
 
 class TaskOutcome(StrEnum):
@@ -198,7 +226,8 @@ class TaskOutcome(StrEnum):
     DEAD_LETTERED = "dead_lettered"  # a group head's final failure, or an explicit dead-letter: its group moves on
     EXPIRED = "expired"  # not started before its latest start (expires, max_wait)
     REJECTED = "rejected"  # no place in the waiting room, a cost no key can hold, or unreadable keys (D16)
-    SUPERSEDED = "superseded"  # replaced in the waiting room by a newer arrival with its supersede key
+    SUPERSEDED = "superseded"  # replaced in the waiting room by a newer arrival with its supersede key, or
+    # cancelled while running by one (on_newer="cancel_running")
     REVOKED = "revoked"  # revoked while waiting, between attempts, or while running
     LOST = "lost"  # a registered group number never received (D10); not an arrival
 

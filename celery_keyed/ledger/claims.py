@@ -22,10 +22,11 @@ from celery_keyed.ledger.clock import NOW
 CLAIMS_INSERT_RUNNING = sa.text(
     f"""
     INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
-                              lease_expires_at, claimed_at, parked, cost, extra_keys, extra_shards, fair_key)
+                              lease_expires_at, claimed_at, parked, cost, extra_keys, extra_shards, fair_key,
+                              supersede_key)
     VALUES (:task_id, :attempt, :key, :shard, :group_key, 'running', nextval('keyed_fence_seq'), :holder,
             {NOW} + make_interval(secs => :lease), {NOW}, CAST(:parked AS jsonb), :cost,
-            CAST(:extra_keys AS text[]), CAST(:extra_shards AS integer[]), :fair_key)
+            CAST(:extra_keys AS text[]), CAST(:extra_shards AS integer[]), :fair_key, :supersede_key)
     RETURNING fence
     """
 )
@@ -108,6 +109,47 @@ CLAIMS_RENEW = sa.text(
      WHERE c.task_id = t.task_id AND c.attempt = t.attempt AND c.fence = t.fence
        AND c.holder = :holder AND c.state = 'running'
     RETURNING c.task_id, c.attempt, c.fence
+    """
+)
+
+# claims_request_cancel: newest wins (on_newer='cancel_running'). An arrival asks for the cancellation of the attempts
+# of its first key and supersede key that hold a slot (running, or promoted and not bound yet: the supersede key of a
+# promotion is in its stored waiting row) of tasks that arrived before its own (a retry of an older task never
+# cancels a newer one). Runs in the arrival's transaction, after its task row and before the key's slot rows (a
+# release locks the claim row, then the task row, then the slots: no cycle), so the request commits with the
+# arrival's park or claim, or not at all; it waits for a release of the row in progress, and a claim that already
+# ended has no row and is not cancelled. Set once (the first request's time and detail are kept); every matching
+# row is returned, so a repeated arrival tells the holder again.
+CLAIMS_REQUEST_CANCEL = sa.text(
+    f"""
+    UPDATE keyed_claims
+       SET cancel_requested_at = COALESCE(cancel_requested_at, {NOW}),
+           cancel_detail = COALESCE(cancel_detail, :detail)
+     WHERE key = :key AND task_id <> :task_id AND state IN ('running', 'promoted')
+       AND COALESCE(supersede_key, parked ->> 'supersede_key') = :supersede_key
+       AND (SELECT arrived_at FROM keyed_tasks WHERE task_id = keyed_claims.task_id)
+           <= (SELECT arrived_at FROM keyed_tasks WHERE task_id = :task_id)
+    RETURNING task_id, attempt, holder
+    """
+)
+
+# claims_withdraw_cancel: an arrival refused after all takes back the request it made (its own detail only).
+CLAIMS_WITHDRAW_CANCEL = sa.text(
+    """
+    UPDATE keyed_claims SET cancel_requested_at = NULL, cancel_detail = NULL
+     WHERE task_id = :task_id AND attempt = :attempt AND cancel_detail = :detail
+    """
+)
+
+# claims_cancel_requested: of the claims a holder renews, those whose cancellation a newer arrival asked for.
+CLAIMS_CANCEL_REQUESTED = sa.text(
+    """
+    SELECT c.task_id, c.attempt, c.fence, c.cancel_detail
+      FROM keyed_claims c
+      JOIN unnest(CAST(:task_ids AS text[]), CAST(:attempts AS integer[]), CAST(:fences AS bigint[]))
+           AS t(task_id, attempt, fence)
+        ON c.task_id = t.task_id AND c.attempt = t.attempt AND c.fence = t.fence
+     WHERE c.holder = :holder AND c.cancel_requested_at IS NOT NULL
     """
 )
 
@@ -261,11 +303,13 @@ def claims_insert_running(
     lease: float,
     parked: str | None = None,
     holding: Holding | None = None,
+    supersede_key: str | None = None,
     now: Any = None,
 ) -> int:
     """Insert the running claim for a slot the caller has just taken; its fence. ``parked``: the waiting row
     it came from (a promotion run by its releaser), kept so that a lost run goes back in line. ``holding``:
-    the slots taken when they are more than one slot of ``key`` (extra keys, a cost)."""
+    the slots taken when they are more than one slot of ``key`` (extra keys, a cost). ``supersede_key``: the
+    attempt's, so that a newer arrival of its key can ask for its cancellation (newest wins)."""
     params = {
         "task_id": token.task_id,
         "attempt": token.attempt,
@@ -274,6 +318,7 @@ def claims_insert_running(
         "holder": holder,
         "lease": lease,
         "parked": parked,
+        "supersede_key": supersede_key,
         "now": now,
     }
     return int(conn.execute(CLAIMS_INSERT_RUNNING, params).scalar_one())
@@ -371,3 +416,28 @@ def claims_renew(
         "now": now,
     }
     return {HeldClaim(r.task_id, r.attempt, r.fence) for r in conn.execute(CLAIMS_RENEW, params)}
+
+
+def claims_request_cancel(
+    conn: sa.Connection, *, key: str, supersede_key: str, task_id: str, detail: str, now: Any = None
+) -> list[tuple[str, int, str | None]]:
+    """Ask for the cancellation of the attempts of ``key`` and ``supersede_key`` that hold a slot, of tasks that arrived
+    no later than ``task_id`` (newest wins); (task id, attempt, holder) of each."""
+    params = {"key": key, "supersede_key": supersede_key, "task_id": task_id, "detail": detail, "now": now}
+    return [(r.task_id, int(r.attempt), r.holder) for r in conn.execute(CLAIMS_REQUEST_CANCEL, params)]
+
+
+def claims_cancel_requested(conn: sa.Connection, holder: str, held: Iterable[HeldClaim]) -> dict[HeldClaim, str]:
+    """Of ``held`` (claims this holder renews), those whose cancellation a newer arrival asked for, with its detail."""
+    held = list(held)
+    if not held:
+        return {}
+    params = {
+        "task_ids": [h.task_id for h in held],
+        "attempts": [h.attempt for h in held],
+        "fences": [h.fence for h in held],
+        "holder": holder,
+    }
+    return {
+        HeldClaim(r.task_id, r.attempt, r.fence): r.cancel_detail for r in conn.execute(CLAIMS_CANCEL_REQUESTED, params)
+    }

@@ -21,7 +21,7 @@ EXPLAIN_CLAIM = sa.text(
     f"""
     SELECT attempt, key, shard, group_key, state, fence, holder, dispatch_deadline,
            EXTRACT(EPOCH FROM lease_expires_at - {NOW}) AS lease_left, cost, extra_keys, held_outcome,
-           lease_expires_at
+           lease_expires_at, cancel_requested_at, cancel_detail
       FROM keyed_claims WHERE task_id = :task_id ORDER BY attempt DESC LIMIT 1
     """
 )
@@ -139,12 +139,18 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
         )
     if claim is not None:
         holds = _holds(claim)
+        # Newest wins: a newer arrival asked this attempt to stop; its worker ends it and records it superseded.
+        cancel = (
+            f"; cancel requested at {claim['cancel_requested_at']:%Y-%m-%d %H:%M:%S%z}: {claim['cancel_detail']}"
+            if claim["cancel_requested_at"] is not None
+            else ""
+        )
         if claim["state"] == "promoted":
             return Explanation(
                 task_id,
                 "promoted",
                 f"attempt {claim['attempt']} was given a slot of {holds} and "
-                f"is being dispatched (deadline {claim['dispatch_deadline']})",
+                f"is being dispatched (deadline {claim['dispatch_deadline']}){cancel}",
                 {**claim, "mode": _mode(claim)},
             )
         return Explanation(
@@ -152,7 +158,7 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
             "running",
             f"attempt {claim['attempt']} is running under {holds}, fence "
             f"{claim['fence']}, holder {claim['holder']}, lease left "
-            f"{float(claim['lease_left']):.1f}s",
+            f"{float(claim['lease_left']):.1f}s{cancel}",
             {**claim, "mode": _mode(claim)},
         )
     wait = conn.execute(EXPLAIN_WAITING, {"task_id": task_id, "now": now}).mappings().first()

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger.attempts import check_debounce
+from celery_keyed.ledger.attempts import check_debounce, check_on_newer
 from celery_keyed.ledger.bounds import (
     BURST_MAX,
     MAX_WAITING_MAX,
@@ -38,6 +38,7 @@ _KNOWN_OPTIONS = {
     "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair", "fair_weights",
     "admit_at_send", "register_at_publish",
     "debounce", "debounce_max", "debounce_keep",
+    "on_newer",
 }
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -76,6 +77,9 @@ class NameConfig:
     debounce: float | None = None
     debounce_max: float | None = None
     debounce_keep: str = "last"
+    # Newest wins (issue 14 item 1; producer side, like debounce: not stored in the ledger): a task of this name
+    # without its own on_newer option is published with this policy ("cancel_running"; README "Newest wins").
+    on_newer: str | None = None
 
     def __post_init__(self) -> None:
         # Every number is checked against what its column and the clock can hold (ledger/bounds.py), so a value
@@ -116,6 +120,12 @@ class NameConfig:
                 check_debounce(self.debounce, self.debounce_max, self.debounce_keep)
             except ValueError as exc:
                 raise InvalidConfig(f"{self.name}: {exc}") from None
+        try:
+            check_on_newer(self.on_newer)
+        except ValueError as exc:
+            raise InvalidConfig(f"{self.name}: {exc}") from None
+        if self.on_newer is not None and self.debounce is not None:
+            raise InvalidConfig(f"{self.name}: on_newer and debounce do not combine")
 
     @classmethod
     def from_setting(cls, name: str, value: Any) -> NameConfig:

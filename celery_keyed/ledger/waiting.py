@@ -424,3 +424,17 @@ WAITING_RESERVATIONS_LAPSED = sa.text(
     RETURNING w.task_id, w.cost, v.reserved_keys, v.reserved_shards
     """
 )
+
+
+# waiting_to_head: newest wins (on_newer='cancel_running'): a newest that parked while it asked the attempt holding
+# its slot to stop takes the head of its key's line (among waiters of its priority), so the slot the cancelled attempt
+# frees goes to it rather than to the calls queued behind that attempt. Run under the key's head row lock (admit).
+WAITING_TO_HEAD = sa.text(
+    """
+    UPDATE keyed_waiting w SET arrival = h.first - 1
+      FROM (SELECT min(o.arrival) AS first FROM keyed_waiting o, keyed_waiting me
+             WHERE me.task_id = :task_id AND me.attempt = :attempt
+               AND o.key = me.key AND o.priority = me.priority) h
+     WHERE w.task_id = :task_id AND w.attempt = :attempt AND h.first < w.arrival
+    """
+)

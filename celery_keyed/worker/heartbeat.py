@@ -5,8 +5,9 @@ process runs and of the promotions bound to it that wait for a pool process (nev
 hostname", D6); notice a slot that was reclaimed (its attempt is no longer tracked, and is self-fenced); when the
 ledger has been unreachable until the last success + lease - margin (monotonic clock), self-fence: on the
 prefork pool kill the pool process of every keyed attempt, which may have lost its slot (``keyed_self_fence``, on
-by default); give back promotions bound here that no pool process took within a heartbeat, and claims of
-requests admitted but never started (D6); retry the releases and revokes that failed; probe the breaker.
+by default); pass on newest-wins cancel requests of newer arrivals to the attempts they concern (the broadcast
+``keyed_cancel`` may have been lost); give back promotions bound here that no pool process took within a heartbeat,
+and claims of requests admitted but never started (D6); retry the releases and revokes that failed; probe the breaker.
 
 Threads and fields: the heartbeat's thread belongs to the **process**, not to the consumer (D13): it starts at
 the first consumer start and goes on through consumer restarts (broker reconnects), warm shutdown and broker
@@ -112,6 +113,10 @@ class Heartbeat:
             r.request.keyed_claim = None
         if lost:
             self._self_fence(lost, "its slot was reclaimed (lease expired)")
+        # Newest wins: a newer arrival of an attempt's key and supersede key asked it to stop (the broadcast may have
+        # been lost, or its claim was a promotion not yet bound here).
+        with contextlib.suppress(sa.exc.SQLAlchemyError):
+            gate.check_cancels()
         with gate.lock:
             for claim, (token, p) in waiting.items():
                 if claim not in renewed and handoff.prebound.get(token) is p:
@@ -163,7 +168,7 @@ class Heartbeat:
         terminated (``keyed_self_fence``, on by default); elsewhere the bound is best-effort, and we say so."""
         for r in running:
             r.fenced = True
-            if self.gate.settings.self_fence and self._can_terminate():
+            if self.gate.settings.self_fence and self.can_terminate():
                 logger.error("celery-keyed: terminating %s[%s]: %s", r.request.name, r.token.task_id, why)
                 # Kill the pool child rather than revoke: the attempt ends as "worker lost", so with acks_late
                 # its message is redelivered and it runs again once it holds a slot (a revoke would be final).
@@ -187,6 +192,8 @@ class Heartbeat:
             pids.update(int(p) for p in (pool.info or {}).get("processes") or ())  # type: ignore[union-attr]
         return sorted(pids)
 
-    def _can_terminate(self) -> bool:
+    def can_terminate(self) -> bool:
+        """Whether the pool can terminate a running task (prefork); else the bound is best-effort (D7) and newest
+        wins asks the task to stop (``keyed_cancelled()``)."""
         pool = getattr(self.gate.consumer, "pool", None)
         return pool is not None and type(pool).__module__.startswith("celery.concurrency.prefork")

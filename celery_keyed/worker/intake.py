@@ -21,6 +21,7 @@ from celery_keyed.headers import (
     HEADER_GROUP_SEQ,
     HEADER_KEY,
     HEADER_MODE,
+    HEADER_ON_NEWER,
     HEADER_SUPERSEDE,
 )
 from celery_keyed.ledger import EXCLUSIVE_COST, INT_MAX, Arrival, InvalidKey, normalize_key
@@ -29,6 +30,7 @@ from celery_keyed.task import (
     check_cost,
     check_fair_weight,
     check_mode,
+    check_on_newer,
     evaluate_key,
     evaluate_keys,
     evaluate_weight,
@@ -112,8 +114,21 @@ def arrival_for(request: Any) -> Arrival | None:
         supersede_key=supersede,
         queue=(request.delivery_info or {}).get("routing_key"),
         message=record_message(request._message, task_name=request.name),
+        on_newer=on_newer_of(request, keys),
         **debounce_of(request, keys, group, retries),
     )
+
+
+def on_newer_of(request: Any, keys: list[str]) -> str | None:
+    """The newest-wins policy of an arrival (issue 14 item 1): from the ``keyed_on_newer`` header when the message
+    carries gate headers (the producer decided: call, task or name), else (``send_task``) the task's own option.
+    A malformed header raises ``InvalidKey`` (a recorded rejection, D16)."""
+    if not keys:
+        return None
+    headers = request._request_dict
+    if headers.get(HEADER_KEY) is not None or headers.get(HEADER_GROUP) is not None:
+        return check_on_newer(headers.get(HEADER_ON_NEWER), request.task)
+    return check_on_newer(getattr(request.task, "on_newer", None), request.task)
 
 
 def debounce_of(request: Any, keys: list[str], group: str | None, retries: int) -> dict[str, Any]:

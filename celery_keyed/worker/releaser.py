@@ -66,6 +66,7 @@ class Release:
     hold: Any
     released_at: float
     after: Callable[[], None] | None = None  # the broker ack, deferred until the release commits (D15)
+    detail: str = ""  # recorded with the task's final outcome (newest wins: who superseded it)
 
 
 class Releaser:
@@ -136,6 +137,7 @@ class Releaser:
         hold: Any = None,
         after: Callable[[], None] | None = None,
         on_loop: bool = True,
+        detail: str = "",
     ) -> None:
         """Give the release to the releaser thread, or run it here when none runs (``on_loop``: the caller is
         the consumer loop's thread, which may start a promotion itself). ``after``: the broker ack
@@ -154,6 +156,7 @@ class Releaser:
             uncertain=uncertain,
             hold=hold,
             released_at=metrics.clock(),
+            detail=detail,
             after=after,
         )
         with self._lock:
@@ -221,6 +224,7 @@ class Releaser:
                 token=job.token,
                 fence=job.fence,
                 outcome=job.outcome,
+                detail=job.detail,
                 contended=job.contended,
                 local_queues=None if job.local_queues is None else frozenset(job.local_queues),
                 local_tasks=None if job.local_tasks is None else frozenset(job.local_tasks),
@@ -249,6 +253,7 @@ class Releaser:
                 job.token,
                 job.fence,
                 job.outcome,
+                detail=job.detail,
                 contended=job.contended,
                 local_queues=job.local_queues,
                 local_tasks=job.local_tasks,
@@ -278,6 +283,12 @@ class Releaser:
         for task_id, final in report.finished:
             if final == "dead_lettered":
                 logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", job.name, task_id)
+        if any(final == "superseded" for _, final in report.finished):
+            # Newest wins: a cancelled attempt's KeyedSuperseded result now, not at the next sweep (D11).
+            try:
+                self.gate.sweeper.notify_never_ran()
+            except Exception:
+                logger.warning("celery-keyed: could not store superseded results now; the sweep will", exc_info=True)
         metrics.promoted(report.promotions, job.released_at)
         self.gate.handoff.dispatch(report.promotions, local=local, granted=granted)
 

@@ -610,8 +610,8 @@ class KeyAdmin(ReadOnlyAdmin):
 
 @admin.register(Claim)
 class ClaimAdmin(ReadOnlyAdmin):
-    list_display = ("task_link", "task_name_display", "arguments_display", "attempt", "holds_display", "state",
-                    "fence", "holder", "held_display", "lease_display")
+    list_display = ("task_link", "task_name_display", "arguments_display", "attempt", "holds_display",
+                    "state_display", "fence", "holder", "held_display", "lease_display")
     list_display_links = None
     list_filter = ("state",)
     search_fields = ("=task_id", "=key", "=group_key", "holder")
@@ -657,6 +657,16 @@ class ClaimAdmin(ReadOnlyAdmin):
         if obj.cost and obj.cost >= EXCLUSIVE_COST:
             cost = " (exclusive: alone on its key)"  # readers and writers
         return ", ".join(parts) + cost if parts else "—"
+
+    @admin.display(description="State", ordering="state")
+    def state_display(self, obj: Claim) -> str:
+        """Its state, and a cancel a newer arrival asked for (newest wins): its worker ends it as superseded."""
+        if obj.cancel_requested_at is None:
+            return obj.state
+        return format_html(
+            '{} <span style="color:#ba2121">— cancel requested {} ago ({})</span>',
+            obj.state, age(timezone.now() - obj.cancel_requested_at), obj.cancel_detail or "",
+        )
 
     @admin.display(description="Held for", ordering="claimed_at")
     def held_display(self, obj: Claim) -> str:

@@ -382,6 +382,9 @@ class Claim(models.Model):
     extra_shards = ArrayField(models.IntegerField(), null=True)
     held_outcome = models.TextField(null=True)
     fair_key = models.TextField(null=True)
+    supersede_key = models.TextField(null=True)  # newest wins (0015)
+    cancel_requested_at = models.DateTimeField(null=True)  # a newer arrival asked for its cancellation (0015)
+    cancel_detail = models.TextField(null=True)
 
     class Meta:
         managed = False

@@ -239,6 +239,11 @@ CREATE TABLE keyed_claims (
     extra_shards integer[],
     held_outcome text,
     fair_key text,
+    -- newest wins (0015): the supersede key of a claim admitted directly (a promoted claim keeps it in parked), and
+    -- when and by whom its cancellation was asked (on_newer='cancel_running'); set once, gone with the claim
+    supersede_key text,
+    cancel_requested_at timestamptz,
+    cancel_detail text,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT keyed_claims_state_known CHECK (state IN ('running', 'promoted', 'uncertain')),
     -- a running attempt that gave its slots back early (release_concurrency) keeps its row until its outcome
@@ -250,7 +255,8 @@ CREATE TABLE keyed_claims (
     CONSTRAINT keyed_claims_extra_with_key CHECK (extra_keys IS NULL OR key IS NOT NULL),
     CONSTRAINT keyed_claims_extra_shards_match CHECK (
         cardinality(extra_keys) IS NOT DISTINCT FROM cardinality(extra_shards)),
-    CONSTRAINT keyed_claims_uncertain_has_outcome CHECK ((state = 'uncertain') = (held_outcome IS NOT NULL))
+    CONSTRAINT keyed_claims_uncertain_has_outcome CHECK ((state = 'uncertain') = (held_outcome IS NOT NULL)),
+    CONSTRAINT keyed_claims_cancel_detail_when CHECK ((cancel_requested_at IS NULL) = (cancel_detail IS NULL))
 );
 CREATE INDEX keyed_claims_slot_idx ON keyed_claims (key, shard);
 CREATE INDEX keyed_claims_holder_idx ON keyed_claims (holder);
@@ -259,6 +265,8 @@ CREATE INDEX keyed_claims_dispatch_idx ON keyed_claims (dispatch_deadline) WHERE
 CREATE INDEX keyed_claims_extra_idx ON keyed_claims USING gin (extra_keys) WHERE extra_keys IS NOT NULL;
 CREATE INDEX keyed_claims_uncertain_idx ON keyed_claims (lease_expires_at) WHERE state = 'uncertain';
 CREATE INDEX keyed_claims_fair_idx ON keyed_claims (key, fair_key) WHERE fair_key IS NOT NULL;
+-- The heartbeat asks which of its claims have a cancellation pending (newest wins, 0015).
+CREATE INDEX keyed_claims_cancel_idx ON keyed_claims (holder) WHERE cancel_requested_at IS NOT NULL;
 -- Backs the group rule (one attempt of a group runs at a time); groups have no override, so this index can
 -- never conflict with a runtime limit (D1). The guard itself is the admission statement's head check.
 CREATE UNIQUE INDEX keyed_claims_one_per_group ON keyed_claims (group_key) WHERE group_key IS NOT NULL;
