@@ -268,6 +268,25 @@ class GateService:
         self.heartbeat.stop()
         self.engine.dispose()
 
+    def widen_prefetch(self) -> Callable[[], None]:
+        """Loop thread: open the consumer's prefetch window by one while a finished task's ack waits for its release
+        to commit (D15), and return the call that closes it again (once; any thread). Without it the unacked message
+        of a finished task holds its place in the window and the broker sends the free pool process nothing until
+        the release has committed. kombu's QoS applies the change on the loop's next turn; an unlimited window
+        (prefetch 0) stays unlimited."""
+        qos = getattr(self.consumer, "qos", None)
+        if qos is None:
+            return lambda: None
+        qos.increment_eventually()
+        closed = threading.Event()
+
+        def narrow() -> None:
+            if not closed.is_set():
+                closed.set()
+                qos.decrement_eventually()
+
+        return narrow
+
     def idle(self) -> bool:
         """No attempt runs here and no release is on its way to the ledger."""
         with self.lock:
