@@ -241,6 +241,23 @@ class LedgerCollector(Collector):
         yield from self._fair(shares)
 
     @staticmethod
+    def _key_overrides(names: list[Any]) -> list[GaugeMetricFamily]:
+        """A key that throttles itself (issue 14 item 4): per name, how many of its keys are paused on their own now,
+        and how many have a limit of their own (never a series per key)."""
+        paused = GaugeMetricFamily(
+            "celery_keyed_keys_paused", "Keys of a name paused on their own now (keyed_pause, pause-key).",
+            labels=["name"],
+        )
+        limited = GaugeMetricFamily(
+            "celery_keyed_keys_own_limit", "Keys of a name with a limit of their own now (keyed_set_limit).",
+            labels=["name"],
+        )
+        for n in names:
+            paused.add_metric([n.name], n.paused_keys)
+            limited.add_metric([n.name], n.limited_keys)
+        return [paused, limited]
+
+    @staticmethod
     def _fair(shares: list[Any]) -> list[GaugeMetricFamily]:
         """Weighted fair sharing (issue 14 item 5): per fair name and fair key (summed over the name's keys; only
         fair keys that hold or wait, at most FAIR_SERIES_MAX rows read), slots held, attempts waiting, weight."""
@@ -267,22 +284,6 @@ class LedgerCollector(Collector):
             waiting.add_metric(list(labels), w)
             weight.add_metric(list(labels), wt)
         return [held, waiting, weight]
-    @staticmethod
-    def _key_overrides(names: list[Any]) -> list[GaugeMetricFamily]:
-        """A key that throttles itself (issue 14 item 4): per name, how many of its keys are paused on their own now,
-        and how many have a limit of their own (never a series per key)."""
-        paused = GaugeMetricFamily(
-            "celery_keyed_keys_paused", "Keys of a name paused on their own now (keyed_pause, pause-key).",
-            labels=["name"],
-        )
-        limited = GaugeMetricFamily(
-            "celery_keyed_keys_own_limit", "Keys of a name with a limit of their own now (keyed_set_limit).",
-            labels=["name"],
-        )
-        for n in names:
-            paused.add_metric([n.name], n.paused_keys)
-            limited.add_metric([n.name], n.limited_keys)
-        return [paused, limited]
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:

@@ -571,7 +571,6 @@ class KeyAdmin(ReadOnlyAdmin):
             return format_html('<a href="{}">{}</a>', _url("keyoverride_change", quote(obj.key)), label)
         return label
 
-
     @admin.display(description="In flight")
     def in_flight_display(self, obj: Any) -> str:
         if not obj.in_flight:
