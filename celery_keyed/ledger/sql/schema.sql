@@ -327,6 +327,10 @@ CREATE INDEX keyed_waiting_fair_idx ON keyed_waiting (key, fair_key, priority DE
 CREATE INDEX keyed_waiting_reserved_idx ON keyed_waiting (reserved_at) WHERE reserved_at IS NOT NULL;
 CREATE INDEX keyed_waiting_supersede_idx ON keyed_waiting (key, supersede_key) WHERE supersede_key IS NOT NULL;
 CREATE INDEX keyed_waiting_debounce_idx ON keyed_waiting (key, debounce_key) WHERE debounce_key IS NOT NULL;
+-- The sweep's reads of rare rows (0017): orphan shadows, and attempts with several keys in promotion order.
+CREATE INDEX keyed_waiting_shadow_idx ON keyed_waiting (task_id, attempt) WHERE shadow;
+CREATE INDEX keyed_waiting_multi_idx ON keyed_waiting (priority DESC, arrival)
+    WHERE keys IS NOT NULL AND NOT shadow AND not_before IS NULL AND NOT group_blocked;
 
 -- Groups: one row per group_key, the lock of the group's admission and its sequence counter (D10).
 CREATE TABLE keyed_groups (
