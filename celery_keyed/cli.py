@@ -768,12 +768,12 @@ def set_key_limit_command(
     )
     operator.dispatch(promotions)
     own = operator.ledger.key_override(key)
-    until = None if own is None else own.expires_at
+    lapses = None if own is None else own.expires_at
     result = {
-        "key": key, "limit": limit, "expires_at": until, "reason": reason, "author": author,
+        "key": key, "limit": limit, "expires_at": lapses, "reason": reason, "author": author,
         "promoted": len(promotions), "effective_limit": None if own is None else own.effective_limit,
     }
-    until_text = f" until {_when(until)}" if until else ""
+    until_text = f" until {_when(lapses)}" if lapses else ""
     _done(as_json, result, f"{key}: own limit {limit}{until_text}; {len(promotions)} waiting task(s) promoted")
 
 
