@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -219,6 +220,9 @@ __all__ = [
 
 T = TypeVar("T")
 
+#: How many keys a Ledger remembers as "the fast claim admitted the last arrival here" (Ledger._fast_keys).
+FAST_KEYS = 10_000
+
 logger = logging.getLogger("celery_keyed")
 
 #: ping: the cheapest round trip, the breaker's probe that the ledger's database answers (D9).
@@ -271,6 +275,12 @@ class Ledger:
         self.holder = holder or new_holder()
         self.lease = lease
         self.dispatch = dispatch
+        #: Keys whose last admission here was the fast claim (insertion order = age, at most FAST_KEYS): a plain
+        #: arrival of any other key — its first use here, or one whose last fast claim found no room or a line —
+        #: goes straight to ``keyed_admit_plain``, which decides it in one call where the fast claim would miss
+        #: first (two round trips).
+        self._fast_keys: dict[str, None] = {}
+        self._fast_keys_lock = threading.Lock()
 
     def transaction(self, work: Callable[[sa.Connection], T], *, attempts: int = 5) -> T:
         """Run ``work(conn)`` in a transaction; retry it on deadlock or serialization failure. A violated named
@@ -437,11 +447,31 @@ class Ledger:
         """Admit ``arrival`` or park it (see ``admit.admit``). A first arrival with one key and room is one
         self-committing statement (``fast_paths.CLAIM_NEW``); a plain arrival that found no room is admitted or
         parked by one more call (``keyed_admit_plain``); everything else runs the general transaction."""
+        key = arrival.key
+        if key is not None and admit.plain(arrival) and not self._fast_key(key):
+            decided = self._admit_after_fast(arrival, fresh=False, now=now)
+            if decided.verdict is Verdict.ADMITTED:
+                self._remember_fast_key(key, True)
+            return decided
         with self.autocommit.connect() as conn:
             fast, fresh = admit.admit_autocommit(conn, arrival, holder=self.holder, lease=self.lease, now=now)
+        if key is not None:
+            self._remember_fast_key(key, fast is not None)
         if fast is not None:
             return fast
         return self._admit_after_fast(arrival, fresh=fresh, now=now)
+
+    def _fast_key(self, key: str) -> bool:
+        with self._fast_keys_lock:
+            return key in self._fast_keys
+
+    def _remember_fast_key(self, key: str, fast: bool) -> None:
+        with self._fast_keys_lock:
+            self._fast_keys.pop(key, None)
+            if fast:
+                self._fast_keys[key] = None
+                if len(self._fast_keys) > FAST_KEYS:
+                    del self._fast_keys[next(iter(self._fast_keys))]
 
     def _admit_after_fast(self, arrival: Arrival, *, fresh: bool, now: datetime | None) -> Admission:
         """The rest of an admission whose fast claim did not admit it (``fresh``: that claim recorded the task's

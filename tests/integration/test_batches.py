@@ -361,7 +361,15 @@ def test_park_of_a_plain_arrival_is_the_fast_claim_and_one_call(engine: sa.Engin
 def test_first_use_of_a_key_is_admitted_by_one_call(engine: sa.Engine, ledger: Ledger) -> None:
     with statements(engine) as sent:
         assert ledger.admit(Arrival("a", key="acct:new")).verdict is Verdict.ADMITTED
-    assert len(sent) == 2, sent  # CLAIM_NEW (no slot rows yet), then keyed_admit_plain creates and takes them
+    # One call: a key this ledger has not admitted by the fast claim before goes straight to keyed_admit_plain, which
+    # creates its slot rows and takes one (the fast claim would miss first: no slot rows yet).
+    assert [s.split("(")[0].split()[-1] for s in sent] == ["keyed_admit_plain"], sent
+    with statements(engine) as sent:  # the key's next arrival tries the fast claim first (it admitted the last)
+        assert ledger.admit(Arrival("b", key="acct:new")).verdict is Verdict.PARKED
+    assert len(sent) == 2, sent  # the fast claim found no room; keyed_admit_plain parked it
+    with statements(engine) as sent:  # no room last time: straight to keyed_admit_plain
+        assert ledger.admit(Arrival("c", key="acct:new")).verdict is Verdict.PARKED
+    assert [s.split("(")[0].split()[-1] for s in sent] == ["keyed_admit_plain"], sent
     assert used(engine, "acct:new") == 1
     assert count(engine, "SELECT count(*) FROM keyed_keys WHERE key = 'acct:new'") == 1  # seen (prefix capture)
 
@@ -374,7 +382,7 @@ def test_a_full_waiting_room_rejects_in_one_call(engine: sa.Engine, ledger: Ledg
     with statements(engine) as sent:
         got = ledger.admit(Arrival("r", key="acct:1"))
     assert got.verdict is Verdict.REJECTED and got.detail == "waiting room of acct:1 is full"
-    assert len(sent) == 2, sent
+    assert len(sent) == 1, sent  # the key had no room last time: keyed_admit_plain alone decides
     assert count(engine, "SELECT outcome FROM keyed_tasks WHERE task_id = 'r'") == "rejected"
     assert count(engine, "SELECT waiting FROM keyed_keys WHERE key = 'acct:1'") == 1
 
