@@ -84,9 +84,15 @@ BOOKS_REVOKE_UNARRIVED = sa.text(
 # one outcome, rejected, without entering admission; its failure result is stored by the caller (notified).
 BOOKS_REJECT_UNKEYABLE = sa.text(
     f"""
-    INSERT INTO keyed_tasks (task_id, task_name, arrived_at, outcome, finished_at, detail, notified)
+    INSERT INTO keyed_tasks AS t (task_id, task_name, arrived_at, outcome, finished_at, detail, notified)
     VALUES (:task_id, :task_name, {NOW}, 'rejected', {NOW}, :detail, true)
-    ON CONFLICT (task_id) DO NOTHING
+    ON CONFLICT (task_id) DO UPDATE
+       SET outcome = 'rejected', finished_at = excluded.finished_at, detail = excluded.detail, notified = true
+     WHERE t.outcome IS NULL  -- one outcome per task id
+       -- an arrival recorded by an earlier call that committed alone (the fast claim) and then refused: no attempt
+       -- of the task lives (a running or parked copy keeps its books; only this copy is refused)
+       AND NOT EXISTS (SELECT 1 FROM keyed_claims c WHERE c.task_id = t.task_id)
+       AND NOT EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = t.task_id)
     """
 )
 

@@ -8,6 +8,7 @@ deadlock (no retry here: a deadlock fails the test); a batch racing a release ne
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -219,6 +220,25 @@ def test_a_poison_row_does_not_lose_the_others(engine: sa.Engine, ledger: Ledger
     assert used(engine, "acct:1") == 1 and used(engine, "acct:3") == 1
     # Booked as rejected (its task id could be stored), so the books balance.
     assert count(engine, "SELECT outcome FROM keyed_tasks WHERE task_id = 'bad'") == "rejected"
+
+
+def test_an_arrival_recorded_before_its_refusal_is_booked_rejected(engine: sa.Engine, ledger: Ledger) -> None:
+    """A message the ledger cannot store (an ``Infinity`` in a foreign producer's header: not JSON for Postgres) on a
+    key with no room: the fast claim records the arrival and commits alone, then parking it is refused. The task
+    still gets its one outcome, rejected (it had no books row before: a KeyedRejected result and no outcome), while
+    a copy of a task that runs keeps its books."""
+    touch(ledger, ["acct:1"])
+    running = ledger.admit(Arrival("run", key="acct:1"))
+    assert running.verdict is Verdict.ADMITTED
+    poison = {"headers": {"keyed_supersede": math.inf}}
+    got = ledger.admit_many([Arrival("bad", key="acct:1", message=poison)])
+    assert [a.verdict for a in got] == [Verdict.REJECTED]
+    assert got[0].detail.startswith("refused by the ledger's database"), got[0].detail
+    assert count(engine, "SELECT outcome FROM keyed_tasks WHERE task_id = 'bad'") == "rejected"
+    copy = ledger.admit_many([Arrival("run", key="acct:1", message=poison)])  # a copy of the running task
+    assert copy[0].verdict is not Verdict.ADMITTED
+    assert count(engine, "SELECT outcome FROM keyed_tasks WHERE task_id = 'run'") is None  # still running
+    assert count(engine, "SELECT count(*) FROM keyed_claims WHERE task_id = 'run'") == 1
 
 
 def test_a_poison_task_id_is_rejected_and_not_booked(engine: sa.Engine, ledger: Ledger) -> None:
