@@ -283,3 +283,30 @@ def test_a_promotion_bound_by_this_workers_release_starts_without_a_round_trip_w
         assert [(c.task_id, c.holder, c.fence) for c in claims] == [("old", gate.ledger.holder, late.fence)]
     finally:
         gate.close()
+
+
+def test_newest_wins_a_cancel_request_reaches_the_attempt_at_the_next_heartbeat(gate: GateService) -> None:
+    """Newest wins when the keyed_cancel broadcast was lost: the holder's heartbeat asks the ledger and raises the
+    attempt's keyed_cancelled() flag (a pool that cannot terminate: pool=None here); its release records superseded."""
+    from celery_keyed.ledger import Ledger, Outcome, Verdict
+
+    def render(task_id: str) -> Arrival:
+        return Arrival(task_id, key="doc:1", task_name="t.render", on_newer="cancel_running", message={})
+
+    old = gate.ledger.admit(render("old"))
+    token = Token("old", 0)
+    request = SimpleNamespace(
+        name="t.render", keyed_started=True, keyed_claim=(token, old.fence), keyed_arrival_key="doc:1",
+        keyed_cancelled=None, task=SimpleNamespace(on_newer="cancel_running", supersede_key=None, uncertain_hold=None),
+        _request_dict={"keyed_key": "doc:1", "keyed_on_newer": "cancel_running"},
+    )
+    gate.running[token] = Running(request, token, old.fence)
+    other_worker = Ledger(gate.engine, holder="other:1:bb", lease=2.0)
+    new = other_worker.admit(render("new"))  # the newest waits for the slot (a mutex) and asks the old one to stop
+    assert new.verdict is Verdict.PARKED and new.cancels == (("old", 0, gate.ledger.holder),)
+    assert not gate.cancelled("old", 0)
+    gate.heartbeat_once()
+    assert gate.cancelled("old", 0) and request.keyed_cancelled == "superseded by new (newest wins)"
+    report = gate.ledger.release(token, old.fence, Outcome.SUPERSEDED, detail=request.keyed_cancelled)
+    assert [p.task_id for p in report.promotions] == ["new"]
+    assert gate.ledger.books() == {"superseded": 1, "open": 1, "arrivals": 2}
