@@ -283,12 +283,6 @@ class Releaser:
         for task_id, final in report.finished:
             if final == "dead_lettered":
                 logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", job.name, task_id)
-        if any(final == "superseded" for _, final in report.finished):
-            # Newest wins: a cancelled attempt's KeyedSuperseded result now, not at the next sweep (D11).
-            try:
-                self.gate.sweeper.notify_never_ran()
-            except Exception:
-                logger.warning("celery-keyed: could not store superseded results now; the sweep will", exc_info=True)
         metrics.promoted(report.promotions, job.released_at)
         self.gate.handoff.dispatch(report.promotions, local=local, granted=granted)
 
