@@ -90,8 +90,15 @@ if prometheus_client is not None:
         "keyed_cancelled() flag), 'superseded' (such an attempt ended and was released as superseded).",
         ["kind"],
     )
+    SENDS: Any = prometheus_client.Counter(
+        "celery_keyed_sends",
+        "Calls this process asked the ledger about before publishing (refusal at send, issue 14 item 3): verdict "
+        "'accepted' (a place reserved, published), 'known' (a retry of a task id that had its place), 'room_full' "
+        "or 'duplicate' (refused: KeyedRejected raised, nothing published).",
+        ["verdict"],
+    )
 else:
-    ADMISSIONS = HANDOFF = DRIFT = OUTBOX_PUBLISHED = DEBOUNCED = NEWEST_WINS = None
+    ADMISSIONS = HANDOFF = DRIFT = OUTBOX_PUBLISHED = DEBOUNCED = NEWEST_WINS = SENDS = None
 
 _promoted_at: dict[Any, float] = {}  # attempt token -> monotonic time of the release that promoted it
 _promoted_lock = threading.Lock()
@@ -158,6 +165,12 @@ def newest_wins(kind: str, count: int = 1) -> None:
     """Count newest-wins cancellations: ``requested``, ``cancelled`` or ``superseded``."""
     if NEWEST_WINS is not None and count:
         NEWEST_WINS.labels(kind=kind).inc(count)
+
+
+def send_decided(verdict: str) -> None:
+    """Count one refusal-at-send verdict of this process: ``accepted``, ``known``, ``room_full`` or ``duplicate``."""
+    if SENDS is not None:
+        SENDS.labels(verdict=verdict).inc()
 
 
 def outbox_published(kind: str, count: int = 1) -> None:

@@ -75,7 +75,9 @@ def admit_at_send(
     else:
         verdict = publisher.ledger.admit_at_send(task_id, key, dedupe_key=dedupe_key, arrival_timeout=timeout)
     if not verdict.accepted:
+        metrics.send_decided(verdict.reason)
         raise SendRefused(task_id, key, verdict)
+    metrics.send_decided("known" if verdict.detail == "known" else "accepted")
     return verdict.detail != "known"
 
 

@@ -233,3 +233,29 @@ def test_apply_async_in_the_callers_transaction(database_url: str, engine: sa.En
     finally:
         close_publisher(app)
         app.close()
+
+
+def test_sends_are_counted_by_verdict(database_url: str, ledger: Ledger) -> None:
+    """``celery_keyed_sends{verdict}``: what this process's refusal-at-send checks answered."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    app = Celery("send-metrics", broker="memory://", set_as_current=False)
+    app.conf.keyed_database_url = database_url
+
+    @keyed_task(app=app, name="send.m", concurrency_key="{key}", admit_at_send=True)
+    def m(key: str) -> None: ...
+
+    ledger.configure({"feed": NameConfig("feed", limit=1, max_waiting=1)})
+
+    def count(verdict: str) -> float:
+        return prometheus_client.REGISTRY.get_sample_value("celery_keyed_sends_total", {"verdict": verdict}) or 0.0
+
+    before = {v: count(v) for v in ("accepted", "known", "room_full")}
+    try:
+        m.apply_async(("feed:2",), task_id="m-1")  # a place in the waiting room (max_waiting 1)
+        m.apply_async(("feed:2",), task_id="m-1")  # the same task id again: it has its place
+        with pytest.raises(KeyedRejected):
+            m.apply_async(("feed:2",), task_id="m-2")  # the room is full
+    finally:
+        close_publisher(app)
+        app.close()
+    assert {v: count(v) - before[v] for v in before} == {"accepted": 1, "known": 1, "room_full": 1}
