@@ -27,7 +27,7 @@ SLOTS_CLAIM_ANY = sa.text(
         SELECT keyed_name_shards(:name) AS n
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim
-         WHERE s.key = :key AND s.used + :cost <= keyed_shard_share(keyed_key_limit(:key, {NOW}), lim.n, s.shard)
+         WHERE s.key = :key AND s.used + :cost <= keyed_key_share(:key, {NOW}, lim.n, s.shard)
            AND NOT {PROMOTABLE_EXISTS}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
@@ -35,7 +35,7 @@ SLOTS_CLAIM_ANY = sa.text(
         UPDATE keyed_slots s SET used = s.used + :cost
           FROM pick, lim
          WHERE s.key = :key AND s.shard = pick.shard
-           AND s.used + :cost <= keyed_shard_share(keyed_key_limit(:key, {NOW}), lim.n, s.shard)
+           AND s.used + :cost <= keyed_key_share(:key, {NOW}, lim.n, s.shard)
         RETURNING s.shard
     )
     SELECT (SELECT shard FROM took) AS shard, lim.n AS shards FROM lim
@@ -56,7 +56,7 @@ SLOTS_ENSURE = sa.text(
 SLOTS_LOCK_ALL = sa.text(
     f"""
     SELECT s.shard, s.used,
-           keyed_shard_share(keyed_key_limit(:key, {NOW}), keyed_name_shards(:name), s.shard) AS share,
+           keyed_key_share(:key, {NOW}, keyed_name_shards(:name), s.shard) AS share,
            keyed_name_shards(:name) AS shards
       FROM keyed_slots s
      WHERE s.key = :key
@@ -69,7 +69,7 @@ SLOTS_LOCK_ALL = sa.text(
 SLOTS_LOCK_ONE = sa.text(
     f"""
     SELECT s.used,
-           keyed_shard_share(keyed_key_limit(:key, {NOW}), keyed_name_shards(:name), s.shard) AS share
+           keyed_key_share(:key, {NOW}, keyed_name_shards(:name), s.shard) AS share
       FROM keyed_slots s WHERE s.key = :key AND s.shard = :shard
        FOR UPDATE
     """
@@ -78,7 +78,7 @@ SLOTS_LOCK_ONE = sa.text(
 # The guard of a take of ``cost`` slots of row ``s`` (the bound, D1): ``used + cost <= share``; for an exclusive
 # attempt (cost EXCLUSIVE_COST, readers and writers) ``used = 0`` on an unsharded, unpaused name instead — it then
 # holds EXCLUSIVE_COST, which no other attempt's ``used + cost <= share`` passes until it is given back.
-_SHARE = f"keyed_shard_share(keyed_key_limit(:key, {NOW}), keyed_name_shards(:name), s.shard)"
+_SHARE = f"keyed_key_share(:key, {NOW}, keyed_name_shards(:name), s.shard)"
 FITS = f"""(CASE WHEN CAST(:cost AS integer) >= {EXCLUSIVE_COST}
                  THEN s.used = 0 AND keyed_name_shards(:name) = 1 AND {_SHARE} >= 1
                  ELSE s.used + :cost <= {_SHARE} END)"""
@@ -122,7 +122,7 @@ SLOTS_GIVE_BACK = sa.text(
     f"""
     UPDATE keyed_slots s SET used = s.used - :cost
      WHERE s.key = :key AND s.shard = :shard
-    RETURNING GREATEST(keyed_shard_share(keyed_key_limit(s.key, {NOW}), keyed_name_shards(s.name), s.shard)
+    RETURNING GREATEST(keyed_key_share(s.key, {NOW}, keyed_name_shards(s.name), s.shard)
                        - s.used, 0) AS free
     """
 )

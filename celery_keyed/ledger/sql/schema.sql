@@ -463,6 +463,24 @@ LANGUAGE sql IMMUTABLE AS $$
                 ELSE p_limit / p_shards + CASE WHEN p_shard < p_limit % p_shards THEN 1 ELSE 0 END END
 $$;
 
+-- The share of shard p_shard of key p_key now: keyed_shard_share(keyed_key_limit(p_key, p_now), p_shards, p_shard),
+-- the one bound-check fragment of every claim: used + cost <= keyed_key_share(...) under the slot row's lock (D1).
+-- VOLATILE like keyed_key_limit, for the same reason (a guard re-checked after a lock wait reads the newest
+-- override). One PL/pgSQL function, not the SQL keyed_shard_share around keyed_key_limit: a SQL function whose
+-- argument is a volatile call is not inlined and is set up again at every statement that calls it (about 0.1 ms
+-- per claim, 0018).
+CREATE FUNCTION keyed_key_share(p_key text, p_now timestamptz, p_shards integer, p_shard integer) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_limit integer := keyed_key_limit(p_key, p_now);
+BEGIN
+    IF p_shard >= p_shards THEN
+        RETURN 0;
+    END IF;
+    RETURN v_limit / p_shards + CASE WHEN p_shard < v_limit % p_shards THEN 1 ELSE 0 END;
+END
+$$;
+
 -- Server-side paths (migration 0005): batches of claims and releases, and the hot path's multi-statement
 -- transactions as one function call each; the lock order and every guard of the statements they replace are kept
 -- inside them (docs/ledger.md: Server-side paths).
@@ -476,7 +494,7 @@ $$;
 -- Locks: every task row first, in task id order; then the slot rows key by key in key order (a name with one shard
 -- waits for its row like any counter update; a sharded name picks with SKIP LOCKED, never waiting), so two batches
 -- never wait on each other in a cycle. The bound (D1) is the same guarded pick-and-take as fast_paths.CLAIM_NEW:
--- used + cost <= keyed_shard_share(keyed_effective_limit(...)) under the row's lock, and never ahead of a
+-- used + cost <= keyed_key_share(...) under the row's lock, and never ahead of a
 -- promotable waiter (the room belongs to the head of the line, D10).
 CREATE FUNCTION keyed_claim_many(
     p_task_ids text[], p_attempts integer[], p_task_names text[], p_keys text[], p_deadlines timestamptz[],
@@ -529,7 +547,7 @@ BEGIN
         IF NOT v_blocked AND v_new[r.ord] AND v_rate IS NULL AND (r.deadline IS NULL OR r.deadline > v_now) THEN
             IF v_shards = 1 THEN
                 SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_shard_share(keyed_key_limit(r.key, v_now), v_shards, s.shard)
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -538,7 +556,7 @@ BEGIN
                    FOR UPDATE OF s;
             ELSE
                 SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_shard_share(keyed_key_limit(r.key, v_now), v_shards, s.shard)
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -550,7 +568,7 @@ BEGIN
                 -- The guard again under the lock: the bound holds even if the limit changed (D1).
                 UPDATE keyed_slots s SET used = s.used + r.cost
                  WHERE s.key = r.key AND s.shard = v_shard
-                   AND s.used + r.cost <= keyed_shard_share(keyed_key_limit(r.key, v_now), v_shards, s.shard)
+                   AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
                 RETURNING s.shard INTO v_shard;
             END IF;
             IF v_shard IS NOT NULL THEN
@@ -594,6 +612,7 @@ DECLARE
     n integer := COALESCE(cardinality(p_task_ids), 0);
     r record;
     c record;
+    g record;
     v_released boolean[] := array_fill(false, ARRAY[n]);
     v_recorded boolean[] := array_fill(false, ARRAY[n]);
     v_first text[] := array_fill(NULL::text, ARRAY[n]);
@@ -601,6 +620,16 @@ DECLARE
     h_key text[] := '{}';
     h_shard integer[] := '{}';
     h_cost integer[] := '{}';
+    w_ord integer[] := '{}';
+    w_key text[] := '{}';
+    w_shard integer[] := '{}';
+    r_ord integer[] := '{}';
+    r_key text[] := '{}';
+    r_shard integer[] := '{}';
+    r_free integer[] := '{}';
+    v_key text;
+    v_waits boolean;
+    v_free integer;
     v_rows integer;
 BEGIN
     FOR r IN
@@ -609,6 +638,7 @@ BEGIN
                WITH ORDINALITY AS t(task_id, attempt, fence, final, detail, ord)
          ORDER BY t.task_id, t.attempt, t.ord
     LOOP
+        -- Release exactly once (§3.4): only the owner of this exact fence deletes the running claim.
         DELETE FROM keyed_claims k
          WHERE k.task_id = r.task_id AND k.attempt = r.attempt AND k.fence = r.fence AND k.state = 'running'
            AND k.group_key IS NULL
@@ -638,49 +668,45 @@ BEGIN
         END IF;
     END LOOP;
 
-    -- Give every slot back to the shard it came from, rows locked in (key, shard) order.
-    PERFORM 1 FROM keyed_slots sl
-      WHERE (sl.key, sl.shard) IN (SELECT x.key, x.shard FROM unnest(h_key, h_shard) AS x(key, shard))
-      ORDER BY sl.key, sl.shard
-        FOR UPDATE OF sl;
-    UPDATE keyed_slots sl SET used = sl.used - g.cost
-      FROM (SELECT x.key, x.shard, sum(x.cost)::integer AS cost
-              FROM unnest(h_key, h_shard, h_cost) AS x(key, shard, cost) GROUP BY x.key, x.shard) g
-     WHERE sl.key = g.key AND sl.shard = g.shard;
-
-    -- Who waits, read now (after the slot rows' locks: an attempt parked by a transaction that held them before us
-    -- is seen, D2), and where there is room for them. Without waiters (the common case) no room is reported.
-    IF NOT EXISTS (SELECT 1 FROM keyed_keys k WHERE k.key = ANY(h_key) AND k.waiting > 0) THEN
-        RETURN QUERY
-        SELECT i::integer, v_released[i], v_recorded[i],
-               v_released[i] AND EXISTS (
-                   SELECT 1 FROM keyed_waiting w
-                    WHERE w.task_id = p_task_ids[i] AND w.attempt = p_attempts[i] AND w.shadow),
-               v_first[i], '{}'::text[], '{}'::integer[], '{}'::integer[]
-          FROM generate_series(1, n) AS i;
-        RETURN;
-    END IF;
-    RETURN QUERY
-    WITH gave AS (
-        SELECT x.key, x.shard, min(x.ord) AS ord FROM unnest(h_ord, h_key, h_shard) AS x(ord, key, shard)
+    -- Give every slot back to the shard it came from, one row at a time by primary key in (key, shard) order (the
+    -- lock order: each UPDATE takes its row's lock). Row by row, never a join against the pairs: this function's
+    -- plans are generic (0013), and a generic plan of such a join scans the whole of keyed_slots (0018).
+    FOR g IN
+        SELECT x.key, x.shard, sum(x.cost)::integer AS cost, min(min(x.ord)) OVER (PARTITION BY x.key) AS ord
+          FROM unnest(h_ord, h_key, h_shard, h_cost) AS x(ord, key, shard, cost)
          GROUP BY x.key, x.shard
-    ), first_of_key AS (
-        SELECT gave.key, min(gave.ord) AS ord FROM gave GROUP BY gave.key
-    ), room AS (
-        SELECT f.ord, sl.key, sl.shard,
-               GREATEST(keyed_shard_share(keyed_key_limit(sl.key, v_now), keyed_name_shards(sl.name), sl.shard)
-                        - sl.used, 0) AS free
-          FROM gave JOIN first_of_key f ON f.key = gave.key
-          JOIN keyed_slots sl ON sl.key = gave.key AND sl.shard = gave.shard
-         WHERE EXISTS (SELECT 1 FROM keyed_keys k WHERE k.key = sl.key AND k.waiting > 0)
-    )
+         ORDER BY x.key, x.shard
+    LOOP
+        UPDATE keyed_slots sl SET used = sl.used - g.cost WHERE sl.key = g.key AND sl.shard = g.shard;
+        w_ord := w_ord || g.ord; w_key := w_key || g.key; w_shard := w_shard || g.shard;
+    END LOOP;
+    -- Who waits, read now: after every slot row's lock (a later statement, a new snapshot: an attempt parked by a
+    -- transaction that held one before us is seen, D2). Where a key has parked attempts, each of its rows with room
+    -- is reported at the first position that gave back a slot on that key. Without waiters (the common case) no
+    -- room is reported and no limit is read.
+    FOR i IN 1 .. cardinality(w_key) LOOP
+        IF w_key[i] IS DISTINCT FROM v_key THEN
+            v_key := w_key[i];
+            v_waits := EXISTS (SELECT 1 FROM keyed_keys k WHERE k.key = v_key AND k.waiting > 0);
+        END IF;
+        CONTINUE WHEN NOT v_waits;
+        SELECT GREATEST(keyed_key_share(sl.key, v_now, keyed_name_shards(sl.name), sl.shard)
+                        - sl.used, 0)
+          INTO v_free
+          FROM keyed_slots sl WHERE sl.key = v_key AND sl.shard = w_shard[i];
+        IF v_free > 0 THEN
+            r_ord := r_ord || w_ord[i]; r_key := r_key || v_key; r_shard := r_shard || w_shard[i];
+            r_free := r_free || v_free;
+        END IF;
+    END LOOP;
+    RETURN QUERY
     SELECT i::integer, v_released[i], v_recorded[i],
            v_released[i] AND EXISTS (
                SELECT 1 FROM keyed_waiting w WHERE w.task_id = p_task_ids[i] AND w.attempt = p_attempts[i] AND w.shadow),
            v_first[i],
-           ARRAY(SELECT room.key FROM room WHERE room.ord = i AND room.free > 0 ORDER BY room.key, room.shard),
-           ARRAY(SELECT room.shard FROM room WHERE room.ord = i AND room.free > 0 ORDER BY room.key, room.shard),
-           ARRAY(SELECT room.free::integer FROM room WHERE room.ord = i AND room.free > 0 ORDER BY room.key, room.shard)
+           ARRAY(SELECT x.key FROM unnest(r_ord, r_key) AS x(ord, key) WHERE x.ord = i),
+           ARRAY(SELECT x.shard FROM unnest(r_ord, r_shard) AS x(ord, shard) WHERE x.ord = i),
+           ARRAY(SELECT x.free FROM unnest(r_ord, r_free) AS x(ord, free) WHERE x.ord = i)
       FROM generate_series(1, n) AS i;
 END
 $$;
@@ -733,7 +759,7 @@ BEGIN
          GROUP BY x.key ORDER BY x.key
     LOOP
         v_name := split_part(v_key, ':', 1);
-        SELECT COALESCE(sum(GREATEST(keyed_shard_share(keyed_key_limit(v_key, v_now),
+        SELECT COALESCE(sum(GREATEST(keyed_key_share(v_key, v_now,
                                                        keyed_name_shards(v_name), s.shard) - s.used, 0)), 0)
           INTO v_budget
           FROM keyed_slots s WHERE s.key = v_key AND s.shard = ANY(v_shards);
@@ -766,10 +792,10 @@ BEGIN
              WHERE (s.key, s.shard) = (
                     SELECT s2.key, s2.shard FROM keyed_slots s2
                      WHERE s2.key = v_key AND s2.shard = ANY(v_shards)
-                       AND s2.used + w.cost <= keyed_shard_share(keyed_key_limit(v_key, v_now),
+                       AND s2.used + w.cost <= keyed_key_share(v_key, v_now,
                                                                  keyed_name_shards(v_name), s2.shard)
                      ORDER BY s2.shard LIMIT 1)
-               AND s.used + w.cost <= keyed_shard_share(keyed_key_limit(v_key, v_now),
+               AND s.used + w.cost <= keyed_key_share(v_key, v_now,
                                                         keyed_name_shards(v_name), s.shard)
             RETURNING s.shard INTO v_shard;
             EXIT WHEN v_shard IS NULL;  -- the head of the line waits for room; the room is kept for it (D10)
@@ -939,7 +965,7 @@ BEGIN
        AND (EXISTS (
                 SELECT 1 FROM keyed_slots s
                  WHERE s.key = p_key
-                   AND s.used + 1 <= keyed_shard_share(keyed_key_limit(p_key, v_now), v_shards, s.shard))
+                   AND s.used + 1 <= keyed_key_share(p_key, v_now, v_shards, s.shard))
             OR NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = p_key)) THEN
         -- Park only (at receipt): no line and room (or a key's first use), so the arrival is left to its admission when a pool process
         -- is ready for it (D3), and nothing is written. Read without locks: a wrong guess either way is harmless —
