@@ -602,12 +602,9 @@ class GateService:
         reached the pool. A claim is tracked (renewed by the heartbeat) from the moment it is taken. Arrivals
         handed over at receipt (``receive``) are parked or left alone (``Ledger.park_at_receipt``)."""
         plain: list[Job] = []
+        self._park_received([job for job in jobs if job.extra.get("receipt")])
         for job in jobs:
             if job.extra.get("receipt"):
-                try:
-                    job.result = (None, self.ledger.park_at_receipt(job.arrival))
-                except Exception as exc:
-                    job.error = exc
                 continue
             try:
                 fence = self.handoff.confirm_prebound(job.arrival.token)
@@ -644,6 +641,31 @@ class GateService:
             job.result = (None, admission)
             if admission.verdict is Verdict.ADMITTED and admission.fence is not None:
                 self._track(job.request, job.arrival.token, admission.fence)
+
+    def _park_received(self, jobs: list[Job]) -> None:
+        """The receipt service's thread: park the arrivals handed over at receipt, in one round trip for a batch
+        (``Ledger.park_many_at_receipt``: one transaction each, in the order they were received)."""
+        if not jobs:
+            return
+        park_many = getattr(self.ledger, "park_many_at_receipt", None)
+        if park_many is None or len(jobs) == 1:
+            for job in jobs:
+                try:
+                    job.result = (None, self.ledger.park_at_receipt(job.arrival))
+                except Exception as exc:
+                    job.error = exc
+            return
+        try:
+            answers = park_many([job.arrival for job in jobs])
+        except Exception as exc:
+            for job in jobs:
+                job.error = exc
+            return
+        for job, answer in zip(jobs, answers, strict=True):
+            if isinstance(answer, BaseException):
+                job.error = answer
+            else:
+                job.result = (None, answer)
 
     def _admit_many(self, arrivals: list[Arrival]) -> list[Admission]:
         admit_many = getattr(self.ledger, "admit_many", None)

@@ -483,6 +483,10 @@ class Ledger:
             if decided is not None:
                 return decided
             fresh = fresh or new
+        return self._admit_general(arrival, fresh=fresh, now=now)
+
+    def _admit_general(self, arrival: Arrival, *, fresh: bool, now: datetime | None) -> Admission:
+        """The general transaction (``admit.admit``) for an arrival no fast path decided."""
         return self.transaction(
             lambda conn: admit.admit(
                 conn, arrival, holder=self.holder, lease=self.lease, fresh=fresh, dispatch=self.dispatch, now=now
@@ -547,10 +551,85 @@ class Ledger:
             if decided is not None:
                 for i, (admission, new) in zip(batch, decided, strict=True):
                     answers[i], fresh[i], tried[i] = admission, new, True
+        general = [False] * len(arrivals)
+        rest = [i for i in range(len(arrivals)) if answers[i] is None]
+        plain_rest: list[int] = []
+        for i in rest:
+            if not admit.plain(arrivals[i]):
+                break
+            plain_rest.append(i)
+        if len(plain_rest) > 1:
+            # The plain ones left up to the first that is not (no room seen, a key's first use): one round trip, one
+            # transaction each (keyed_admit_plain_many), in input order up to the first it leaves undecided; that one
+            # and everything after it are decided below, in input order — so parked rows are numbered in input
+            # order, as one-by-one calls number them.
+            chosen = [arrivals[i] for i in plain_rest]
+            try:
+                decisions = self.autocommitted(
+                    lambda conn: admit.admit_plain_many(
+                        conn, chosen, holder=self.holder, lease=self.lease, park_only=False, now=now
+                    ),
+                    attempts=1,
+                )
+            except _REFUSED:
+                decisions = None  # one value refused fails the call before any arrival: decide each on its own
+            if decisions is not None:
+                for i, decision in zip(plain_rest, decisions, strict=True):
+                    fresh[i] = fresh[i] or decision.new
+                    if decision.admission is not None:
+                        answers[i] = decision.admission
+                    elif decision.verdict == "general":
+                        general[i] = True
         for i, arrival in enumerate(arrivals):
             if answers[i] is None:
-                answers[i] = self._admit_isolated(arrival, tried=tried[i], fresh=fresh[i], now=now)
+                if general[i]:
+                    answers[i] = self._admit_general(arrival, fresh=fresh[i], now=now)
+                else:
+                    answers[i] = self._admit_isolated(arrival, tried=tried[i], fresh=fresh[i], now=now)
         return [a for a in answers if a is not None]
+
+    def park_many_at_receipt(
+        self, arrivals: Sequence[Arrival], *, now: datetime | None = None
+    ) -> list[Admission | BaseException | None]:
+        """``park_at_receipt`` for a batch, in one round trip (keyed_admit_plain_many with park only: one transaction
+        per arrival, in input order). Per arrival, as ``park_at_receipt`` answers: PARKED / REJECTED, or None (left
+        to its admission at pool-ready), or the exception its own call raised. Once one of a key is left alone, the
+        later ones of that key are left alone too (never parked ahead of it, D10). An unreachable database raises
+        for the whole batch (arrivals parked before the error stay parked; a redelivery is recognised, D8)."""
+        arrivals = list(arrivals)
+        answers: list[Admission | BaseException | None] = [None] * len(arrivals)
+        chosen = [i for i, arrival in enumerate(arrivals) if admit.plain(arrival)]
+        if not chosen:
+            return answers
+        if len(chosen) == 1:
+            decisions = None
+        else:
+            try:
+                decisions = self.autocommitted(
+                    lambda conn: admit.admit_plain_many(
+                        conn, [arrivals[i] for i in chosen], holder=self.holder, lease=self.lease, park_only=True,
+                        now=now,
+                    ),
+                    attempts=1,
+                )
+            except _REFUSED:
+                decisions = None  # refused before any arrival was decided: each on its own, below
+        if decisions is None:
+            for i in chosen:
+                try:
+                    answers[i] = self.park_at_receipt(arrivals[i], now=now)
+                except Exception as exc:
+                    answers[i] = exc
+            return answers
+        for i, decision in zip(chosen, decisions, strict=True):
+            if decision.admission is not None and decision.admission.verdict in (Verdict.PARKED, Verdict.REJECTED):
+                answers[i] = decision.admission
+            elif decision.verdict == "error":
+                try:  # its statement was rolled back: on its own, so that its error is raised as usual
+                    answers[i] = self.park_at_receipt(arrivals[i], now=now)
+                except Exception as exc:
+                    answers[i] = exc
+        return answers
 
     def _admit_isolated(self, arrival: Arrival, *, tried: bool, fresh: bool, now: datetime | None) -> Admission:
         try:

@@ -174,6 +174,62 @@ def park_plain(
     return Admission(Verdict(row.verdict), detail=row.detail or "")
 
 
+@dataclasses.dataclass(frozen=True)
+class PlainDecision:
+    """One answer of ``admit_plain_many``: ``verdict`` as the procedure gave it; ``admission`` when it decided the
+    arrival (admitted, parked or rejected: committed); ``new`` whether it recorded the task's first arrival."""
+
+    verdict: str
+    admission: Admission | None
+    new: bool
+    detail: str = ""
+
+
+def admit_plain_many(
+    conn: sa.Connection,
+    arrivals: Sequence[Arrival],
+    *,
+    holder: str,
+    lease: float,
+    park_only: bool,
+    in_order: bool = False,
+    now: Any = None,
+) -> list[PlainDecision]:
+    """Admit-or-park (``park_only``: park at receipt) a batch of ``plain`` arrivals in one round trip, each in its
+    own transaction as ``admit_plain`` / ``park_plain`` would decide it (keyed_admit_plain_many, migration 0019;
+    ``conn`` in autocommit). In input order; once an arrival is not decided by the call ('general', 'undecided',
+    'error'), the later arrivals of its key are 'skipped' (FIFO within a key, D10) — with ``in_order``, every later
+    arrival: the caller decides them, in input order, after it."""
+    params = {
+        "task_ids": [a.task_id for a in arrivals],
+        "attempts": [a.attempt for a in arrivals],
+        "task_names": [a.task_name for a in arrivals],
+        "keys": [a.key for a in arrivals],
+        "priorities": [a.priority for a in arrivals],
+        "deadlines": [a.deadline for a in arrivals],
+        "queues": [a.queue for a in arrivals],
+        "messages": [json.dumps(a.message) for a in arrivals],
+        "fair_keys": [a.fair_key for a in arrivals],
+        "holder": holder,
+        "lease": lease,
+        "now": now,
+        "park_only": park_only,
+        "in_order": in_order,
+    }
+    row = driver.one(conn, fast_paths.ADMIT_PLAIN_MANY, params)
+    if len(row.verdicts) != len(arrivals):
+        raise RuntimeError(f"keyed_admit_plain_many answered {len(row.verdicts)} verdicts for {len(arrivals)}")
+    decisions = []
+    for verdict, new, fence, shard, detail in zip(
+        row.verdicts, row.news, row.fences, row.shards, row.details, strict=True
+    ):
+        admission = None
+        if verdict in ("admitted", "parked", "rejected"):
+            admission = Admission(Verdict(verdict), fence=fence, shard=shard, detail=detail or "")
+        decisions.append(PlainDecision(verdict, admission, bool(new), detail or ""))
+    return decisions
+
+
 def _plain_params(arrival: Arrival, *, holder: str, lease: float, now: Any) -> dict[str, Any]:
     return {
         "task_id": arrival.task_id,

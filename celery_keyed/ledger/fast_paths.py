@@ -215,3 +215,18 @@ ADMIT_PLAIN = sa.text(
         CAST(:message AS jsonb), :fair_key, :holder, CAST(:lease AS double precision), CAST(:now AS timestamptz))
     """
 )
+
+# admit_plain_many: admit-or-park of a batch of plain arrivals in one round trip, one transaction per arrival
+# (migration 0019: the procedure keyed_admit_plain_many commits after each; ``conn`` must be in autocommit). One
+# answer per input position in the INOUT arrays: verdict ('admitted', 'parked', 'rejected', 'general', 'undecided',
+# 'error', 'skipped'), new, fence, shard, detail. ``park_only``: the receipt service's park (never takes a slot, D3);
+# ``in_order``: after the first arrival it leaves undecided, every later one is skipped.
+ADMIT_PLAIN_MANY = sa.text(
+    """
+    CALL keyed_admit_plain_many(
+        CAST(:task_ids AS text[]), CAST(:attempts AS integer[]), CAST(:task_names AS text[]), CAST(:keys AS text[]),
+        CAST(:priorities AS integer[]), CAST(:deadlines AS timestamptz[]), CAST(:queues AS text[]),
+        CAST(:messages AS text[]), CAST(:fair_keys AS text[]), :holder, CAST(:lease AS double precision),
+        CAST(:now AS timestamptz), :park_only, :in_order, NULL, NULL, NULL, NULL, NULL)
+    """
+)

@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_keyed.ledger import (
+    Admission,
     Arrival,
     Ledger,
     NameConfig,
@@ -361,6 +362,161 @@ def test_two_batches_with_overlapping_keys_in_opposite_orders_never_deadlock(
     assert not errors, errors[0]
     assert all(used(engine, k) == 0 for k in keys)
     assert check_counters_once(engine) == []  # no drift
+
+
+# -- the arrivals a batch leaves undecided, and park at receipt, in one more round trip (migration 0019) -----------
+
+
+def test_the_arrivals_the_batch_call_does_not_admit_are_parked_in_one_more_round_trip(
+    engine: sa.Engine, ledger: Ledger
+) -> None:
+    """A burst on held keys: the batched claim admits none; the rest are parked by one call (keyed_admit_plain_many,
+    a transaction each), each key's line in input order."""
+    touch(ledger, ["acct:1", "acct:2"])
+    holders = ledger.admit_many([Arrival("h1", key="acct:1"), Arrival("h2", key="acct:2")])
+    names = ["a1", "b1", "a2", "b2", "a3", "b3"]
+    with statements(engine) as sent:
+        got = ledger.admit_many([Arrival(n, key=f"acct:{1 if n[0] == 'a' else 2}") for n in names])
+    assert [a.verdict for a in got] == [Verdict.PARKED] * 6
+    assert len(sent) == 2, sent  # keyed_claim_many, then keyed_admit_plain_many
+    assert parked(engine, "acct:1") == ["a1", "a2", "a3"] and parked(engine, "acct:2") == ["b1", "b2", "b3"]
+    assert count(engine, "SELECT waiting FROM keyed_keys WHERE key = 'acct:1'") == 3
+    reports = ledger.release_many(
+        [ReleaseRequest(Token(f"h{i + 1}", 0), holders[i].fence or 0, Outcome.COMPLETED) for i in range(2)]
+    )
+    assert [[p.task_id for p in r.promotions] for r in reports] == [["a1"], ["b1"]]
+    assert check_counters_once(engine) == []
+
+
+def test_an_arrival_the_batch_leaves_to_the_general_path_keeps_its_place(engine: sa.Engine, ledger: Ledger) -> None:
+    """A retry of a known task on a held key: the batched park leaves it to the general path (a known token, D8) and
+    the new arrival of the same key behind it is not decided ahead of it (D10)."""
+    touch(ledger, ["acct:4"])
+    first = ledger.admit(Arrival("r", key="acct:4"))
+    assert ledger.release(Token("r", 0), first.fence or 0, Outcome.RETRY).released
+    holder = ledger.admit(Arrival("h", key="acct:4"))
+    got = ledger.admit_many([Arrival("r", attempt=1, key="acct:4"), Arrival("n", key="acct:4")])
+    assert [a.verdict for a in got] == [Verdict.PARKED, Verdict.PARKED]
+    assert parked(engine, "acct:4") == ["r", "n"]
+    report = ledger.release(Token("h", 0), holder.fence or 0, Outcome.COMPLETED)
+    assert [p.task_id for p in report.promotions] == ["r"]
+
+
+def test_park_many_at_receipt_parks_where_there_is_a_line_and_leaves_the_rest(
+    engine: sa.Engine, ledger: Ledger
+) -> None:
+    touch(ledger, ["acct:1", "acct:2", "acct:3"])
+    ledger.admit(Arrival("h1", key="acct:1"))
+    ledger.admit(Arrival("h3", key="acct:3"))
+    batch = [
+        Arrival("a1", key="acct:1"),
+        Arrival("free1", key="acct:2"),  # room and no line: left to its admission at pool-ready (D3)
+        Arrival("a2", key="acct:1"),
+        Arrival("free2", key="acct:2"),  # behind free1 of its key: left alone too, never parked ahead of it (D10)
+        Arrival("c1", key="acct:3"),
+    ]
+    with statements(engine) as sent:
+        got = ledger.park_many_at_receipt(batch)
+    assert len(sent) == 1, sent
+    assert [a.verdict if isinstance(a, Admission) else a for a in got] == [
+        Verdict.PARKED, None, Verdict.PARKED, None, Verdict.PARKED
+    ]
+    assert parked(engine, "acct:1") == ["a1", "a2"] and parked(engine, "acct:2") == [] and parked(engine, "acct:3") == [
+        "c1"
+    ]
+    assert used(engine, "acct:2") == 0  # never takes a slot
+    assert count(engine, "SELECT count(*) FROM keyed_tasks WHERE task_id IN ('free1', 'free2')") == 0
+
+
+def test_park_many_at_receipt_one_message_the_database_refuses(engine: sa.Engine, ledger: Ledger) -> None:
+    """An Infinity in a foreign producer's header is not JSON for Postgres: that arrival's statement is rolled back
+    and its own call raises, as on its own; the arrivals before and after it are parked, and the later arrival of
+    its key is left alone (never parked ahead of it)."""
+    touch(ledger, ["acct:1", "acct:2"])
+    ledger.admit(Arrival("h1", key="acct:1"))
+    ledger.admit(Arrival("h2", key="acct:2"))
+    poison = {"headers": {"keyed_supersede": math.inf}}
+    got = ledger.park_many_at_receipt(
+        [
+            Arrival("a1", key="acct:1"),
+            Arrival("bad", key="acct:2", message=poison),
+            Arrival("a2", key="acct:1"),
+            Arrival("b2", key="acct:2"),
+        ]
+    )
+    assert isinstance(got[0], Admission) and got[0].verdict is Verdict.PARKED
+    assert isinstance(got[1], sa.exc.DBAPIError), got[1]
+    assert isinstance(got[2], Admission) and got[2].verdict is Verdict.PARKED
+    assert got[3] is None
+    assert parked(engine, "acct:1") == ["a1", "a2"] and parked(engine, "acct:2") == []
+
+
+def test_park_many_at_receipt_racing_a_release_never_strands_a_waiter(engine: sa.Engine, ledger: Ledger) -> None:
+    """A release holds the key's slot row while the batch's park waits for it: the park sees the freed slot and
+    leaves the arrival to its admission (no line, room: D3), or it parked first and the release promotes it —
+    never parked next to a free slot (D2)."""
+    touch(ledger, ["acct:1", "acct:2"])
+    holder = ledger.admit(Arrival("h", key="acct:1"))
+    ledger.admit(Arrival("h2", key="acct:2"))
+    with engine.connect() as conn, conn.begin():
+        assert release.release(conn, Token("h", 0), holder.fence or 0, Outcome.COMPLETED).released
+        batch = Side(
+            engine, lambda c: ledger.park_many_at_receipt([Arrival("x", key="acct:2"), Arrival("y", key="acct:1")])
+        )
+        batch.start()
+        wait_for_lock_waiter(engine)
+    got = batch.finish()
+    assert isinstance(got[0], Admission) and got[0].verdict is Verdict.PARKED
+    assert got[1] is None  # the slot it waited for was free once it got it: not parked
+    assert used(engine, "acct:1") == 0 and parked(engine, "acct:1") == []
+
+
+def test_park_many_at_receipt_and_releases_in_a_loop_strand_nobody(engine: sa.Engine, ledger: Ledger) -> None:
+    """Batches of parks at receipt race the releases of the key's holders, many times over: whatever interleaving
+    Postgres picks, every parked attempt is promoted by a release (nobody waits next to a free slot) and the counter
+    never drifts."""
+    touch(ledger, ["acct:r"])
+    first = ledger.admit(Arrival("r-0", key="acct:r"))
+    state = {"token": Token("r-0", 0), "fence": first.fence or 0}
+    done = threading.Event()
+    errors: list[BaseException] = []
+    left: list[str] = []
+
+    def parks() -> None:
+        try:
+            for round_ in range(30):
+                answers = ledger.park_many_at_receipt([Arrival(f"p{round_}-{i}", key="acct:r") for i in range(4)])
+                left.extend(f"p{round_}-{i}" for i, a in enumerate(answers) if a is None)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def releases() -> None:
+        try:
+            while not done.is_set() or parked(engine, "acct:r"):
+                report = ledger.release(state["token"], state["fence"], Outcome.COMPLETED)
+                if report.promotions:
+                    p = report.promotions[0]
+                    state["token"], state["fence"] = p.token, ledger.bind(p.token, p.nonce) or 0
+                else:  # nobody waited: take the key again with an arrival of our own
+                    again = ledger.admit(Arrival(f"r-{time.monotonic_ns()}", key="acct:r"))
+                    if again.verdict is not Verdict.ADMITTED:
+                        continue
+                    state["token"], state["fence"] = Token(again.task_id, 0), again.fence or 0
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=parks), threading.Thread(target=releases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+    assert parked(engine, "acct:r") == []
+    assert ledger.release(state["token"], state["fence"], Outcome.COMPLETED).released
+    assert used(engine, "acct:r") == 0
+    assert check_counters_once(engine) == []
 
 
 # -- one round trip per transaction on the hot path (issue 12 item 2) ------------------------------------------------
