@@ -119,3 +119,56 @@ def test_a_batch_below_one_still_decides_one_at_a_time(batch: int) -> None:
     while service.admit_once():
         pass
     assert rec.decided == [[1], [2]]
+
+
+class ReceiptLedger:
+    """Records how the gate asks the ledger to park what was handed over at receipt."""
+
+    def __init__(self, answers: list[object]) -> None:
+        self.answers = answers
+        self.calls: list[tuple[str, int]] = []
+
+    def park_many_at_receipt(self, arrivals: list[object]) -> list[object]:
+        self.calls.append(("many", len(arrivals)))
+        if isinstance(self.answers, BaseException):
+            raise self.answers
+        return self.answers
+
+    def park_at_receipt(self, arrival: object) -> object:
+        self.calls.append(("one", 1))
+        return self.answers[0]
+
+
+def receipt_jobs(n: int) -> list[Job]:
+    return [Job(request=f"r{i}", arrival=f"a{i}", submit=lambda: None, extra={"receipt": True}) for i in range(n)]
+
+
+def test_the_receipt_service_parks_a_batch_in_one_ledger_call() -> None:
+    from types import SimpleNamespace
+
+    from celery_keyed.gate import GateService
+
+    boom = RuntimeError("refused")
+    ledger = ReceiptLedger(["parked", None, boom])
+    jobs = receipt_jobs(3)
+    GateService._park_received(SimpleNamespace(ledger=ledger), jobs)  # type: ignore[arg-type]
+    assert ledger.calls == [("many", 3)]
+    assert [j.result for j in jobs[:2]] == [(None, "parked"), (None, None)]
+    assert jobs[2].result is None and jobs[2].error is boom  # its own call's error: admission at pool-ready decides
+
+    single = ReceiptLedger(["parked"])
+    one = receipt_jobs(1)
+    GateService._park_received(SimpleNamespace(ledger=single), one)  # type: ignore[arg-type]
+    assert single.calls == [("one", 1)] and one[0].result == (None, "parked")
+
+
+def test_an_unreachable_ledger_fails_every_job_of_the_receipt_batch() -> None:
+    from types import SimpleNamespace
+
+    from celery_keyed.gate import GateService
+
+    down = ConnectionError("down")
+    ledger = ReceiptLedger(down)  # type: ignore[arg-type]
+    jobs = receipt_jobs(2)
+    GateService._park_received(SimpleNamespace(ledger=ledger), jobs)  # type: ignore[arg-type]
+    assert all(j.error is down and j.result is None for j in jobs)
