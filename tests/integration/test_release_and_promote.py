@@ -449,3 +449,67 @@ def _claim(engine: sa.Engine, task_id: str) -> Any:
             ),
             {"t": task_id},
         ).one()
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_release_reaches_its_rows_by_primary_key_however_many_keys_exist(
+    engine: sa.Engine, database_url: str, waiting: bool
+) -> None:
+    """keyed_release_many runs with generic plans (0013). Migration 0018: its give-back, its waiter check and its room
+    read reach the rows of the keys it released by primary key — never a scan of keyed_slots or keyed_keys, whose cost
+    grows with every key the ledger knows (before 0018 the generic plan of its join against the released (key, shard)
+    pairs was a sequential scan of both tables). Read from the plans of the statements inside the function
+    (auto_explain, nested statements), on a ledger of 3,000 keys."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO keyed_slots (key, shard, name, used) SELECT 'acct:' || g, 0, 'acct', 0"
+                " FROM generate_series(1, 3000) g"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO keyed_keys (key, name, waiting, active_at) SELECT 'acct:' || g, 'acct', 0, now()"
+                " FROM generate_series(1, 3000) g"
+            )
+        )
+        conn.execute(sa.text("ANALYZE keyed_slots"))
+        conn.execute(sa.text("ANALYZE keyed_keys"))
+    plans: list[str] = []
+    explained = sa.create_engine(database_url, pool_size=1, max_overflow=0)
+
+    @sa.event.listens_for(explained, "connect")
+    def _explain(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+        with dbapi_connection.cursor() as cursor:
+            for setting in (
+                "LOAD 'auto_explain'",
+                "SET auto_explain.log_min_duration = 0",
+                "SET auto_explain.log_nested_statements = on",
+                "SET auto_explain.log_level = 'notice'",
+            ):
+                cursor.execute(setting)
+        dbapi_connection.commit()
+
+    try:
+        ledger = Ledger(explained, holder=HOLDER, lease=30.0, dispatch=10.0)
+        for round_ in range(8):  # past the point where a plan cache would switch to its generic plan
+            held = ledger.admit(Arrival(f"h{round_}", key="acct:7"))
+            assert held.verdict is Verdict.ADMITTED and held.fence is not None
+            if waiting:
+                assert ledger.admit(Arrival(f"w{round_}", key="acct:7")).verdict is Verdict.PARKED
+            plans.clear()
+            report = ledger.release(Token(f"h{round_}", 0), held.fence, Outcome.COMPLETED)
+            assert report.released
+            if waiting:
+                (promotion,) = report.promotions
+                assert promotion.nonce is not None
+                fence = ledger.bind(promotion.token, promotion.nonce)
+                assert fence is not None
+                assert ledger.release(promotion.token, fence, Outcome.COMPLETED).released
+        inside = [p for p in plans if "keyed_slots" in p or "keyed_keys" in p]
+        assert inside, plans  # the statements inside the function were explained
+        scans = [p for p in inside if re.search(r"Seq Scan on keyed_(slots|keys)\b", p)]
+        assert not scans, scans[0]
+    finally:
+        explained.dispose()
