@@ -215,7 +215,7 @@ def relay_outbox(
     grouped_timeout: float | None = None,
     batch: int = 100,
     rounds: int = 10,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> dict[str, int]:
     """The outbox relay (the worker's sweep and beat's reconcile call it): publish every registration that is due —
     registered in a caller's transaction and committed since (``first``), or not received by any worker within

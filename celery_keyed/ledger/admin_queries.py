@@ -13,7 +13,7 @@ released as the reaper would release it (worker lost: a redelivery may run it ag
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
 
 import sqlalchemy as sa
 
@@ -43,7 +43,7 @@ def force_release(
     reason: str,
     author: str = "",
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> ForcedRelease:
     """Release the claim of ``token`` held with ``fence`` on an operator's order, in the caller's transaction.
     Returns the promotions the freed slot made (the caller dispatches them after commit)."""

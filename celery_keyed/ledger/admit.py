@@ -20,6 +20,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -67,7 +68,9 @@ def _fast_claim(conn: sa.Connection, name: str, run: Callable[[], Any]) -> Any:
     return None
 
 
-def _arrival_params(arrival: Arrival, name: str | None, *, holder: str, lease: float, now: Any) -> dict[str, Any]:
+def _arrival_params(
+    arrival: Arrival, name: str | None, *, holder: str, lease: float, now: datetime | None
+) -> dict[str, Any]:
     """Bind parameters of the arrival statements (fast_paths.CLAIM_NEW, books.BOOKS_ARRIVE_OR_LOCK, SLOTS_CLAIM_ANY)."""
     return {
         "task_id": arrival.task_id,
@@ -86,7 +89,7 @@ def _arrival_params(arrival: Arrival, name: str | None, *, holder: str, lease: f
 
 
 def admit_autocommit(
-    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
+    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: datetime | None = None
 ) -> tuple[Admission | None, bool]:
     """The fast path of a first arrival as one self-committing statement (``conn`` in autocommit): ADMITTED,
     or None — then run ``admit`` in a transaction, with ``fresh=True`` when the second value says this call
@@ -127,7 +130,7 @@ def batchable(arrival: Arrival) -> bool:
 
 
 def claim_many(
-    conn: sa.Connection, arrivals: Sequence[Arrival], *, holder: str, lease: float, now: Any = None
+    conn: sa.Connection, arrivals: Sequence[Arrival], *, holder: str, lease: float, now: datetime | None = None
 ) -> list[tuple[Admission | None, bool]]:
     """The fast claim of a batch of ``batchable`` arrivals in one call (``conn`` in autocommit: the call is its
     own transaction), in input order: (ADMITTED, True) or (None, fresh) — then admit it on its own, with
@@ -162,7 +165,7 @@ def plain(arrival: Arrival) -> bool:
 
 
 def park_plain(
-    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
+    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: datetime | None = None
 ) -> Admission | None:
     """Park a ``plain`` arrival at receipt when its key has a line or no room (keyed_admit_or_park_plain with
     p_park_only: the same locks and guards as ``admit_plain``): PARKED, or REJECTED when its waiting room is full;
@@ -193,7 +196,7 @@ def admit_plain_many(
     lease: float,
     park_only: bool,
     in_order: bool = False,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[PlainDecision]:
     """Admit-or-park (``park_only``: park at receipt) a batch of ``plain`` arrivals in one round trip, each in its
     own transaction as ``admit_plain`` / ``park_plain`` would decide it (keyed_admit_plain_many, migration 0019;
@@ -230,7 +233,7 @@ def admit_plain_many(
     return decisions
 
 
-def _plain_params(arrival: Arrival, *, holder: str, lease: float, now: Any) -> dict[str, Any]:
+def _plain_params(arrival: Arrival, *, holder: str, lease: float, now: datetime | None) -> dict[str, Any]:
     return {
         "task_id": arrival.task_id,
         "attempt": arrival.attempt,
@@ -248,7 +251,7 @@ def _plain_params(arrival: Arrival, *, holder: str, lease: float, now: Any) -> d
 
 
 def admit_plain(
-    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: Any = None
+    conn: sa.Connection, arrival: Arrival, *, holder: str, lease: float, now: datetime | None = None
 ) -> tuple[Admission | None, bool]:
     """Admit-or-park of a ``plain`` arrival in one call (keyed_admit_plain: the general path's locks and guards,
     in lock order): the Admission (ADMITTED, PARKED or REJECTED), or None when ``admit`` must decide (a known
@@ -268,7 +271,7 @@ def admit(
     lease: float,
     fresh: bool = False,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> Admission:
     """Admit ``arrival`` (claim a slot: ADMITTED with its fence) or park it durably (PARKED), or record why it
     cannot wait (REJECTED / EXPIRED), or recognise a known attempt token (DUPLICATE, D8). ``fresh``: the caller
@@ -439,7 +442,9 @@ def admit(
     )
 
 
-def _cancel_older(conn: sa.Connection, arrival: Arrival, *, now: Any) -> tuple[tuple[str, int, str | None], ...]:
+def _cancel_older(
+    conn: sa.Connection, arrival: Arrival, *, now: datetime | None
+) -> tuple[tuple[str, int, str | None], ...]:
     """Newest wins (``on_newer="cancel_running"``, issue 14 item 1): ask for the cancellation of the attempts of the
     arrival's first key and supersede key that hold a slot, in the arrival's transaction: the request commits with
     the arrival's claim or park, or not at all. The UPDATE waits for a release of that claim in progress: an attempt
@@ -474,7 +479,7 @@ def _withdraw_cancels(conn: sa.Connection, arrival: Arrival, cancels: Sequence[t
 
 
 def _debounce(
-    conn: sa.Connection, arrival: Arrival, promoted: list[Promotion], *, now: Any
+    conn: sa.Connection, arrival: Arrival, promoted: list[Promotion], *, now: datetime | None
 ) -> tuple[list[str], Any] | Admission:
     """Debounce per key (issue 14 item 2), with the key's slot and head rows locked (every arrival of the key takes
     them first, so the arrivals of one burst are decided one after the other and one of them survives). A burst is
@@ -509,7 +514,7 @@ def _debounce(
 
 
 def _take_locked(
-    conn: sa.Connection, arrival: Arrival, rooms: dict[str, int | None], *, now: Any
+    conn: sa.Connection, arrival: Arrival, rooms: dict[str, int | None], *, now: datetime | None
 ) -> tuple[claims.Holding | None, tuple[str, Any] | None]:
     """Take ``arrival.cost`` slots of every key on the shard found for it, and as many tokens of every
     rate-limited key (rows the caller holds locked): all of them or none (a savepoint undoes a partial take).
@@ -560,14 +565,14 @@ def _exclusive_refused(conn: sa.Connection, arrival: Arrival) -> str | None:
 
 
 def bind(
-    conn: sa.Connection, token: Token, nonce: uuid.UUID, *, holder: str, lease: float, now: Any = None
+    conn: sa.Connection, token: Token, nonce: uuid.UUID, *, holder: str, lease: float, now: datetime | None = None
 ) -> int | None:
     """Bind a promoted attempt to the worker that is about to run it (D5); its fence, or None when the token
     and nonce are not a live promotion (copied, forged, voided or already bound: admit it as usual)."""
     return claims.claims_bind_promoted(conn, token, nonce, holder=holder, lease=lease, now=now)
 
 
-def _group_seq(conn: sa.Connection, arrival: Arrival, *, now: Any) -> int:
+def _group_seq(conn: sa.Connection, arrival: Arrival, *, now: datetime | None) -> int:
     """The arrival's number in its group: its existing membership (registered at publish, or a previous
     attempt), else a number allocated now (a producer that did not register: ordered by receipt, D10)."""
     assert arrival.group_key is not None
@@ -580,7 +585,7 @@ def _group_seq(conn: sa.Connection, arrival: Arrival, *, now: Any) -> int:
 
 
 def _duplicate(
-    conn: sa.Connection, arrival: Arrival, kind: str, detail: str, *, name: str | None, now: Any
+    conn: sa.Connection, arrival: Arrival, kind: str, detail: str, *, name: str | None, now: datetime | None
 ) -> Admission:
     """A known attempt token arrived again (D8): count it; a duplicate of a running attempt is kept as its
     shadow (promoted if that attempt's lease is reclaimed, dropped when it finishes)."""
@@ -607,7 +612,7 @@ def _member_seq(conn: sa.Connection, task_id: str) -> int | None:
     return None if member is None else int(member.seq)
 
 
-def _make_place(conn: sa.Connection, arrival: Arrival, line: str, *, now: Any) -> list[str] | None:
+def _make_place(conn: sa.Connection, arrival: Arrival, line: str, *, now: datetime | None) -> list[str] | None:
     """Count the arrival in its key's waiting room (max_waiting). Under the overflow policy 'supersede' a
     newer arrival first replaces the parked attempt with the same supersede key, and when the room is full,
     the oldest parked attempt of the lowest priority. Returns the replaced task ids, or None when there is no
@@ -638,7 +643,9 @@ def _overflow_policy(conn: sa.Connection, name: str) -> str | None:
     return conn.execute(names.NAMES_OVERFLOW, {"name": name}).scalar_one_or_none()
 
 
-def _supersede(conn: sa.Connection, arrival: Arrival, line: str, rows: Sequence[Any], *, now: Any) -> list[str]:
+def _supersede(
+    conn: sa.Connection, arrival: Arrival, line: str, rows: Sequence[Any], *, now: datetime | None
+) -> list[str]:
     if rows:
         keys.keys_remove_waiting(conn, line, len(rows), now=now)
     for r in rows:

@@ -14,6 +14,7 @@ visibility timeout, the longest ETA or countdown).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -158,7 +159,13 @@ BOOKS_PRUNE = sa.text(
 
 
 def books_finish(
-    conn: sa.Connection, task_id: str, outcome: TaskOutcome, *, attempt: int = 0, detail: str = "", now: Any = None
+    conn: sa.Connection,
+    task_id: str,
+    outcome: TaskOutcome,
+    *,
+    attempt: int = 0,
+    detail: str = "",
+    now: datetime | None = None,
 ) -> bool:
     """Record ``outcome`` as the task's final outcome; False if one was recorded before."""
     params = {"task_id": task_id, "outcome": outcome, "attempt": attempt, "detail": detail, "now": now}
@@ -181,7 +188,7 @@ def books_balance(conn: sa.Connection) -> dict[str, int]:
     return counts
 
 
-def books_prune(conn: sa.Connection, *, retention: float, batch: int, now: Any = None) -> int:
+def books_prune(conn: sa.Connection, *, retention: float, batch: int, now: datetime | None = None) -> int:
     """Prune one batch of finished task ids older than ``retention`` seconds; returns how many."""
     params = {"retention": retention, "batch": batch, "never_ran": list(NEVER_RAN), "now": now}
     return int(conn.execute(BOOKS_PRUNE, params).scalar_one())
@@ -196,7 +203,9 @@ def books_mark_notified(conn: sa.Connection, task_ids: list[str]) -> None:
     conn.execute(BOOKS_MARK_NOTIFIED, {"task_ids": task_ids})
 
 
-def books_reject_unkeyable(conn: sa.Connection, task_id: str, *, task_name: str, detail: str, now: Any = None) -> None:
+def books_reject_unkeyable(
+    conn: sa.Connection, task_id: str, *, task_name: str, detail: str, now: datetime | None = None
+) -> None:
     conn.execute(BOOKS_REJECT_UNKEYABLE, {"task_id": task_id, "task_name": task_name, "detail": detail, "now": now})
 
 
@@ -230,6 +239,6 @@ BOOKS_SETTLE = sa.text(
 )
 
 
-def books_open_idle(conn: sa.Connection, *, age: float, limit: int = 100, now: Any = None) -> list[str]:
+def books_open_idle(conn: sa.Connection, *, age: float, limit: int = 100, now: datetime | None = None) -> list[str]:
     return list(conn.execute(BOOKS_OPEN_IDLE, {"age": age, "limit": limit, "now": now}).scalars())
 

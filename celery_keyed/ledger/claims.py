@@ -11,12 +11,37 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
 from celery_keyed.ledger.attempts import Token
 from celery_keyed.ledger.clock import NOW
+
+
+class ClaimRow(Protocol):
+    """A ``keyed_claims`` row as ``claims_delete_fenced`` returns it: the columns its callers read."""
+
+    @property
+    def task_id(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def key(self) -> str | None: ...
+    @property
+    def shard(self) -> int | None: ...
+    @property
+    def group_key(self) -> str | None: ...
+    @property
+    def parked(self) -> Any: ...
+    @property
+    def cost(self) -> int: ...
+    @property
+    def extra_keys(self) -> list[str] | None: ...
+    @property
+    def extra_shards(self) -> list[int] | None: ...
+
 
 # claims_insert_running: a slot taken by the caller's statement(s) becomes this attempt's claim.
 CLAIMS_INSERT_RUNNING = sa.text(
@@ -304,7 +329,7 @@ def claims_insert_running(
     parked: str | None = None,
     holding: Holding | None = None,
     supersede_key: str | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> int:
     """Insert the running claim for a slot the caller has just taken; its fence. ``parked``: the waiting row
     it came from (a promotion run by its releaser), kept so that a lost run goes back in line. ``holding``:
@@ -335,7 +360,7 @@ def claims_insert_promoted(
     dispatch: float,
     parked: str,
     holding: Holding | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> int:
     params = {
         "task_id": token.task_id,
@@ -351,7 +376,7 @@ def claims_insert_promoted(
 
 
 def claims_bind_promoted(
-    conn: sa.Connection, token: Token, nonce: uuid.UUID, *, holder: str, lease: float, now: Any = None
+    conn: sa.Connection, token: Token, nonce: uuid.UUID, *, holder: str, lease: float, now: datetime | None = None
 ) -> int | None:
     """Bind a promotion to its receiver: the fence, or None when the token/nonce is not a live promotion."""
     params = {
@@ -365,14 +390,14 @@ def claims_bind_promoted(
     return conn.execute(CLAIMS_BIND_PROMOTED, params).scalar_one_or_none()
 
 
-def claims_delete_fenced(conn: sa.Connection, token: Token, fence: int) -> sa.Row[Any] | None:
+def claims_delete_fenced(conn: sa.Connection, token: Token, fence: int) -> ClaimRow | None:
     """Delete the claim held with ``fence``; the row when this call released it, None when it did not."""
     params = {"task_id": token.task_id, "attempt": token.attempt, "fence": fence}
     return conn.execute(CLAIMS_DELETE_FENCED, params).first()
 
 
 def claims_hold_uncertain(
-    conn: sa.Connection, token: Token, fence: int, outcome: str, *, hold: float | None, now: Any = None
+    conn: sa.Connection, token: Token, fence: int, outcome: str, *, hold: float | None, now: datetime | None = None
 ) -> bool:
     """Keep the claim's slots for the uncertain hold instead of releasing them; False when no hold applies."""
     params = {
@@ -401,7 +426,7 @@ CLAIMS_UNKEY = sa.text(
 
 
 def claims_renew(
-    conn: sa.Connection, holder: str, held: Iterable[HeldClaim], *, lease: float, now: Any = None
+    conn: sa.Connection, holder: str, held: Iterable[HeldClaim], *, lease: float, now: datetime | None = None
 ) -> set[HeldClaim]:
     """Renew the leases of ``held`` (attempts this process tracks); the subset still held."""
     held = list(held)
@@ -419,7 +444,7 @@ def claims_renew(
 
 
 def claims_request_cancel(
-    conn: sa.Connection, *, key: str, supersede_key: str, task_id: str, detail: str, now: Any = None
+    conn: sa.Connection, *, key: str, supersede_key: str, task_id: str, detail: str, now: datetime | None = None
 ) -> list[tuple[str, int, str | None]]:
     """Ask for the cancellation of the attempts of ``key`` and ``supersede_key`` that hold a slot, of tasks that arrived
     no later than ``task_id`` (newest wins); (task id, attempt, holder) of each."""

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
 
 import sqlalchemy as sa
 
@@ -21,6 +21,6 @@ def events_record(
     key: str | None = None,
     task_id: str | None = None,
     detail: str = "",
-    now: Any = None,
+    now: datetime | None = None,
 ) -> None:
     conn.execute(EVENTS_RECORD, {"kind": kind, "key": key, "task_id": task_id, "detail": detail, "now": now})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -71,7 +72,7 @@ class Explanation:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanation:
+def explain(conn: sa.Connection, task_id: str, *, now: datetime | None = None) -> Explanation:
     task = conn.execute(EXPLAIN_TASK, {"task_id": task_id}).mappings().first()
     member = conn.execute(EXPLAIN_MEMBER, {"task_id": task_id}).mappings().first()
     if task is None:
@@ -239,7 +240,7 @@ def explain(conn: sa.Connection, task_id: str, *, now: Any = None) -> Explanatio
     return Explanation(task_id, "waiting", f"waiting for group {wait['group_key']}", facts)
 
 
-def _fair_text(conn: sa.Connection, wait: Any, facts: dict[str, Any], *, now: Any) -> str:
+def _fair_text(conn: sa.Connection, wait: Any, facts: dict[str, Any], *, now: datetime | None) -> str:
     """A waiter of a fair name (weighted fair sharing, issue 14 item 5): its fair key's weight, slots held and load,
     and how many fair keys that wait have a lower load (they are served first); ``facts["fair_shares"]``."""
     shares = fair_shares(conn, key=wait["key"], now=now)

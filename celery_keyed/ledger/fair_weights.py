@@ -167,7 +167,12 @@ class FairShare:
 
 
 def fair_shares(
-    conn: sa.Connection, *, name: str | None = None, key: str | None = None, limit: int = 200, now: Any = None
+    conn: sa.Connection,
+    *,
+    name: str | None = None,
+    key: str | None = None,
+    limit: int = 200,
+    now: datetime | None = None,
 ) -> list[FairShare]:
     """Who holds and waits under each key of the fair names (one name, one key, or all), by key then load."""
     rows = conn.execute(FAIR_SHARES, {"name": name, "key": key, "limit": limit, "now": now}).mappings()
@@ -194,7 +199,7 @@ def set_fair_weight(
     reason: str,
     author: str = "",
     expires_at: datetime | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> None:
     """Set the runtime weight of the fair keys of ``name`` matching ``prefix`` (equal to it, or starting with it
     and ``:``), in the caller's transaction, with an audit row. It wins over the call's weight and the configured
@@ -219,7 +224,7 @@ def set_fair_weight(
 
 
 def clear_fair_weight(
-    conn: sa.Connection, name: str, prefix: str, *, reason: str = "", author: str = "", now: Any = None
+    conn: sa.Connection, name: str, prefix: str, *, reason: str = "", author: str = "", now: datetime | None = None
 ) -> bool:
     """Remove the weight override of (``name``, ``prefix``); False when there was none."""
     old = conn.execute(FAIR_WEIGHT_CLEAR, {"name": name, "prefix": prefix}).scalar_one_or_none()
@@ -242,7 +247,7 @@ def clear_fair_weight(
     return True
 
 
-def expire_fair_weights(conn: sa.Connection, *, now: Any = None) -> int:
+def expire_fair_weights(conn: sa.Connection, *, now: datetime | None = None) -> int:
     """Drop weight overrides past their expiry (the sweep), logging each; how many."""
     rows = conn.execute(FAIR_WEIGHT_DELETE_EXPIRED, {"now": now}).all()
     for row in rows:
@@ -263,5 +268,7 @@ def expire_fair_weights(conn: sa.Connection, *, now: Any = None) -> int:
     return len(rows)
 
 
-def fair_weight_overrides(conn: sa.Connection, name: str | None = None, *, now: Any = None) -> list[sa.Row[Any]]:
+def fair_weight_overrides(
+    conn: sa.Connection, name: str | None = None, *, now: datetime | None = None
+) -> list[sa.Row[Any]]:
     return list(conn.execute(FAIR_WEIGHT_LIST, {"name": name, "now": now}))

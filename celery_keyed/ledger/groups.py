@@ -11,6 +11,7 @@ skipped. Every admission and advance locks the group row first (lock order: afte
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -73,7 +74,7 @@ MEMBERS_DELETE_LOST = sa.text(
 
 
 def groups_register(
-    conn: sa.Connection, group_key: str, task_id: str, *, received: bool = False, now: Any = None
+    conn: sa.Connection, group_key: str, task_id: str, *, received: bool = False, now: datetime | None = None
 ) -> int:
     """Allocate the next number of ``group_key`` for ``task_id``; call it in the producer's transaction so the
     number exists exactly when the task is published. A task id registered before raises :class:`WrongState`

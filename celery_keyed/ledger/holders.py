@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -89,14 +90,19 @@ def new_holder(hostname: str | None = None, pid: int | None = None) -> str:
 
 
 def holders_register(
-    conn: sa.Connection, holder: str, *, machine: str | None = None, pids: list[int] | None = None, now: Any = None
+    conn: sa.Connection,
+    holder: str,
+    *,
+    machine: str | None = None,
+    pids: list[int] | None = None,
+    now: datetime | None = None,
 ) -> None:
     hostname, pid, _ = holder.rsplit(":", 2)
     params = {"holder": holder, "hostname": hostname, "pid": int(pid), "machine": machine, "pids": pids, "now": now}
     conn.execute(HOLDERS_UPSERT, params)
 
 
-def holders_set_pids(conn: sa.Connection, holder: str, pids: list[int], *, now: Any = None) -> None:
+def holders_set_pids(conn: sa.Connection, holder: str, pids: list[int], *, now: datetime | None = None) -> None:
     conn.execute(HOLDERS_SET_PIDS, {"holder": holder, "pids": pids, "now": now})
 
 

@@ -169,14 +169,14 @@ def _key_override(row: Any) -> KeyOverride:
     )
 
 
-def key_override_get(conn: sa.Connection, key: str, *, now: Any = None) -> KeyOverride | None:
+def key_override_get(conn: sa.Connection, key: str, *, now: datetime | None = None) -> KeyOverride | None:
     """The override of ``key`` in force now, or None."""
     row = conn.execute(KEY_OVERRIDES_GET, {"key": key, "now": now}).first()
     return None if row is None else _key_override(row)
 
 
 def key_overrides_live(
-    conn: sa.Connection, *, name: str | None = None, limit: int = 1000, now: Any = None
+    conn: sa.Connection, *, name: str | None = None, limit: int = 1000, now: datetime | None = None
 ) -> list[KeyOverride]:
     """The key overrides in force now (of ``name``'s keys only, when given): paused keys first, then by key."""
     rows = conn.execute(KEY_OVERRIDES_LIVE, {"name": name, "limit": limit, "now": now})
@@ -191,7 +191,7 @@ def _check_reason(reason: Any) -> str:
 
 def _log(
     conn: sa.Connection, key: str, action: str, old: int | None, new: int | None, *, reason: str, author: str,
-    expires_at: Any, now: Any,
+    expires_at: Any, now: datetime | None,
 ) -> None:
     conn.execute(
         OVERRIDE_LOG_INSERT,
@@ -219,7 +219,7 @@ def set_key_limit(
     expires_at: datetime | None = None,
     expires_in: float | None = None,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """Give ``key`` a limit of its own (replacing its name's for this key; 0 stops it like a pause without an end)
     until ``expires_at`` or for ``expires_in`` seconds (neither: until cleared). Lowering never preempts; raising
@@ -257,7 +257,7 @@ def clear_key_limit(
     reason: str = "",
     author: str = "",
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion] | None:
     """Remove the key's own limit: its name's applies again at once (its pause, if any, stays). None when it had
     none (nothing changed)."""
@@ -279,7 +279,7 @@ def pause_key(
     until: datetime | None = None,
     reason: str,
     author: str = "",
-    now: Any = None,
+    now: datetime | None = None,
 ) -> tuple[datetime, bool]:
     """Pause ``key`` for ``seconds`` (or until ``until``): nothing new of the key starts before then; running
     attempts go on; its waiters keep their places. A pause is only ever extended: when one at least that long is
@@ -311,7 +311,7 @@ def resume_key(
     reason: str = "",
     author: str = "",
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion] | None:
     """End the pause of ``key`` now and promote its waiters (returned). None when it was not paused."""
     validate_key(key)
@@ -325,7 +325,7 @@ def resume_key(
 
 
 def lapse_one_key_override(
-    conn: sa.Connection, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
 ) -> tuple[bool, list[Promotion]]:
     """The sweep's step (D2): take one key whose limit expired or whose pause ended, clear what lapsed, log it
     (``expire`` / ``resume``, author empty) and promote the key's waiters in the same transaction. (False, []) when

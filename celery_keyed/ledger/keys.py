@@ -7,6 +7,7 @@ guarded increment. Lock order: after the key's ``keyed_slots`` rows, before ``ke
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -78,7 +79,7 @@ KEYS_LOCK_IDLE = sa.text(
 KEYS_DROP_IDLE = sa.text("DELETE FROM keyed_keys WHERE key = :key AND waiting = 0")
 
 
-def keys_lock(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> int:
+def keys_lock(conn: sa.Connection, key: str, name: str, *, now: datetime | None = None) -> int:
     """Create (if missing) and lock the head row of ``key``; its waiting count."""
     return int(conn.execute(KEYS_LOCK, {"key": key, "name": name, "now": now}).scalar_one())
 
@@ -88,7 +89,7 @@ def keys_add_waiting(conn: sa.Connection, key: str, *, force: bool = False) -> b
     return conn.execute(KEYS_ADD_WAITING, {"key": key, "force": force}).first() is not None
 
 
-def keys_remove_waiting(conn: sa.Connection, key: str, n: int = 1, *, now: Any = None) -> None:
+def keys_remove_waiting(conn: sa.Connection, key: str, n: int = 1, *, now: datetime | None = None) -> None:
     """Count ``n`` parked attempts fewer (the CHECK catches a removal without a park)."""
     conn.execute(KEYS_REMOVE_WAITING, {"key": key, "n": n, "now": now})
 
@@ -132,7 +133,7 @@ KEYS_TAKE_TOKENS = sa.text(
 )
 
 
-def keys_take_tokens(conn: sa.Connection, key: str, name: str, cost: int = 1, *, now: Any = None) -> Any:
+def keys_take_tokens(conn: sa.Connection, key: str, name: str, cost: int = 1, *, now: datetime | None = None) -> Any:
     """Take ``cost`` tokens of a rate-limited key (row with ``unrated``, ``took`` and ``next_at``: the time the
     tokens will exist when they do not now)."""
     return conn.execute(KEYS_TAKE_TOKENS, {"key": key, "name": name, "cost": cost, "now": now}).one()

@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -211,7 +212,7 @@ NAMES_RATED = sa.text("SELECT name FROM keyed_names WHERE name = ANY(:names) AND
 NAMES_OVERFLOW = sa.text("SELECT overflow FROM keyed_names WHERE name = :name")
 
 
-def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, now: Any = None) -> bool:
+def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, now: datetime | None = None) -> bool:
     """Store ``config`` as configuration version ``version``; False when a newer version is stored (nothing
     written). Raising a limit creates room: the caller runs ``promote_name`` in the same transaction
     (``configure_names`` does)."""
@@ -257,7 +258,7 @@ def configure_names(
     *,
     version: int = 0,
     dispatch: float = 30.0,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> Configured:
     """Store every config as ``version`` (a worker does this at start; a name stored by a newer version is kept)
     and promote waiters a raised limit lets in (D2)."""

@@ -14,6 +14,7 @@ Nothing here touches the books: a registered task enters them when it arrives, l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -140,7 +141,7 @@ def outbox_register(
     pending: bool = False,
     eta: Any = None,
     arrival_timeout: float = 3600.0,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> bool:
     """Store ``task_id``'s message on ``conn`` (commit it before publishing, or leave it ``pending`` for the relay).
     True when stored; False when the task id had arrived already or was registered already."""
@@ -164,7 +165,7 @@ def outbox_take_due(
     arrival_timeout: float,
     grouped_timeout: float | None = None,
     batch: int = 100,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[OutboxDue]:
     """Take one batch of due registrations to publish (commit before publishing them). Each is due again after
     ``arrival_timeout`` (``grouped_timeout`` for a task of an ordered group), doubled with every republish."""

@@ -6,7 +6,7 @@ number may start (D10, D11). Beneath ``admit``, ``release`` and ``revoke`` (they
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
 
 import sqlalchemy as sa
 
@@ -32,7 +32,7 @@ def finish_never_ran(
     *,
     detail: str,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """Record the final outcome of a task that will not run; if it was a group member, the group moves on."""
     books.books_finish(conn, token.task_id, outcome, attempt=token.attempt, detail=detail, now=now)
@@ -52,7 +52,7 @@ def settle(
     *,
     detail: str,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> tuple[bool, list[Promotion]]:
     """Record the final ``outcome`` of a task that has no attempt in the ledger any more (its result says its
     body ended, but its release never committed: D15); its group moves on. (False, []) when the task is not

@@ -73,7 +73,7 @@ def set_override(
     author: str = "",
     expires_at: datetime | None = None,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """Set the runtime limit of ``name`` (0 pauses) in the caller's transaction; returns the promotions a
     raised limit made (the caller dispatches them after commit)."""
@@ -108,7 +108,7 @@ def clear_override(
     reason: str = "",
     author: str = "",
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """Remove the override of ``name``; the configured limit applies again at once."""
     old = conn.execute(OVERRIDES_CLEAR, {"name": name}).scalar_one_or_none()
@@ -132,7 +132,7 @@ def clear_override(
 
 
 def expire_overrides(
-    conn: sa.Connection, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
 ) -> list[Promotion]:
     """Lapse overrides past their expiry (sweep), logging each and promoting what the change allows."""
     promotions: list[Promotion] = []
@@ -156,7 +156,7 @@ def expire_overrides(
 
 
 def promote_name(
-    conn: sa.Connection, name: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection, name: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
 ) -> list[Promotion]:
     """Promote waiters of every key of ``name`` that has room now (D2: run wherever room may appear)."""
     promotions: list[Promotion] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -44,7 +45,7 @@ class LocalHandoff:
 DEFAULT_DISPATCH_TIMEOUT = 30.0
 
 
-def give_back(conn: sa.Connection, holding: claims.Holding, *, now: Any = None) -> list[tuple[str, int]]:
+def give_back(conn: sa.Connection, holding: claims.Holding, *, now: datetime | None = None) -> list[tuple[str, int]]:
     """Give back every slot of a deleted claim, in lock order; the (key, shard) rows that now have room, once
     per free slot."""
     return [
@@ -55,7 +56,7 @@ def give_back(conn: sa.Connection, holding: claims.Holding, *, now: Any = None) 
 
 
 def give_back_to_lines(
-    conn: sa.Connection, holding: claims.Holding, lines: set[str], *, now: Any = None
+    conn: sa.Connection, holding: claims.Holding, lines: set[str], *, now: datetime | None = None
 ) -> list[tuple[str, int]]:
     """Give back every slot of a deleted claim whose removal also puts attempts back in the lines of ``lines``
     (a lost run's stored row restored, its shadow made live): new eligibility on those keys (D2). For a key of
@@ -80,7 +81,7 @@ def give_back_to_lines(
     return freed
 
 
-def give_back_reserved(conn: sa.Connection, row: Any, *, now: Any = None) -> list[tuple[str, int]]:
+def give_back_reserved(conn: sa.Connection, row: Any, *, now: datetime | None = None) -> list[tuple[str, int]]:
     """Give back the slots a deleted (or lapsed) waiting row had reserved; the (key, shard) rows with room."""
     if not getattr(row, "reserved_keys", None):
         return []
@@ -91,7 +92,11 @@ def give_back_reserved(conn: sa.Connection, row: Any, *, now: Any = None) -> lis
 
 
 def promote_freed(
-    conn: sa.Connection, freed: list[tuple[str, int]], *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection,
+    freed: list[tuple[str, int]],
+    *,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """Give slots given back outside a release to the next waiters of their keys (head rows locked in order)."""
     for key in sorted({k for k, _ in freed}):
@@ -105,7 +110,7 @@ def promote_each_key(
     *,
     dispatch: float,
     local: LocalHandoff | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """Promote into free slots listed as (key, shard), one entry per free slot, key by key in lock order (the
     caller holds the rows). A slot left free earlier (a line that was not due yet) is filled too: a release
@@ -120,7 +125,7 @@ def promote_each_key(
 
 
 def promote_key(
-    conn: sa.Connection, key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection, key: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
 ) -> list[Promotion]:
     """Give every free slot of ``key`` to its next promotable waiters (after an override, a limit raise, a
     reclaimed lease, a not-before time passing). Locks the key's shard rows, then its head row."""
@@ -140,7 +145,7 @@ def promote_waiters(
     *,
     dispatch: float,
     local: LocalHandoff | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """Promote waiters of ``key`` into ``free_shards`` (rows the caller holds locked; at most one promotion per
     entry), in order. The caller holds the key's head row too.
@@ -202,7 +207,7 @@ def promote_waiters(
 _MOVED: Any = object()
 
 
-def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, rated: bool, now: Any) -> Any:
+def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, rated: bool, now: datetime | None) -> Any:
     """Take every slot (and token) a locked waiting row needs, being promoted through the line of ``key`` (one
     of ``shards``, which the caller holds locked), all or none: a Holding; None when it cannot start and stays
     at the head of this line (an empty token bucket also gives it a not-before time); ``_MOVED`` when it moved
@@ -283,7 +288,7 @@ def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, ra
 _BUSY: Any = object()
 
 
-def _take_tokens(conn: sa.Connection, cand: Any, key: str, *, rated: bool, now: Any) -> Any:
+def _take_tokens(conn: sa.Connection, cand: Any, key: str, *, rated: bool, now: datetime | None) -> Any:
     """Take the tokens a promotion needs from every rate-limited key of the candidate: None when taken (or none
     needed), else the time they will exist, or ``_BUSY`` when another key's bucket row is locked. The line
     key's row is held by the caller; other keys' rows are taken without waiting."""
@@ -319,13 +324,13 @@ def _holding(cand: Any, got: dict[str, int]) -> claims.Holding:
     )
 
 
-def _someone_ahead(conn: sa.Connection, key: str, cand: Any, *, now: Any) -> bool:
+def _someone_ahead(conn: sa.Connection, key: str, cand: Any, *, now: datetime | None) -> bool:
     params = {"key": key, "priority": cand.priority, "arrival": cand.arrival, "now": now}
     return bool(conn.execute(waiting.WAITING_AHEAD, params).scalar())
 
 
 def promote_multi(
-    conn: sa.Connection, token: Token, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection, token: Token, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
 ) -> list[Promotion]:
     """Promote one parked attempt with several keys if every key has room for it and it is first in every
     key's line — taking every lock in lock order, so it never has to skip a busy row (the sweep's backstop
@@ -384,7 +389,7 @@ def promote_group(
     *,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     local: LocalHandoff | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """Start the head of ``group_key`` if it is parked, due, and its group is free. A head that also needs a
     key slot takes one only if free without waiting (SKIP LOCKED: out of lock order); otherwise the key's
@@ -409,7 +414,7 @@ def promote_group(
     return [_promote_row(conn, cand, key=key, shard=shard, holding=holding, dispatch=dispatch, local=local, now=now)]
 
 
-def _take_nowait_all(conn: sa.Connection, cand: Any, *, now: Any) -> claims.Holding | None:
+def _take_nowait_all(conn: sa.Connection, cand: Any, *, now: datetime | None) -> claims.Holding | None:
     """Take every slot a locked waiting row needs without waiting for any lock (the caller holds locks later
     in the lock order), only where no one stands before it in line: all or none."""
     cost = int(cand.cost or 1)
@@ -444,7 +449,7 @@ def _promote_row(
     dispatch: float,
     holding: claims.Holding | None = None,
     local: LocalHandoff | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> Promotion:
     """Move a locked waiting row into a promoted claim with a fresh nonce (D5), or, for a releaser that will
     run it itself (``local``), straight into a running claim of that releaser (D4); either claim keeps the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -43,7 +44,7 @@ def release(
     local: LocalHandoff | None = None,
     uncertain: bool = False,
     hold: float | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> ReleaseReport:
     """Release the claim of ``token`` held with ``fence`` after ``outcome``, and promote what that makes ready.
 
@@ -96,14 +97,21 @@ def _rooms_with_waiters(conn: sa.Connection, row: Any) -> list[tuple[str, int]]:
 
 
 def _hold_uncertain(
-    conn: sa.Connection, token: Token, fence: int, outcome: Outcome, *, hold: float | None, now: Any
+    conn: sa.Connection, token: Token, fence: int, outcome: Outcome, *, hold: float | None, now: datetime | None
 ) -> bool:
     conn.execute(books.BOOKS_LOCK_TASK, {"task_id": token.task_id})  # lock order: the task's row first
     return claims.claims_hold_uncertain(conn, token, fence, outcome.value, hold=hold, now=now)
 
 
 def _release_fast(
-    conn: sa.Connection, token: Token, fence: int, outcome: Outcome, final: str | None, *, detail: str, now: Any
+    conn: sa.Connection,
+    token: Token,
+    fence: int,
+    outcome: Outcome,
+    final: str | None,
+    *,
+    detail: str,
+    now: datetime | None,
 ) -> Any:
     params = {
         "task_id": token.task_id,
@@ -118,7 +126,7 @@ def _release_fast(
 
 
 def release_autocommit(
-    conn: sa.Connection, token: Token, fence: int, outcome: Outcome, *, detail: str = "", now: Any = None
+    conn: sa.Connection, token: Token, fence: int, outcome: Outcome, *, detail: str = "", now: datetime | None = None
 ) -> tuple[ReleaseReport, Any] | None:
     """The release of a claim without a group as one self-committing statement (``conn`` in autocommit).
     Returns None when it released nothing (a grouped claim, or nothing to release: run ``release`` in a
@@ -145,7 +153,7 @@ def after_release_autocommit(
     *,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     local: LocalHandoff | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """The rest of an autocommitted release, in a transaction: shadows follow their attempt (``key``: its first
     key), and each slot it gave back on a key with waiters (``waited``) goes to that key's next waiter (one
@@ -155,7 +163,9 @@ def after_release_autocommit(
     return after_release_many(conn, shadows, waited, dispatch=dispatch, local=local, now=now)
 
 
-def _shadows_follow(conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: Any) -> None:
+def _shadows_follow(
+    conn: sa.Connection, token: Token, key: str | None, outcome: Outcome, *, now: datetime | None
+) -> None:
     """Duplicates kept as shadows of an attempt follow its fate (D8): live again if its worker was lost (the
     copy will run), dropped otherwise."""
     params = {"task_id": token.task_id, "attempt": token.attempt}
@@ -175,7 +185,7 @@ def after_claim_removed(
     detail: str,
     dispatch: float,
     local: LocalHandoff | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> ReleaseReport:
     """Book-keeping after a claim row was deleted by its owner or the reaper: the task's books (its row is
     locked first, lock order), the slot, the shadows (D8), the group's head, and the promotions."""
@@ -220,7 +230,12 @@ def after_claim_removed(
 
 
 def release_early(
-    conn: sa.Connection, token: Token, fence: int, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection,
+    token: Token,
+    fence: int,
+    *,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: datetime | None = None,
 ) -> tuple[bool, list[Promotion]]:
     """Give back the concurrency slots of a running attempt before its outcome (``release_concurrency``): the
     claim row stays (books, fence, group) and the final release records the outcome as usual. Fenced like a
@@ -275,7 +290,7 @@ def release_and_promote(
     holder: str,
     lease: float,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> FastReleases:
     """Release a batch of ``batchable`` claims, check for waiters (D2) and promote the rooms freed, in one call
     (keyed_release_and_promote: one statement, one round trip; ``conn`` in autocommit makes it one transaction of
@@ -327,7 +342,7 @@ def after_release_many(
     *,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     local: LocalHandoff | None = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> list[Promotion]:
     """The rest of released claims, in a transaction: shadows follow their attempts (``shadows``: token, first key,
     outcome; D8), and the free slots of ``rooms`` ((key, shard) rows) go to the next waiters of their keys

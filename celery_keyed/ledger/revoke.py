@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
 
 import sqlalchemy as sa
 
@@ -15,7 +15,7 @@ from celery_keyed.ledger.release import after_claim_removed
 
 
 def revoke(
-    conn: sa.Connection, task_id: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: Any = None
+    conn: sa.Connection, task_id: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
 ) -> list[Promotion]:
     """Store a revoke in the ledger (Celery's in-memory revoke list expires, D11): parked attempts leave the
     waiting room with outcome ``revoked``; a promotion not yet bound is taken back (its slots go to the next

@@ -24,6 +24,7 @@ refusals.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -110,7 +111,7 @@ def sent_admit(
     *,
     dedupe_key: str | None,
     arrival_timeout: float,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> SendVerdict:
     """Ask at send whether ``task_id`` may be published under ``key`` (its first concurrency key). Accepted, the
     reservation is written on ``conn`` (commit it before or with the publish)."""
@@ -131,12 +132,12 @@ def sent_forget(conn: sa.Connection, task_id: str) -> None:
     conn.execute(SENT_FORGET, {"task_id": task_id})
 
 
-def sent_drop_over(conn: sa.Connection, *, batch: int = 1000, now: Any = None) -> int:
+def sent_drop_over(conn: sa.Connection, *, batch: int = 1000, now: datetime | None = None) -> int:
     """Drop one batch of reservations that hold nothing any more; returns how many."""
     params = {"batch": batch, "now": now}
     return len(conn.execute(SENT_DROP_OVER, params).all())
 
 
-def sent_by_name(conn: sa.Connection, *, now: Any = None) -> list[SendCounts]:
+def sent_by_name(conn: sa.Connection, *, now: datetime | None = None) -> list[SendCounts]:
     rows = conn.execute(SENT_BY_NAME, {"now": now})
     return [SendCounts(r.name, int(r.in_flight), int(r.refused_full), int(r.refused_duplicate)) for r in rows]

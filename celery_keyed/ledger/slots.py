@@ -9,7 +9,7 @@ Lock order: rows of this table by (key, shard) before any ``keyed_keys`` or ``ke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
 
 import sqlalchemy as sa
 
@@ -178,7 +178,7 @@ class ShardUse:
         return self.used + cost <= self.share
 
 
-def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: Any = None) -> list[ShardUse]:
+def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: datetime | None = None) -> list[ShardUse]:
     """Lock every shard row of the key in shard order and return their use; rows missing (first use, idle
     drop, more shards configured) are created first, then all are locked again."""
     params = {"key": key, "name": name, "now": now}
@@ -189,20 +189,24 @@ def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: Any = None)
     return [ShardUse(r.shard, r.used, r.share) for r in rows]
 
 
-def slots_take(conn: sa.Connection, key: str, name: str, shard: int, *, cost: int = 1, now: Any = None) -> bool:
+def slots_take(
+    conn: sa.Connection, key: str, name: str, shard: int, *, cost: int = 1, now: datetime | None = None
+) -> bool:
     """Take ``cost`` slots on a shard the caller holds locked; False when it has no room for them."""
     params = {"key": key, "name": name, "shard": shard, "cost": cost, "now": now}
     return conn.execute(SLOTS_TAKE, params).first() is not None
 
 
-def slots_take_nowait(conn: sa.Connection, key: str, name: str, *, cost: int = 1, now: Any = None) -> int | None:
+def slots_take_nowait(
+    conn: sa.Connection, key: str, name: str, *, cost: int = 1, now: datetime | None = None
+) -> int | None:
     """Take ``cost`` slots on any shard with room that nobody else holds locked, without waiting; the shard or
     None."""
     params = {"key": key, "name": name, "cost": cost, "now": now}
     return conn.execute(SLOTS_TAKE_NOWAIT, params).scalar_one_or_none()
 
 
-def slots_give_back(conn: sa.Connection, key: str, shard: int, *, cost: int = 1, now: Any = None) -> int:
+def slots_give_back(conn: sa.Connection, key: str, shard: int, *, cost: int = 1, now: datetime | None = None) -> int:
     """Return ``cost`` slots to (key, shard), locking the row; how many slots the shard has free afterwards."""
     row = conn.execute(SLOTS_GIVE_BACK, {"key": key, "shard": shard, "cost": cost, "now": now}).first()
     return 0 if row is None else int(row.free)

@@ -10,12 +10,60 @@ with a key changes ``keyed_keys.waiting`` in the same transaction (keys.py).
 from __future__ import annotations
 
 import json
-from typing import Any
+from datetime import datetime
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
 from celery_keyed.ledger.attempts import Arrival, Token
 from celery_keyed.ledger.clock import NOW
+
+
+class WaitingRow(Protocol):
+    """A ``keyed_waiting`` row as ``waiting_group_member`` returns it (``_COLUMNS``): the columns its callers read."""
+
+    @property
+    def task_id(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def key(self) -> str | None: ...
+    @property
+    def group_key(self) -> str | None: ...
+    @property
+    def group_seq(self) -> int | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrival(self) -> int: ...
+    @property
+    def not_before(self) -> datetime | None: ...
+    @property
+    def deadline(self) -> datetime | None: ...
+    @property
+    def group_blocked(self) -> bool: ...
+    @property
+    def queue(self) -> str | None: ...
+    @property
+    def message(self) -> Any: ...
+    @property
+    def keys(self) -> list[str] | None: ...
+    @property
+    def cost(self) -> int: ...
+    @property
+    def reserved_keys(self) -> list[str] | None: ...
+    @property
+    def reserved_shards(self) -> list[int] | None: ...
+    @property
+    def fair_key(self) -> str | None: ...
+
+
+class LineRow(WaitingRow, Protocol):
+    """A waiting row read from the line of a key (``waiting_next_for_key``): its key is that key."""
+
+    @property
+    def key(self) -> str: ...
+
 
 _COLUMNS = (
     "task_id, attempt, key, group_key, group_seq, priority, arrival, arrived_at, not_before, deadline, "
@@ -352,7 +400,7 @@ def waiting_insert(
     group_blocked: bool = False,
     line: str | None = None,
     debounce_cap: Any = None,
-    now: Any = None,
+    now: datetime | None = None,
 ) -> int | None:
     """Park ``arrival`` in the line of ``line`` (default: its first key); its arrival number, or None when
     the token is already parked. A debounced arrival is due after its quiet period, at most at ``debounce_cap``
@@ -386,13 +434,13 @@ def waiting_insert(
 
 
 def waiting_next_for_key(
-    conn: sa.Connection, key: str, *, limit: int = 4, fair: bool = False, now: Any = None
-) -> list[sa.Row[Any]]:
+    conn: sa.Connection, key: str, *, limit: int = 4, fair: bool = False, now: datetime | None = None
+) -> list[LineRow]:
     statement = WAITING_NEXT_FAIR if fair else WAITING_NEXT_FOR_KEY
     return list(conn.execute(statement, {"key": key, "limit": limit, "now": now}))
 
 
-def waiting_group_member(conn: sa.Connection, group_key: str, seq: int) -> sa.Row[Any] | None:
+def waiting_group_member(conn: sa.Connection, group_key: str, seq: int) -> WaitingRow | None:
     return conn.execute(WAITING_GROUP_MEMBER, {"group_key": group_key, "seq": seq}).first()
 
 
