@@ -57,6 +57,7 @@ from celery_keyed.ledger import (
     Promotion,
     Token,
     Verdict,
+    key_name,
     new_holder,
 )
 from celery_keyed.settings import KeyedSettings
@@ -368,7 +369,7 @@ class GateService:
         ):
             return handle(request)
         key = request._request_dict.get(HEADER_KEY)
-        if not isinstance(key, str) or not self.releaser.is_contended(key):
+        if not isinstance(key, str) or not (self.releaser.is_contended(key) or self._mutex_held_here(key)):
             return handle(request)
         if request._request_dict.get(HEADER_NONCE) is not None:
             return handle(request)  # a promotion published to a worker: already bound in the ledger, it never parks
@@ -387,6 +388,19 @@ class GateService:
             request.keyed_receipt = False
             return handle(request)
         return None
+
+    def _mutex_held_here(self, key: str) -> bool:
+        """Whether an attempt of ``key`` holds its claim in this worker while its name is a mutex as configured
+        (``keyed_concurrency_limits``: limit 1, the default): an arrival of that key has no room, so it is parked at
+        receipt even before the key parked or promoted anything here — in a burst, the requests received while
+        every key runs would otherwise each wait for a pool process just to be parked. A runtime override that
+        raised the limit only costs that round trip: the receipt leaves an arrival with room to its admission."""
+        config = self.settings.limits.get(key_name(key))
+        if config is not None and config.limit != 1:
+            return False
+        with self.lock:
+            running = list(self.running.values())
+        return any((getattr(r.request, "_request_dict", None) or {}).get(HEADER_KEY) == key for r in running)
 
     @staticmethod
     def _line_here(request: Any, key: str) -> bool:

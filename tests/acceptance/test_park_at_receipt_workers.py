@@ -52,6 +52,32 @@ def test_arrivals_of_a_key_with_a_line_park_while_every_pool_process_is_busy(
 
 
 @pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_arrivals_of_a_mutex_key_running_here_park_at_receipt_before_any_line(
+    prefetching_cluster: Cluster, producer: Any
+) -> None:
+    """The key has never parked anything here (no line yet): its attempt runs in this worker and its name is a
+    mutex, so the arrivals behind it have no room and are parked the moment they are received — not one by one as
+    pool processes free up (a burst would otherwise hold every prefetched message until a process parks it)."""
+    cluster = prefetching_cluster
+    cluster.start_worker("w1", concurrency=2)
+    first = producer.hold.delay("acct:fresh", 12.0, note="A")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'A'", 1)
+    long = producer.sleepy.delay(12.0, note="L")  # both pool processes busy until A and L end
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'L'", 1)
+    later = [producer.hold.delay("acct:fresh", 0.05, note=f"C{i}") for i in range(3)]
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 3, timeout=10.0)
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end' AND note IN ('A', 'L')") == 0
+    assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 1  # A's: nothing claimed at receipt (D3)
+    assert first.get(timeout=60) == "A"
+    assert [r.get(timeout=60) for r in later] == ["C0", "C1", "C2"]
+    assert long.get(timeout=60) == "L"
+    order = [
+        r.note for r in cluster.rows("SELECT note FROM observed WHERE kind = 'start' AND key = 'acct:fresh' ORDER BY at")
+    ]
+    assert order == ["A", "C0", "C1", "C2"]
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
 def test_without_park_at_receipt_the_arrivals_wait_for_a_pool_process(
     prefetching_cluster: Cluster, producer: Any
 ) -> None:

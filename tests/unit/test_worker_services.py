@@ -218,3 +218,49 @@ def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.Mo
         assert (answer, handled, submitted) == ("handled", [request], [])
     else:
         assert (answer, handled, len(submitted)) == (None, [], 1)
+
+
+@pytest.mark.parametrize(
+    ("limits", "running_key", "parked_at_receipt"),
+    [
+        ({}, "account:1", True),  # a mutex (the default) held here: no room, parked at receipt
+        ({"account": SimpleNamespace(limit=1)}, "account:1", True),
+        ({"account": SimpleNamespace(limit=5)}, "account:1", False),  # a gate may have room: admission decides
+        ({}, "account:2", False),  # another key runs here: this one may have room
+    ],
+)
+def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
+    monkeypatch: pytest.MonkeyPatch, limits: dict[str, Any], running_key: str, parked_at_receipt: bool
+) -> None:
+    """``GateService.receive``: before its key ever parked or promoted here (not contended), an arrival of a mutex
+    key whose attempt runs in this worker goes to the receipt service, which parks it without a pool process."""
+    from celery_keyed.gate import GateService, Running
+    from celery_keyed.headers import HEADER_KEY
+    from celery_keyed.ledger import Token
+    from celery_keyed.worker import intake
+
+    submitted: list[Any] = []
+    receipts = SimpleNamespace(accepting=True, submit=lambda job: submitted.append(job) or True)
+    holder = SimpleNamespace(_request_dict={HEADER_KEY: running_key})
+    gate = SimpleNamespace(
+        settings=SimpleNamespace(park_at_receipt=True, limits=limits),
+        receipts=receipts,
+        breaker=SimpleNamespace(is_open=False),
+        closed=False,
+        stopping=threading.Event(),
+        releaser=SimpleNamespace(is_contended=lambda key: False),
+        ledger=SimpleNamespace(parks_at_receipt=lambda arrival: True),
+        lock=threading.Lock(),
+        running={Token("held", 0): Running(holder, Token("held", 0), 1)},
+        _line_here=lambda request, key: False,
+        generation=1,
+    )
+    gate._mutex_held_here = lambda key: GateService._mutex_held_here(gate, key)  # type: ignore[attr-defined]
+    monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key="account:1"))
+    request = SimpleNamespace(_request_dict={HEADER_KEY: "account:1"}, keyed_claim=None)
+    handled: list[Any] = []
+    answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
+    if parked_at_receipt:
+        assert (answer, handled, len(submitted)) == (None, [], 1)
+    else:
+        assert (answer, handled, submitted) == ("handled", [request], [])
