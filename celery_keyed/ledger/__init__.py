@@ -118,6 +118,8 @@ from celery_keyed.ledger.sent import SendCounts, SendVerdict, sent_admit, sent_b
 from celery_keyed.ledger.status import (
     KeyStatus,
     NameStatus,
+    limited_names_sql,
+    name_limit_sql,
     status_key_count,
     status_keys,
     status_names,
@@ -190,7 +192,9 @@ __all__ = [
     "key_override_get",
     "key_overrides_live",
     "keys_captured_by",
+    "limited_names_sql",
     "migrate",
+    "name_limit_sql",
     "names_newest_version",
     "new_holder",
     "normalize_key",

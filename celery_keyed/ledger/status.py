@@ -5,36 +5,58 @@ caller's choosing, so it stays cheap on 100,000 keys. The counters are the ones 
 key rows' locks (D1): in flight = ``keyed_slots.used`` summed over a key's shards (every slot held: running,
 promoted and uncertain claims, and the reservations of multi-key waiters), waiting = ``keyed_keys.waiting``
 (attempts in the key's line). A key may have slot rows and no head row yet (the fast admission path
-creates only what it needs), hence the full joins. The effective limit is computed as in
-``keyed_effective_limit``: a live override, else the configured limit, else 1; ``source`` says which. A key's limit
-is ``keyed_key_limit``'s (issue 14 item 4): its own pause (source ``key_paused``) or its own limit (``key``) when it
-has one and its name is not paused. Nothing here writes.
+creates only what it needs), hence the full joins. A name's effective limit and its ``source`` are read from
+``keyed_limits`` (migration 0020: ``keyed_effective_limit``'s rule, a live override, else the configured limit, with
+the one set of labels ``override`` / ``config``), the function the Django admin reads too (``name_limit_sql``); a
+name it does not list (only seen through its keys) runs at 1, source ``default``. A key's limit is
+``keyed_key_limit``'s (issue 14 item 4): its own pause (source ``key_paused``) or its own limit (``key``) when it has
+one and its name is not paused, else its name's. Nothing here writes.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.slots import in_flight
 
-#: The effective limit and its source for every name that appears in ``names`` (a CTE of one column ``name``).
-_LIMITS = f"""
-    live AS (
-        SELECT name, slot_limit, reason, author, expires_at FROM keyed_overrides
-         WHERE expires_at IS NULL OR expires_at > {NOW}
-    )"""
+#: A name's limit and source when ``keyed_limits`` does not list it (neither configured nor overridden): a mutex.
+_DEFAULTS = {"slot_limit": "1", "source": "'default'"}
 
-_LIMIT_COLUMNS = """
-           COALESCE(o.slot_limit, c.slot_limit, 1) AS slot_limit,
-           CASE WHEN o.name IS NOT NULL THEN 'override' WHEN c.name IS NOT NULL THEN 'config' ELSE 'default' END
-               AS source,
-           c.slot_limit AS configured_limit, o.reason AS override_reason, o.author AS override_author,
-           o.expires_at AS override_expires_at"""
+
+def name_limit_sql(column: Literal["slot_limit", "source"], name: str, now: str = "now()") -> str:
+    """SQL for a name's effective ``slot_limit`` or its ``source`` (``column``) at ``now``, from ``keyed_limits``
+    (migration 0020), with the default of a name it does not list, as the status views read them; ``name`` is SQL
+    for the name (a column). The Django admin reads a name's limit and source through it (a correlated subquery per
+    shown row; the function is inlined, so it costs lookups by primary key)."""
+    return (f"COALESCE((SELECT l.{column} FROM keyed_limits({now}) l WHERE l.name = {name}), "
+            f"{_DEFAULTS[column]})")
+
+
+def limited_names_sql(*, source: Literal["override", "config"] | None = None, paused: bool = False,
+                      now: str = "now()") -> str:
+    """SQL listing the names ``keyed_limits`` lists at ``now`` (every name whose source is not the default), only
+    those of ``source``, or only the paused ones (effective limit 0): for a semi-join (``name IN (...)``) over the
+    small tables of configured and overridden names, as the Django admin's filters use it."""
+    where = []
+    if source is not None:
+        if source not in ("override", "config"):
+            raise ValueError(f"keyed_limits gives no source {source!r}")
+        where.append(f"source = '{source}'")
+    if paused:
+        where.append("slot_limit = 0")
+    return f"SELECT name FROM keyed_limits({now})" + (f" WHERE {' AND '.join(where)}" if where else "")
+
+
+#: The effective limit, its source and the live override of a name, from ``keyed_limits`` joined as ``l``.
+_LIMIT_COLUMNS = f"""
+           COALESCE(l.slot_limit, {_DEFAULTS["slot_limit"]}) AS slot_limit,
+           COALESCE(l.source, {_DEFAULTS["source"]}) AS source,
+           l.configured_limit, l.override_reason, l.override_author, l.override_expires_at"""
 
 #: Seconds since the oldest waiting arrival ``w.oldest`` (NULL when nothing waits).
 _AGE = f"CASE WHEN w.oldest IS NOT NULL THEN GREATEST(EXTRACT(EPOCH FROM {NOW} - w.oldest), 0) END"
@@ -68,8 +90,10 @@ STATUS_NAMES = sa.text(
                count(*) FILTER (WHERE slot_limit IS NOT NULL AND (expires_at IS NULL OR expires_at > {NOW}))
                    AS limited_keys
           FROM keyed_key_overrides WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY name
-    ), {_LIMITS}, names AS (
-        SELECT name FROM keyed_names UNION SELECT name FROM live UNION SELECT name FROM per_name
+    ), limits AS (
+        SELECT * FROM keyed_limits({NOW})
+    ), names AS (
+        SELECT name FROM limits UNION SELECT name FROM per_name
         UNION SELECT name FROM own WHERE paused_keys > 0 OR limited_keys > 0
     )
     SELECT n.name, {_LIMIT_COLUMNS},
@@ -81,8 +105,8 @@ STATUS_NAMES = sa.text(
            COALESCE(w.debounced, 0) AS debounced,
            COALESCE(k.paused_keys, 0) AS paused_keys, COALESCE(k.limited_keys, 0) AS limited_keys
       FROM names n
+      LEFT JOIN limits l ON l.name = n.name
       LEFT JOIN keyed_names c ON c.name = n.name
-      LEFT JOIN live o ON o.name = n.name
       LEFT JOIN per_name p ON p.name = n.name
       LEFT JOIN oldest w ON w.name = n.name
       LEFT JOIN own k ON k.name = n.name
@@ -108,7 +132,7 @@ STATUS_KEYS = sa.text(
     ), top AS (
         SELECT * FROM per_key WHERE :idle OR in_flight > 0 OR waiting > 0
          ORDER BY waiting DESC, in_flight DESC, key LIMIT :limit
-    ), {_LIMITS}
+    )
     SELECT t.key, t.name, {_LIMIT_COLUMNS},
            t.in_flight, t.waiting, w.oldest AS oldest_waiting_at,
            {_AGE} AS oldest_waiting_age,
@@ -116,8 +140,7 @@ STATUS_KEYS = sa.text(
            CASE WHEN ko.paused_until > {NOW} THEN ko.paused_until END AS paused_until,
            CASE WHEN ko.expires_at IS NULL OR ko.expires_at > {NOW} THEN ko.slot_limit END AS own_limit
       FROM top t
-      LEFT JOIN keyed_names c ON c.name = t.name
-      LEFT JOIN live o ON o.name = t.name
+      LEFT JOIN keyed_limits({NOW}) l ON l.name = t.name
       LEFT JOIN keyed_key_overrides ko ON ko.key = t.key
       LEFT JOIN LATERAL (
           SELECT min(x.arrived_at) AS oldest FROM keyed_waiting x WHERE x.key = t.key AND NOT x.shadow

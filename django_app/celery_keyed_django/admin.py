@@ -11,14 +11,15 @@ the whole table), so they stay quick on hundreds of thousands of rows.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
 from django.contrib.admin.utils import quote
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import CharField, Count, Exists, F, Func, IntegerField, Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
@@ -28,7 +29,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from celery_keyed.ledger import EXCLUSIVE_COST, Token
+from celery_keyed.ledger import EXCLUSIVE_COST, Token, limited_names_sql, name_limit_sql
 from celery_keyed.ledger.admin_queries import force_release
 from celery_keyed_django import ledger as ledger_access
 from celery_keyed_django.forms import ExplainForm, OverrideForm, ReasonForm
@@ -158,24 +159,34 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return actions
 
 
-def _live_override() -> QuerySet[Override]:
-    return Override.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now()))
+class _NameLimit(Func):
+    """A name's effective limit (``slot_limit``) or its source (``source``: ``override``, ``config`` or ``default``)
+    now, as the ledger decides it (``keyed_limits``, ledger migration 0020; the SQL ``celery keyed status`` reads):
+    one indexed lookup per shown row."""
+
+    def __init__(self, column: Literal["slot_limit", "source"], name: Any) -> None:
+        output = IntegerField() if column == "slot_limit" else CharField()
+        super().__init__(name, template=name_limit_sql(column, "%(expressions)s"), output_field=output)
 
 
 def _limits(qs: QuerySet[Any]) -> QuerySet[Any]:
-    """Annotate a queryset that has a ``name`` column with the name's override and configured limit."""
+    """Annotate a queryset that has a ``name`` column with the name's effective limit and its source (from the
+    ledger's ``keyed_limits``) and its configured limit."""
     return qs.annotate(
-        override_limit=Subquery(_live_override().filter(name=OuterRef("name")).values("slot_limit")[:1]),
+        name_limit=_NameLimit("slot_limit", F("name")),
+        limit_source=_NameLimit("source", F("name")),
         configured_limit=Subquery(Name.objects.filter(name=OuterRef("name")).values("slot_limit")[:1]),
     )
 
 
 def _limit_and_source(obj: Any) -> tuple[int, str]:
-    if obj.override_limit is not None:
-        return obj.override_limit, "override"
-    if obj.configured_limit is not None:
-        return obj.configured_limit, "configured"
-    return 1, "default"
+    """A name's effective limit and its source, as annotated by ``_limits``."""
+    return obj.name_limit, obj.limit_source
+
+
+def _names_by_limit(source: Literal["override", "config"] | None = None, paused: bool = False) -> RawSQL:
+    """The names ``keyed_limits`` lists now (of ``source``, or paused), for ``name__in``: one semi-join."""
+    return RawSQL(limited_names_sql(source=source, paused=paused), ())
 
 
 def _key_limit_and_source(obj: Any) -> tuple[int, str]:
@@ -445,10 +456,11 @@ class NameAdmin(ReadOnlyAdmin):
 
     @admin.display(description="Override")
     def override_display(self, obj: Any) -> str:
-        link = _override_link(obj.name, obj.override_limit is not None)
-        if obj.override_limit is None:
+        limit, source = _limit_and_source(obj)
+        link = _override_link(obj.name, source == "override")
+        if source != "override":
             return format_html('<a href="{}">set…</a>', link)
-        return format_html('<a href="{}">{}</a>', link, _limit_text(obj.override_limit))
+        return format_html('<a href="{}">{}</a>', link, _limit_text(limit))
 
     @admin.display(description="Effective limit")
     def effective_display(self, obj: Any) -> str:
@@ -477,17 +489,16 @@ class LimitSourceFilter(admin.SimpleListFilter):
     parameter_name = "source"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("override", "an override"), ("configured", "configuration"), ("default", "the default (1)")]
+        return [("override", "an override"), ("config", "configuration"), ("default", "the default (1)")]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        overridden = _live_override().values("name")
-        configured = Name.objects.values("name")
+        # keyed_limits lists every name with a source other than the default (ledger migration 0020).
         if self.value() == "override":
-            return queryset.filter(name__in=overridden)
-        if self.value() == "configured":
-            return queryset.filter(name__in=configured).exclude(name__in=overridden)
+            return queryset.filter(name__in=_names_by_limit("override"))
+        if self.value() == "config":
+            return queryset.filter(name__in=_names_by_limit("config"))
         if self.value() == "default":
-            return queryset.exclude(name__in=configured).exclude(name__in=overridden)
+            return queryset.exclude(name__in=_names_by_limit())
         return queryset
 
 
@@ -502,9 +513,7 @@ class KeyStateFilter(admin.SimpleListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         busy = Exists(Slot.objects.filter(key=OuterRef("key"), used__gt=0))
         if self.value() == "paused":
-            paused_override = _live_override().filter(slot_limit=0).values("name")
-            paused_config = Name.objects.filter(slot_limit=0).exclude(name__in=_live_override().values("name"))
-            return queryset.filter(Q(name__in=paused_override) | Q(name__in=paused_config.values("name")))
+            return queryset.filter(name__in=_names_by_limit(paused=True))
         if self.value() == "waiting":
             return queryset.filter(waiting__gt=0)
         if self.value() == "running":
@@ -556,7 +565,7 @@ class KeyAdmin(ReadOnlyAdmin):
     @admin.display(description="Name", ordering="name")
     def name_link(self, obj: Any) -> str:
         return format_html('<a href="{}" title="Set or change the override of {}">{}</a>',
-                           _override_link(obj.name, obj.override_limit is not None), obj.name, obj.name)
+                           _override_link(obj.name, _limit_and_source(obj)[1] == "override"), obj.name, obj.name)
 
     @admin.display(description="Limit")
     def limit_display(self, obj: Any) -> str:
@@ -565,7 +574,7 @@ class KeyAdmin(ReadOnlyAdmin):
     @admin.display(description="Limit from")
     def source_display(self, obj: Any) -> str:
         source = _key_limit_and_source(obj)[1]
-        label = {"override": "override", "configured": "configuration", "default": "default (mutex)",
+        label = {"override": "override", "config": "configuration", "default": "default (mutex)",
                  "key_paused": "the key's pause", "key": "the key's own limit"}[source]
         if source.startswith("key"):
             return format_html('<a href="{}">{}</a>', _url("keyoverride_change", quote(obj.key)), label)

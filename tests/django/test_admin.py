@@ -373,7 +373,7 @@ def test_live_view_of_100k_keys_is_a_bounded_number_of_queries(
         {"state": "paused"},
         {"state": "waiting"},
         {"state": "running"},
-        {"source": "configured"},
+        {"source": "config"},
         {"name": "acct", "p": "3"},
         {"q": "tenant:0420"},
     ]
