@@ -571,7 +571,7 @@ class Ledger:
             try:
                 decisions = self.autocommitted(
                     lambda conn: admit.admit_plain_many(
-                        conn, chosen, holder=self.holder, lease=self.lease, park_only=False, now=now
+                        conn, chosen, holder=self.holder, lease=self.lease, park_only=False, in_order=True, now=now
                     ),
                     attempts=1,
                 )

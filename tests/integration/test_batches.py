@@ -402,6 +402,27 @@ def test_an_arrival_the_batch_leaves_to_the_general_path_keeps_its_place(engine:
     assert [p.task_id for p in report.promotions] == ["r"]
 
 
+def test_the_batch_numbers_its_parked_rows_in_input_order_across_keys(
+    engine: sa.Engine, ledger: Ledger, clock
+) -> None:
+    """The batched park stops at the first arrival it leaves to the general path — here one whose key has room next
+    to a waiter that became due (the general path promotes the waiter, then parks it) — so the arrivals after it, of
+    any key, are parked after it: numbered in input order, as one-by-one calls number them."""
+    touch(ledger, ["acct:5", "acct:6"])
+    ledger.admit(Arrival("h5", key="acct:5"), now=clock())
+    due = ledger.admit(Arrival("due", key="acct:6", not_before=clock() + timedelta(seconds=1)), now=clock())
+    assert due.verdict is Verdict.PARKED
+    clock.advance(2)  # due now, not swept yet: acct:6 has room next to a promotable waiter
+    got = ledger.admit_many([Arrival("x", key="acct:6"), Arrival("b", key="acct:5"), Arrival("c", key="acct:5")],
+                            now=clock())
+    assert [a.verdict for a in got] == [Verdict.PARKED] * 3
+    with engine.connect() as conn:
+        order = list(
+            conn.execute(sa.text("SELECT task_id FROM keyed_waiting WHERE task_id <> 'due' ORDER BY arrival")).scalars()
+        )
+    assert order == ["x", "b", "c"]
+
+
 def test_park_many_at_receipt_parks_where_there_is_a_line_and_leaves_the_rest(
     engine: sa.Engine, ledger: Ledger
 ) -> None:
