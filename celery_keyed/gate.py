@@ -395,12 +395,21 @@ class GateService:
         receipt even before the key parked or promoted anything here — in a burst, the requests received while
         every key runs would otherwise each wait for a pool process just to be parked. A runtime override that
         raised the limit only costs that round trip: the receipt leaves an arrival with room to its admission."""
-        config = self.settings.limits.get(key_name(key))
-        if config is not None and config.limit != 1:
-            return False
+        return key in self.held_mutex_keys()
+
+    def held_mutex_keys(self) -> set[str]:
+        """Any thread: the keys whose attempt holds its claim in this worker while their name is a mutex as configured
+        (``keyed_concurrency_limits``: limit 1, the default) — an arrival of one of them has no room now."""
         with self.lock:
             running = list(self.running.values())
-        return any((getattr(r.request, "_request_dict", None) or {}).get(HEADER_KEY) == key for r in running)
+        held: set[str] = set()
+        for entry in running:
+            key = (getattr(entry.request, "_request_dict", None) or {}).get(HEADER_KEY)
+            if isinstance(key, str) and key not in held:
+                config = self.settings.limits.get(key_name(key))
+                if config is None or config.limit == 1:
+                    held.add(key)
+        return held
 
     @staticmethod
     def _line_here(request: Any, key: str) -> bool:

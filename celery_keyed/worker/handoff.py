@@ -229,26 +229,34 @@ class Handoff:
                     logger.exception("celery-keyed: local handoff of %s failed; republishing", promotion.task_id)
             self.republish_now(promotion)
 
-    def local_handoff(self) -> tuple[list[str] | None, list[str] | None]:
+    def local_handoff(self, released: str | None = None) -> tuple[list[str] | None, list[str] | None]:
         """Queues (names and routing keys) and tasks this worker consumes, for promotions bound to it at once
-        (D4, no bind round trip); None when local handoff is off."""
+        (D4, no bind round trip); None when local handoff is off or the pool is busy (``pool_has_room``;
+        ``released``: the key of the release asking)."""
         gate = self.gate
         consumer = gate.consumer
         task_consumer = getattr(consumer, "task_consumer", None)
-        if not gate.settings.local_handoff or task_consumer is None or gate.closed or not self.pool_has_room():
+        if (
+            not gate.settings.local_handoff
+            or task_consumer is None
+            or gate.closed
+            or not self.pool_has_room(released)
+        ):
             return None, None
         queues = getattr(task_consumer, "queues", ())
         return [q.name for q in queues] + [q.routing_key for q in queues], list(consumer.strategies)
 
-    def pool_has_room(self) -> bool:
+    def pool_has_room(self, released: str | None = None) -> bool:
         """Whether a promotion should start here rather than be published for any worker (D4 and issue 9 item 3:
         a promotion bound here while the pool is busy holds its slot and keeps its line waiting on this worker
         while others idle).
 
         Yes when a pool process will be free soon: fewer requests that will run here than pool processes —
-        bodies running, and received requests waiting for a process, except those of keys that parked or
-        promoted here recently (they will most likely park, and give their process back at once: a burst of
-        arrivals on contended keys keeps the pool's processes reserved, but not for long). A promotion started
+        bodies running, and received requests waiting for a process, except those that will most likely park
+        and give their process back at once: of keys that parked or promoted here recently, of a mutex key whose
+        attempt runs here (``GateService.held_mutex_keys``), and of ``released`` (the key whose release asks: its
+        room goes to its line first). A burst of arrivals on busy keys keeps the pool's processes reserved, but
+        not for long. A promotion started
         here goes ahead of every request waiting for a process (``_HandoffConsumer.on_task_request``) and starts
         on the first process that frees; published, it would wait behind the broker's whole queue. Else (the
         pool busy with work that will run) it is published: another worker may be idle."""
@@ -260,6 +268,10 @@ class Handoff:
         reserved = list(worker_state.reserved_requests)
         active = worker_state.active_requests
         releaser = self.gate.releaser
+        held_mutex_keys = getattr(self.gate, "held_mutex_keys", None)
+        busy: set[str] = set() if held_mutex_keys is None else held_mutex_keys()
+        if released is not None:
+            busy.add(released)
         will_run = 0
         for request in reserved:
             if request not in active:
@@ -269,7 +281,7 @@ class Handoff:
                     key = headers.get(HEADER_KEY)
                 # A task with several keys (a list header) parks when any of them has a line.
                 keys = key if isinstance(key, list) else [key]
-                if any(isinstance(k, str) and releaser.is_contended(k) for k in keys):
+                if any(isinstance(k, str) and (k in busy or releaser.is_contended(k)) for k in keys):
                     continue
             will_run += 1
         return will_run < size

@@ -143,7 +143,7 @@ class Releaser:
         the consumer loop's thread, which may start a promotion itself). ``after``: the broker ack
         of an ``acks_late`` task, run once the release has committed (D15: a finished body's outcome is in the
         books before its message leaves the broker; a crash in between redelivers a copy the ledger drops)."""
-        local_queues, local_tasks = self.gate.handoff.local_handoff()
+        local_queues, local_tasks = self.gate.handoff.local_handoff(key)
         job = Release(
             token=token,
             fence=fence,

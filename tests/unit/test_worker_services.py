@@ -67,7 +67,7 @@ def fake_gate() -> SimpleNamespace:
         ledger=FakeLedger(),
         on_loop=on_loop,
         handoff=SimpleNamespace(
-            local_handoff=lambda: (None, None),
+            local_handoff=lambda released=None: (None, None),
             call_on_loop=on_loop.append,
             dispatch=lambda promotions, local, granted=None: None,
         ),
@@ -185,6 +185,70 @@ def test_the_pool_counts_as_busy_only_with_requests_that_will_run(monkeypatch: p
     assert not handoff.pool_has_room()
 
 
+def test_requests_of_a_mutex_running_here_or_of_the_released_key_do_not_make_the_pool_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Handoff.pool_has_room``: a received request of a mutex key whose attempt holds its claim here
+    (``GateService.held_mutex_keys``), or of the key whose release asks (its room goes to its line first), will park
+    and give its process back at once. Counted as work that will run, it made a burst's promotions be published
+    behind the broker's whole queue (bench.gate d: 500-1000 ms handoffs) instead of started here."""
+    import threading as _threading
+
+    from celery.worker import state as worker_state
+
+    from celery_keyed.headers import HEADER_KEY
+    from celery_keyed.worker.handoff import Handoff
+
+    held: set[str] = {"acct:1"}
+    gate = SimpleNamespace(
+        consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=1)),
+        releaser=None,
+        held_mutex_keys=lambda: set(held),
+    )
+    gate.releaser = Releaser(gate)  # type: ignore[arg-type]
+    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+
+    class Received:
+        def __init__(self, key: object) -> None:
+            self.keyed_arrival_key = None
+            self._request_dict = {HEADER_KEY: key}
+
+    monkeypatch.setattr(worker_state, "active_requests", set())
+    monkeypatch.setattr(worker_state, "reserved_requests", {Received("acct:1"), Received(["acct:1", "api:x"])})
+    assert handoff.pool_has_room()  # both will park: acct:1 runs here
+    held.clear()
+    assert not handoff.pool_has_room()  # acct:1 no longer runs here: they may run
+    assert handoff.pool_has_room("acct:1")  # unless acct:1 is the key being released (its line goes first)
+    assert not handoff.pool_has_room("acct:2")
+
+
+def test_held_mutex_keys_are_the_running_keys_of_names_configured_as_mutexes() -> None:
+    """``GateService.held_mutex_keys``: keys whose attempt holds its claim here, when their name's configured
+    limit is 1 (or the name is not configured); a gate's key (limit > 1) has room for more."""
+    import threading as _threading
+
+    from celery_keyed.gate import GateService, Running
+    from celery_keyed.headers import HEADER_KEY
+    from celery_keyed.ledger import Token
+    from celery_keyed.settings import NameConfig
+
+    def running(task_id: str, key: str) -> Running:
+        return Running(SimpleNamespace(_request_dict={HEADER_KEY: key}), Token(task_id, 0), 1)
+
+    gate = SimpleNamespace(
+        lock=_threading.Lock(),
+        running={
+            Token("a", 0): running("a", "acct:1"),
+            Token("b", 0): running("b", "stripe:global"),
+            Token("c", 0): running("c", "solo:9"),
+        },
+        settings=SimpleNamespace(
+            limits={"stripe": NameConfig("stripe", limit=100), "solo": NameConfig("solo", limit=1)}
+        ),
+    )
+    assert GateService.held_mutex_keys(gate) == {"acct:1", "solo:9"}  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("nonce", [False, True])
 def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.MonkeyPatch, nonce: bool) -> None:
     """``GateService.receive``: a request carrying a promotion's nonce is already bound in the ledger (D5): it goes
@@ -256,6 +320,7 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
         generation=1,
     )
     gate._mutex_held_here = lambda key: GateService._mutex_held_here(gate, key)  # type: ignore[attr-defined]
+    gate.held_mutex_keys = lambda: GateService.held_mutex_keys(gate)  # type: ignore[attr-defined]
     monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key="account:1"))
     request = SimpleNamespace(_request_dict={HEADER_KEY: "account:1"}, keyed_claim=None)
     handled: list[Any] = []
