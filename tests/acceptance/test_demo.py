@@ -166,7 +166,8 @@ def test_demo_serve_keeps_the_admin_up_with_a_demo_login_until_sigterm(
             else:
                 raise AssertionError("the demo ended without serving the admin:\n" + "".join(seen))
             text = "".join(seen)
-            assert "expectations held - all good" in text
+            failed = "".join(line for line in seen if "✗" in line)
+            assert "expectations held - all good" in text, f"expectations that failed:\n{failed}"
             base = f"http://127.0.0.1:{port}"
             assert f"{base}/admin/" in text
             # the admin answers: a redirect to the login page, which is there; the demo login works

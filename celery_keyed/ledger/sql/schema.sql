@@ -774,10 +774,12 @@ DECLARE
     v_local integer := CASE WHEN p_local_holder IS NULL THEN 0 ELSE COALESCE(p_local_max, 1) END;
     w record;
 BEGIN
-    PERFORM 1 FROM keyed_slots s
-      WHERE (s.key, s.shard) IN (SELECT x.key, x.shard FROM unnest(p_keys, p_shards) AS x(key, shard))
-      ORDER BY s.key, s.shard
-        FOR UPDATE OF s;
+    -- The freed slot rows, locked in (key, shard) order, each by its primary key (0021).
+    FOR v_key, v_shard IN
+        SELECT DISTINCT x.key, x.shard FROM unnest(p_keys, p_shards) AS x(key, shard) ORDER BY 1, 2
+    LOOP
+        PERFORM 1 FROM keyed_slots s WHERE s.key = v_key AND s.shard = v_shard FOR UPDATE;
+    END LOOP;
     FOR v_key, v_shards IN
         SELECT x.key, array_agg(DISTINCT x.shard) FROM unnest(p_keys, p_shards) AS x(key, shard)
          GROUP BY x.key ORDER BY x.key
@@ -947,6 +949,26 @@ BEGIN
 END
 $$;
 
+-- Whether a park-only decision (at receipt) leaves the arrival to its admission without writing anything: its key
+-- has no line and has room (or is used for the first time). Read without locks (see keyed_admit_or_park_plain). A
+-- function of its own (0021): inside keyed_admit_or_park_plain's IF, joined to p_park_only, it was planned again for
+-- every call.
+CREATE FUNCTION keyed_receipt_leaves_alone(p_key text, p_now timestamptz, p_shards integer)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN NOT EXISTS (
+               SELECT 1 FROM keyed_waiting w
+                WHERE w.key = p_key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= p_now)
+                  AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > p_now))
+           AND (EXISTS (
+                    SELECT 1 FROM keyed_slots s
+                     WHERE s.key = p_key
+                       AND s.used + 1 <= keyed_key_share(p_key, p_now, p_shards, s.shard))
+                OR NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = p_key));
+END
+$$;
+
 -- keyed_admit_or_park_plain: admit-or-park of one plain arrival — one key, no group, no not-before, cost 1, no
 -- supersede key, on a name without a rate — in one call (the general path's transaction, admit.admit, for that
 -- case). Answers one row: verdict 'admitted' (fence, shard), 'parked', 'rejected' (its waiting room is full under
@@ -982,15 +1004,7 @@ BEGIN
         RETURN QUERY SELECT 'general'::text, NULL::boolean, NULL::bigint, NULL::integer, ''::text;
         RETURN;
     END IF;
-    IF p_park_only AND NOT EXISTS (
-           SELECT 1 FROM keyed_waiting w
-            WHERE w.key = p_key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
-              AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
-       AND (EXISTS (
-                SELECT 1 FROM keyed_slots s
-                 WHERE s.key = p_key
-                   AND s.used + 1 <= keyed_key_share(p_key, v_now, v_shards, s.shard))
-            OR NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = p_key)) THEN
+    IF p_park_only AND keyed_receipt_leaves_alone(p_key, v_now, v_shards) THEN
         -- Park only (at receipt): no line and room (or a key's first use), so the arrival is left to its admission when a pool process
         -- is ready for it (D3), and nothing is written. Read without locks: a wrong guess either way is harmless —
         -- a line that formed meanwhile is decided under the locks below (parked), a line that drained meanwhile is
@@ -1003,11 +1017,25 @@ BEGIN
     VALUES (p_task_id, p_task_name, p_key, NULL, v_now)
     ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
     RETURNING (kt.xmax = 0), kt.outcome, kt.finished_attempt INTO v_new, v_outcome, v_finished;
-    IF NOT v_new AND (v_outcome IS NOT NULL OR v_finished >= p_attempt
-                      OR EXISTS (SELECT 1 FROM keyed_claims k WHERE k.task_id = p_task_id AND k.attempt = p_attempt)
-                      OR EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = p_task_id AND w.attempt = p_attempt))
-       OR p_deadline <= v_now
-       OR EXISTS (SELECT 1 FROM keyed_group_members m WHERE m.task_id = p_task_id) THEN
+    -- A known task (a second delivery, a retry), an expired arrival or a group member: the general path. Asked one
+    -- question at a time (0021): folded into one expression with v_new and p_deadline, the planner made a plan of its
+    -- own for every call (a custom plan, cheaper once those values are constants), never keeping one.
+    IF p_deadline <= v_now OR (NOT v_new AND (v_outcome IS NOT NULL OR v_finished >= p_attempt)) THEN
+        RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
+        RETURN;
+    END IF;
+    IF NOT v_new THEN
+        PERFORM 1 FROM keyed_claims k WHERE k.task_id = p_task_id AND k.attempt = p_attempt;
+        IF NOT FOUND THEN
+            PERFORM 1 FROM keyed_waiting w WHERE w.task_id = p_task_id AND w.attempt = p_attempt;
+        END IF;
+        IF FOUND THEN
+            RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
+            RETURN;
+        END IF;
+    END IF;
+    PERFORM 1 FROM keyed_group_members m WHERE m.task_id = p_task_id;
+    IF FOUND THEN
         RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
         RETURN;
     END IF;
