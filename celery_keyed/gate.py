@@ -33,6 +33,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from signal import SIGTERM
@@ -168,6 +169,7 @@ class GateService:
         # admissions of requests a pool process is kept for.
         self.receipts: AdmissionService | None = None
         self._pool_release: Callable[[], None] | None = None
+        self._returned = 0  # requests sent back to the pool semaphore's front in the current delivery (loop only)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -425,6 +427,114 @@ class GateService:
             if other_key == key and getattr(other, "keyed_claim", None) is None:
                 return True
         return False
+
+    def park_waiting(self) -> int:
+        """Loop thread: requests that wait in Celery's pool semaphore for a process, received before their key was
+        busy here, are taken out of that line and handed to the receipt service once their key has a line here or
+        its mutex runs here — as an arrival received now would be (``receive``). Without it each waits for a pool
+        process only to be parked, holding the process a promotion bound here needs for a round trip, and a burst's
+        promotions wait behind them (bench.gate d). In their order of receipt; a key is left alone while one of its
+        requests is in admission flight (it holds a process and its decision is not back: D10), and from the first
+        of its requests that cannot park at receipt. A request taken out and sent back undecided (room after all)
+        returns to the front of the line, in order, and is never taken out again. Returns how many it took."""
+        admission_service = self.receipts
+        if (
+            not self.settings.park_at_receipt
+            or admission_service is None
+            or not admission_service.accepting
+            or self.breaker.is_open
+            or self.closed
+            or self.stopping.is_set()
+        ):
+            return 0
+        semaphore = getattr(getattr(self.consumer, "controller", None), "semaphore", None)
+        waiting = getattr(semaphore, "_waiting", None)  # kombu's LaxBoundedSemaphore: (callback, args, kwargs)
+        if not isinstance(waiting, deque) or not waiting:
+            return 0
+        held = self.held_mutex_keys()
+        candidates: list[tuple[Any, Any, str]] = []
+        queued: set[int] = set()
+        for entry in list(waiting):
+            if not (isinstance(entry, tuple) and len(entry) == 3 and entry[1]):
+                continue
+            request = entry[1][0]
+            queued.add(id(request))
+            if not hasattr(request, "keyed_claim") or request.keyed_claim is not None:
+                continue
+            if getattr(request, "keyed_receipt", False) or getattr(request, "keyed_pulled", False):
+                continue
+            headers = getattr(request, "_request_dict", None) or {}
+            key = headers.get(HEADER_KEY)
+            if not isinstance(key, str) or headers.get(HEADER_NONCE) is not None:
+                continue
+            if key in held or self.releaser.is_contended(key):
+                candidates.append((entry, request, key))
+        if not candidates:
+            return 0
+        keys = {key for _, _, key in candidates}
+        blocked = self._in_admission_flight(keys, queued)
+        taken = 0
+        for entry, request, key in candidates:
+            if key in blocked:
+                continue
+            try:
+                arrival = intake.arrival_for(request)
+            except Exception:  # D16: its admission at pool-ready records the rejection
+                arrival = None
+            if arrival is None or arrival.key != key or not self.ledger.parks_at_receipt(arrival):
+                blocked.add(key)  # the later ones of its key stay behind it
+                continue
+            try:
+                waiting.remove(entry)
+            except ValueError:  # gone meanwhile (it cannot be: the loop's own)
+                continue
+            request.keyed_arrival_key = key
+            request.keyed_receipt = True
+            request.keyed_pulled = True
+            job = Job(
+                request,
+                arrival,
+                functools.partial(self._back_in_line, request),
+                extra={"generation": self.generation, "receipt": True},
+            )
+            if not admission_service.submit(job):
+                request.keyed_receipt = False
+                waiting.appendleft(entry)
+                return taken
+            taken += 1
+        return taken
+
+    def _in_admission_flight(self, keys: set[str], queued: set[int]) -> set[str]:
+        """The keys among ``keys`` with a request here whose admission is under way: reserved, not running, no claim
+        yet, not in the receipt service, and not waiting in the pool semaphore (``queued``: ids of those)."""
+        active = worker_state.active_requests
+        busy: set[str] = set()
+        for other in list(worker_state.reserved_requests):
+            if id(other) in queued or other in active or getattr(other, "keyed_receipt", False):
+                continue
+            if getattr(other, "keyed_claim", None) is not None:
+                continue
+            other_key = getattr(other, "keyed_arrival_key", None) or (getattr(other, "_request_dict", None) or {}).get(
+                HEADER_KEY
+            )
+            if other_key in keys:
+                busy.add(other_key)
+        return busy
+
+    def _back_in_line(self, request: Any) -> None:
+        """Loop thread: a request taken out of the pool semaphore's line (``park_waiting``) that was not parked goes
+        back to the front of that line, behind the others sent back in the same delivery (their order kept)."""
+        semaphore = getattr(getattr(self.consumer, "controller", None), "semaphore", None)
+        waiting = getattr(semaphore, "_waiting", None)
+        before = len(waiting) if isinstance(waiting, deque) else 0
+        self.consumer.on_task_request(request)
+        if not isinstance(waiting, deque) or len(waiting) <= before:
+            return  # it got a pool process at once
+        last = waiting[-1]
+        if isinstance(last, tuple) and len(last) == 3 and last[1][:1] == (request,):
+            waiting.pop()
+            waiting.insert(min(self._returned, len(waiting)), last)
+            self._returned += 1
 
     def _received(self, job: Job) -> None:
         """Loop thread: act on the park-at-receipt decision of ``job``: parked (acked, announced) or rejected
@@ -702,12 +812,15 @@ class GateService:
 
     def _admitted(self, jobs: list[Job]) -> None:
         """Loop thread: start the admitted requests of a decided batch in the pool processes kept for them; ack,
-        park or drop the others and give their pool process back."""
+        park or drop the others and give their pool process back. Then the requests still waiting for a pool process
+        whose key became busy here meanwhile are parked without one (``park_waiting``)."""
+        self._returned = 0
         for job in jobs:
             try:
                 self._start_decided(job)
             except Exception:
                 logger.exception("celery-keyed: could not act on the admission of %s", job.request.id)
+        self.park_waiting()
 
     def _start_decided(self, job: Job) -> None:
         if job.extra.get("receipt"):

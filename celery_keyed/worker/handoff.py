@@ -194,9 +194,13 @@ class Handoff:
         """Consumer loop (woken by a thread, or on a timer): run the calls handed over, start the promotions the
         threads found; follow the breaker with the keyed-only queues."""
         self.run_loop_calls()
+        started = False
         while self._to_loop:
             promotion, granted = self._to_loop.popleft()
             self.dispatch([promotion], local=True, granted=granted)
+            started = True
+        if started:  # the promoted keys have a line here now: their requests waiting for a process park without one
+            self.gate.park_waiting()
         self.gate.breaker.sync_keyed_queues()
 
     # -- dispatch of promotions --------------------------------------------------------------------------

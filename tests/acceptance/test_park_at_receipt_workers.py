@@ -103,3 +103,28 @@ def test_without_park_at_receipt_the_arrivals_wait_for_a_pool_process(
     assert first.get(timeout=60) == "A"
     assert [r.get(timeout=60) for r in later] == ["C0", "C1", "C2"]
     assert long.get(timeout=60) == "L"
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_requests_waiting_for_a_pool_process_park_once_their_key_runs_here(
+    prefetching_cluster: Cluster, producer: Any
+) -> None:
+    """Arrivals received while their key was idle here wait in Celery's pool semaphore for a process. When the first
+    of them starts (its mutex now runs here), the others are taken out of that line and parked without a process
+    (``GateService.park_waiting``) — not one by one as processes free up, each holding one for a round trip while a
+    promotion bound here waits for it. Their order is kept."""
+    cluster = prefetching_cluster
+    cluster.start_worker("w1", concurrency=2)
+    short = producer.sleepy.delay(2.0, note="L1")
+    long = producer.sleepy.delay(14.0, note="L2")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note IN ('L1', 'L2')", 2)
+    calls = [producer.hold.delay("acct:pull", 6.0 if i == 0 else 0.05, note=f"C{i}") for i in range(3)]
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start' AND note = 'C0'", 1, timeout=30.0)
+    # C0 runs (6 s) and L2 holds the other process: C1 and C2 park while no process is free.
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting", 2, timeout=4.0)
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end' AND note IN ('C0', 'L2')") == 0
+    assert [r.get(timeout=60) for r in calls] == ["C0", "C1", "C2"]
+    assert short.get(timeout=60) == "L1"
+    assert long.get(timeout=60) == "L2"
+    starts = "SELECT note FROM observed WHERE kind = 'start' AND key = 'acct:pull' ORDER BY at"
+    assert [r.note for r in cluster.rows(starts)] == ["C0", "C1", "C2"]

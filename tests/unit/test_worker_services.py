@@ -329,3 +329,89 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
         assert (answer, handled, len(submitted)) == (None, [], 1)
     else:
         assert (answer, handled, submitted) == ("handled", [request], [])
+
+
+def _waiting_gate(monkeypatch: pytest.MonkeyPatch, held: set[str]) -> tuple[Any, Any, list[Any]]:
+    """A gate with a pool semaphore whose line the test fills (kombu's LaxBoundedSemaphore: (callback, args, kwargs)
+    entries) and a receipt service that records what it is handed."""
+    import threading as _threading
+    from collections import deque
+
+    from celery_keyed.gate import GateService
+    from celery_keyed.worker import intake
+
+    submitted: list[Any] = []
+    semaphore = SimpleNamespace(_waiting=deque())
+    requests_sent_back: list[Any] = []
+
+    def on_task_request(request: Any) -> None:  # no process free: Celery queues it at the line's end
+        requests_sent_back.append(request)
+        semaphore._waiting.append((lambda r: None, (request,), {}))
+
+    gate = SimpleNamespace(
+        settings=SimpleNamespace(park_at_receipt=True),
+        receipts=SimpleNamespace(accepting=True, submit=lambda job: submitted.append(job) or True),
+        breaker=SimpleNamespace(is_open=False),
+        closed=False,
+        stopping=_threading.Event(),
+        generation=1,
+        consumer=SimpleNamespace(controller=SimpleNamespace(semaphore=semaphore), on_task_request=on_task_request),
+        releaser=SimpleNamespace(is_contended=lambda key: False),
+        ledger=SimpleNamespace(parks_at_receipt=lambda arrival: True),
+        held_mutex_keys=lambda: set(held),
+        _returned=0,
+    )
+    for name in ("park_waiting", "_in_admission_flight", "_back_in_line"):
+        setattr(gate, name, getattr(GateService, name).__get__(gate))
+    monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key=request._request_dict["keyed_key"]))
+    return gate, semaphore, submitted
+
+
+class _Request:
+    def __init__(self, name: str, key: str | None) -> None:
+        self.id = name
+        self.keyed_claim = None
+        self._request_dict = {"keyed_key": key}
+
+
+def test_requests_waiting_for_a_pool_process_of_a_busy_key_go_to_the_receipt_service_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``GateService.park_waiting``: the requests in the pool semaphore's line whose key runs here (a mutex) are taken
+    out of it and handed to the receipt service in their order; the others keep their places. A key with a request
+    whose admission is under way (it holds a process, its decision not back) is left alone: its later requests must
+    not reach the ledger before it (D10)."""
+    from celery.worker import state as worker_state
+
+    gate, semaphore, submitted = _waiting_gate(monkeypatch, held={"acct:1"})
+    r1, other, r2, r3 = _Request("r1", "acct:1"), _Request("u", None), _Request("r2", "acct:1"), _Request("r3", "b:2")
+    for request in (r1, other, r2, r3):
+        semaphore._waiting.append((lambda r: None, (request,), {}))
+    monkeypatch.setattr(worker_state, "reserved_requests", {r1, other, r2, r3})
+    monkeypatch.setattr(worker_state, "active_requests", set())
+    assert gate.park_waiting() == 2
+    assert [job.request.id for job in submitted] == ["r1", "r2"]
+    assert all(job.extra["receipt"] for job in submitted)
+    assert [entry[1][0].id for entry in semaphore._waiting] == ["u", "r3"]
+    assert gate.park_waiting() == 0  # taken once only
+
+    flight = _Request("f", "b:2")  # b:2 now busy here, but a request of it is being admitted
+    monkeypatch.setattr(worker_state, "reserved_requests", {other, r3, flight})
+    gate.held_mutex_keys = lambda: {"b:2"}
+    assert gate.park_waiting() == 0
+    assert [entry[1][0].id for entry in semaphore._waiting] == ["u", "r3"]
+    flight.keyed_claim = ("token", 1)  # admitted: the line of b:2 here is r3 alone
+    assert gate.park_waiting() == 1
+    assert submitted[-1].request.id == "r3"
+
+
+def test_requests_sent_back_undecided_return_to_the_front_of_the_line_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GateService._back_in_line``: requests taken out of the pool semaphore's line that the ledger did not park
+    (room after all) go back to its front, in the order they were taken, ahead of requests received after them."""
+    gate, semaphore, _ = _waiting_gate(monkeypatch, held={"acct:1"})
+    semaphore._waiting.append((lambda r: None, (_Request("later", None),), {}))
+    first, second = _Request("r1", "acct:1"), _Request("r2", "acct:1")
+    gate._returned = 0
+    gate._back_in_line(first)
+    gate._back_in_line(second)
+    assert [entry[1][0].id for entry in semaphore._waiting] == ["r1", "r2", "later"]
