@@ -413,20 +413,32 @@ class GateService:
                     held.add(key)
         return held
 
-    @staticmethod
-    def _line_here(request: Any, key: str) -> bool:
+    def _line_here(self, request: Any, key: str) -> bool:
         """Whether a request of ``key`` received before ``request`` waits here for a pool process (its admission
         not decided yet)."""
+        return bool(self._undecided_keys({key}, skip=lambda other: other is request))
+
+    def _undecided_keys(self, keys: set[str], *, skip: Callable[[Any], bool]) -> set[str]:
+        """The keys among ``keys`` with a request received here whose place in its key's line is not decided yet:
+        reserved, not running, no claim, not in the receipt service, and not a promotion (bound here, or carrying
+        a nonce: it left its line in the ledger already, D4 / D5, so a later arrival may park before it starts).
+        ``skip``: requests not to count."""
         active = worker_state.active_requests
+        with self.lock:
+            bound_here = {token.task_id for token in self.handoff.prebound}
+        undecided: set[str] = set()
         for other in list(worker_state.reserved_requests):
-            if other is request or other in active or getattr(other, "keyed_receipt", False):
+            if skip(other) or other in active or getattr(other, "keyed_receipt", False):
                 continue
-            other_key = getattr(other, "keyed_arrival_key", None) or (getattr(other, "_request_dict", None) or {}).get(
-                HEADER_KEY
-            )
-            if other_key == key and getattr(other, "keyed_claim", None) is None:
-                return True
-        return False
+            if getattr(other, "keyed_claim", None) is not None or getattr(other, "id", None) in bound_here:
+                continue
+            headers = getattr(other, "_request_dict", None) or {}
+            if headers.get(HEADER_NONCE) is not None:
+                continue
+            other_key = getattr(other, "keyed_arrival_key", None) or headers.get(HEADER_KEY)
+            if other_key in keys:
+                undecided.add(other_key)
+        return undecided
 
     def park_waiting(self) -> int:
         """Loop thread: requests that wait in Celery's pool semaphore for a process, received before their key was
@@ -452,6 +464,8 @@ class GateService:
         if not isinstance(waiting, deque) or not waiting:
             return 0
         held = self.held_mutex_keys()
+        with self.lock:  # promotions bound here (D4) wait in the same line: they start, they never park
+            bound_here = {token.task_id for token in self.handoff.prebound}
         candidates: list[tuple[Any, Any, str]] = []
         queued: set[int] = set()
         for entry in list(waiting):
@@ -463,6 +477,8 @@ class GateService:
                 continue
             if getattr(request, "keyed_receipt", False) or getattr(request, "keyed_pulled", False):
                 continue
+            if getattr(request, "id", None) in bound_here:
+                continue
             headers = getattr(request, "_request_dict", None) or {}
             key = headers.get(HEADER_KEY)
             if not isinstance(key, str) or headers.get(HEADER_NONCE) is not None:
@@ -472,7 +488,9 @@ class GateService:
         if not candidates:
             return 0
         keys = {key for _, _, key in candidates}
-        blocked = self._in_admission_flight(keys, queued)
+        # A key with a request whose admission is under way (it holds a process, its decision not back) stays: its
+        # later requests must not reach the ledger before it (D10).
+        blocked = self._undecided_keys(keys, skip=lambda other: id(other) in queued)
         taken = 0
         for entry, request, key in candidates:
             if key in blocked:
@@ -503,23 +521,6 @@ class GateService:
                 return taken
             taken += 1
         return taken
-
-    def _in_admission_flight(self, keys: set[str], queued: set[int]) -> set[str]:
-        """The keys among ``keys`` with a request here whose admission is under way: reserved, not running, no claim
-        yet, not in the receipt service, and not waiting in the pool semaphore (``queued``: ids of those)."""
-        active = worker_state.active_requests
-        busy: set[str] = set()
-        for other in list(worker_state.reserved_requests):
-            if id(other) in queued or other in active or getattr(other, "keyed_receipt", False):
-                continue
-            if getattr(other, "keyed_claim", None) is not None:
-                continue
-            other_key = getattr(other, "keyed_arrival_key", None) or (getattr(other, "_request_dict", None) or {}).get(
-                HEADER_KEY
-            )
-            if other_key in keys:
-                busy.add(other_key)
-        return busy
 
     def _back_in_line(self, request: Any) -> None:
         """Loop thread: a request taken out of the pool semaphore's line (``park_waiting``) that was not parked goes
@@ -917,8 +918,10 @@ class GateService:
             outcome, uncertain = Outcome.SUPERSEDED, False
             metrics.newest_wins("superseded")
         with self.lock:
-            self.running.pop(token, None)
+            entry = self.running.pop(token, None)
             self.releasing += 1
+        if entry is not None:
+            self.handoff.note_run(time.monotonic() - entry.claimed_at)
         try:
             key = getattr(request, "keyed_arrival_key", None)
             hold = getattr(request.task, "uncertain_hold", None) if uncertain else None

@@ -51,6 +51,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("celery_keyed")
 
 
+#: A promotion starts here, though every pool process has work that will run, when the first of them is expected to
+#: be free within this many seconds: the typical run of an attempt here (``Handoff.note_run``) over the number of pool
+#: processes. It goes to the front of the line for a process (``_HandoffConsumer``); published instead, it would wait
+#: behind whatever the broker's queue holds — in a burst, the whole burst.
+SOON = 0.05
+
+#: Weight of the latest run in the typical run (an exponentially weighted mean).
+RUN_WEIGHT = 0.2
+
+
 @dataclass
 class Prebound:
     """A promotion bound to this worker in its releaser's transaction (D4), whose request waits for a pool
@@ -118,6 +128,7 @@ class Handoff:
         self._loop_calls: deque[Callable[[], None]] = deque()  # work for the loop thread (deferred broker acks)
         self._waker: tuple[Any, int, int] | None = None  # (hub, read fd, write fd): threads wake the loop
         self._handoff_strategies: dict[str, tuple[Any, Any, Any]] = {}  # task name -> (strategy, dispatcher, ours)
+        self.typical_run: float | None = None  # seconds an attempt here holds its claim (note_run); any thread
 
     # -- the loop-calls pipe -----------------------------------------------------------------------------
 
@@ -250,6 +261,11 @@ class Handoff:
         queues = getattr(task_consumer, "queues", ())
         return [q.name for q in queues] + [q.routing_key for q in queues], list(consumer.strategies)
 
+    def note_run(self, seconds: float) -> None:
+        """Any thread: an attempt here held its claim ``seconds`` (claim to release); kept as the typical run."""
+        typical = self.typical_run
+        self.typical_run = seconds if typical is None else typical + RUN_WEIGHT * (seconds - typical)
+
     def pool_has_room(self, released: str | None = None) -> bool:
         """Whether a promotion should start here rather than be published for any worker (D4 and issue 9 item 3:
         a promotion bound here while the pool is busy holds its slot and keeps its line waiting on this worker
@@ -262,8 +278,13 @@ class Handoff:
         room goes to its line first). A burst of arrivals on busy keys keeps the pool's processes reserved, but
         not for long. A promotion started
         here goes ahead of every request waiting for a process (``_HandoffConsumer.on_task_request``) and starts
-        on the first process that frees; published, it would wait behind the broker's whole queue. Else (the
-        pool busy with work that will run) it is published: another worker may be idle."""
+        on the first process that frees; published, it would wait behind the broker's whole queue.
+
+        Also yes when every process has work that will run but the first of them is expected to be free soon: the
+        typical run here over the number of processes is at most ``SOON`` (short tasks: the promotion waits one
+        short run at most, where published it would wait behind a burst in the broker's queue). Else (the pool busy
+        with long work that will run) it is published: another worker may be idle. A promotion bound here that no
+        process took within a heartbeat goes back in line (``Heartbeat``), whatever this guess."""
         consumer = self.gate.consumer
         pool = getattr(consumer, "pool", None)
         size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
@@ -288,7 +309,10 @@ class Handoff:
                 if any(isinstance(k, str) and (k in busy or releaser.is_contended(k)) for k in keys):
                     continue
             will_run += 1
-        return will_run < size
+        if will_run < size:
+            return True
+        typical = self.typical_run
+        return typical is not None and typical / size <= SOON
 
     def consumes(self, promotion: Promotion) -> bool:
         """Whether this worker consumes the promotion's queue and knows its task."""

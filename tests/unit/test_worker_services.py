@@ -360,8 +360,10 @@ def _waiting_gate(monkeypatch: pytest.MonkeyPatch, held: set[str]) -> tuple[Any,
         ledger=SimpleNamespace(parks_at_receipt=lambda arrival: True),
         held_mutex_keys=lambda: set(held),
         _returned=0,
+        lock=_threading.Lock(),
+        handoff=SimpleNamespace(prebound={}),
     )
-    for name in ("park_waiting", "_in_admission_flight", "_back_in_line"):
+    for name in ("park_waiting", "_undecided_keys", "_back_in_line"):
         setattr(gate, name, getattr(GateService, name).__get__(gate))
     monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key=request._request_dict["keyed_key"]))
     return gate, semaphore, submitted
@@ -384,15 +386,20 @@ def test_requests_waiting_for_a_pool_process_of_a_busy_key_go_to_the_receipt_ser
     from celery.worker import state as worker_state
 
     gate, semaphore, submitted = _waiting_gate(monkeypatch, held={"acct:1"})
+    from celery_keyed.ledger import Token
+
     r1, other, r2, r3 = _Request("r1", "acct:1"), _Request("u", None), _Request("r2", "acct:1"), _Request("r3", "b:2")
-    for request in (r1, other, r2, r3):
+    promoted = _Request("p", "acct:1")  # a promotion bound here (D4): it starts when a process frees, never parks
+    gate.handoff.prebound[Token("p", 0)] = object()
+    for request in (promoted, r1, other, r2, r3):
         semaphore._waiting.append((lambda r: None, (request,), {}))
-    monkeypatch.setattr(worker_state, "reserved_requests", {r1, other, r2, r3})
+    monkeypatch.setattr(worker_state, "reserved_requests", {promoted, r1, other, r2, r3})
     monkeypatch.setattr(worker_state, "active_requests", set())
     assert gate.park_waiting() == 2
     assert [job.request.id for job in submitted] == ["r1", "r2"]
     assert all(job.extra["receipt"] for job in submitted)
-    assert [entry[1][0].id for entry in semaphore._waiting] == ["u", "r3"]
+    assert [entry[1][0].id for entry in semaphore._waiting] == ["p", "u", "r3"]
+    semaphore._waiting.popleft()
     assert gate.park_waiting() == 0  # taken once only
 
     flight = _Request("f", "b:2")  # b:2 now busy here, but a request of it is being admitted
@@ -415,3 +422,59 @@ def test_requests_sent_back_undecided_return_to_the_front_of_the_line_in_order(m
     gate._back_in_line(first)
     gate._back_in_line(second)
     assert [entry[1][0].id for entry in semaphore._waiting] == ["r1", "r2", "later"]
+
+
+def test_a_busy_pool_of_short_runs_still_takes_a_promotion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Handoff.pool_has_room``: every process has work that will run, but the runs here are short (the typical run
+    over the processes at most ``SOON``): the first process frees within one short run, so the promotion starts here
+    (ahead of the waiting requests) instead of waiting behind the broker's queue. Long runs publish it."""
+    import threading as _threading
+
+    from celery.worker import state as worker_state
+
+    from celery_keyed.headers import HEADER_KEY
+    from celery_keyed.worker.handoff import SOON, Handoff
+
+    gate = SimpleNamespace(consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=2)), releaser=None)
+    gate.releaser = Releaser(gate)  # type: ignore[arg-type]
+    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+
+    class Received:
+        def __init__(self, key: str) -> None:
+            self.keyed_arrival_key = None
+            self._request_dict = {HEADER_KEY: key}
+
+    monkeypatch.setattr(worker_state, "active_requests", set())
+    monkeypatch.setattr(worker_state, "reserved_requests", {Received("a:1"), Received("b:1")})
+    assert not handoff.pool_has_room()  # no run seen yet: busy
+    for _ in range(20):
+        handoff.note_run(2 * SOON * 0.9)  # typical run / 2 processes = 0.9 SOON
+    assert handoff.pool_has_room()
+    for _ in range(40):
+        handoff.note_run(30.0)
+    assert not handoff.pool_has_room()
+
+
+def test_a_promotion_waiting_for_a_process_is_no_line_for_later_arrivals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GateService._line_here``: a received request whose admission is not decided keeps later arrivals of its key
+    from parking at receipt before it (D10) — but a promotion (bound here, or carrying a nonce) left the key's line in
+    the ledger already: arrivals behind it park at once instead of each waiting for a process."""
+    from celery.worker import state as worker_state
+
+    from celery_keyed.headers import HEADER_NONCE
+    from celery_keyed.ledger import Token
+
+    gate, _, _ = _waiting_gate(monkeypatch, held=set())
+    bound, published, plain, new = (
+        _Request("bound", "acct:1"), _Request("nonce", "acct:1"), _Request("plain", "acct:1"), _Request("new", "acct:1")
+    )
+    published._request_dict[HEADER_NONCE] = "6a1f0000-0000-4000-8000-000000000000"
+    gate.handoff.prebound[Token("bound", 0)] = object()
+    from celery_keyed.gate import GateService
+
+    line_here = GateService._line_here.__get__(gate)
+    monkeypatch.setattr(worker_state, "active_requests", set())
+    monkeypatch.setattr(worker_state, "reserved_requests", {bound, published, new})
+    assert not line_here(new, "acct:1")
+    monkeypatch.setattr(worker_state, "reserved_requests", {bound, published, plain, new})
+    assert line_here(new, "acct:1")
