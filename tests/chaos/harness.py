@@ -463,6 +463,7 @@ class Chaos:
         self.tasks: dict[str, tuple[str, float, int]] = {}  # task id -> (key, seconds, seq)
         self.published_at: dict[str, float] = {}  # task id -> when its publish returned (monotonic)
         self.redis_stops: list[float] = []  # when each Redis restart / outage began (monotonic)
+        self.main_kills: list[float] = []  # when a worker's main process was SIGKILLed (monotonic): mid-pop losses
         self.t0 = 0.0
         self.last_fault_end = 0.0
         self.drift: list[str] = []
@@ -561,6 +562,7 @@ class Chaos:
         self.workers.expected_exit.add(proc.pid)
         busy = [b.task_id for b in self.running_bodies() if b.pgid == proc.pid]
         children = self.workers.children(name)
+        self.main_kills.append(now())
         self.kills.kill(proc.pid)
         proc.wait()
         time.sleep(0.3)
@@ -768,16 +770,18 @@ class Chaos:
 
     def broker_lost(self, seen: Iterable[str]) -> list[str]:
         """Task ids the Redis transport lost before any worker received them: published cleanly before a Redis
-        stop, never in the ledger, never logged as received by a worker. kombu pops a message and records it as
-        unacked in a second step; a connection that drops in between loses it (plain Celery too:
-        tests/chaos/repro_redis_loss.py; README "Not guaranteed"). Everything else missing is a failure."""
+        stop or a worker's main process SIGKILL, never in the ledger, never logged as received by a worker. kombu
+        pops a message and records it as unacked in a second step; a connection that drops in between (Redis
+        restarting, a worker killed mid-pop) loses it (plain Celery too: tests/chaos/repro_redis_loss.py,
+        tests/acceptance/midpop.py; README "Nothing lost when the broker loses it"). Everything else missing is a
+        failure."""
         seen = set(seen)
         unseen = [
             t
             for t in self.tasks
             if t not in seen
             and t in self.published_at
-            and any(stop >= self.published_at[t] - 0.5 for stop in self.redis_stops)
+            and any(stop >= self.published_at[t] - 0.5 for stop in self.redis_stops + self.main_kills)
         ]
         if not unseen:
             return []
