@@ -57,6 +57,7 @@ def test_only_unseen_tasks_published_before_a_redis_stop_count_as_lost_by_the_br
     run.tasks = {t: ("m:1", 0.1, i) for i, t in enumerate(["before", "after", "received", "booked", "unpublished"])}
     run.published_at = {"before": 10.0, "after": 30.0, "received": 10.0, "booked": 10.0}
     run.redis_stops = [20.0]
+    run.main_kills = []
     run.logdir = tmp_path
     (tmp_path / "a1.0.log").write_text("Task chaos.work[received] received\n")
     assert run.broker_lost({"booked": "completed"}) == ["before"]
