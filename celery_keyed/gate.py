@@ -359,6 +359,20 @@ class GateService:
         Only plain arrivals (one key, no group, no not-before, cost 1), and never ahead of an earlier request of
         the same key still waiting here for a pool process (the line's order is the order the ledger receives
         them, D10)."""
+        try:
+            job = self._receipt_job(request, handle)
+        except Exception:  # a fault of this shortcut must never reach the consumer loop (it would kill the worker)
+            logger.exception("celery-keyed: the receipt check of %s failed; it waits for a pool process", request)
+            job = None
+        if job is None:
+            return handle(request)
+        if not self.receipts.submit(job):  # type: ignore[union-attr]
+            request.keyed_receipt = False
+            return handle(request)
+        return None
+
+    def _receipt_job(self, request: Any, handle: Callable[[Any], Any]) -> Job | None:
+        """Loop thread: the receipt service's job for ``request`` when it parks at receipt (``receive``), else None."""
         admission_service = self.receipts
         if (
             not self.settings.park_at_receipt
@@ -369,27 +383,23 @@ class GateService:
             or self.stopping.is_set()
             or not hasattr(request, "keyed_claim")
         ):
-            return handle(request)
+            return None
         key = request._request_dict.get(HEADER_KEY)
         if not isinstance(key, str) or not (self.releaser.is_contended(key) or self._mutex_held_here(key)):
-            return handle(request)
+            return None
         if request._request_dict.get(HEADER_NONCE) is not None:
-            return handle(request)  # a promotion published to a worker: already bound in the ledger, it never parks
+            return None  # a promotion published to a worker: already bound in the ledger, it never parks
         try:
             arrival = intake.arrival_for(request)
         except Exception:  # D16: admission at pool-ready records the rejection
-            return handle(request)
+            return None
         if arrival is None or arrival.key != key or not self.ledger.parks_at_receipt(arrival):
-            return handle(request)
+            return None
         if self._line_here(request, key):
-            return handle(request)
+            return None
         request.keyed_arrival_key = key
         request.keyed_receipt = True
-        job = Job(request, arrival, lambda: handle(request), extra={"generation": self.generation, "receipt": True})
-        if not admission_service.submit(job):
-            request.keyed_receipt = False
-            return handle(request)
-        return None
+        return Job(request, arrival, lambda: handle(request), extra={"generation": self.generation, "receipt": True})
 
     def _mutex_held_here(self, key: str) -> bool:
         """Whether an attempt of ``key`` holds its claim in this worker while its name is a mutex as configured
@@ -436,11 +446,22 @@ class GateService:
             if headers.get(HEADER_NONCE) is not None:
                 continue
             other_key = getattr(other, "keyed_arrival_key", None) or headers.get(HEADER_KEY)
-            if other_key in keys:
-                undecided.add(other_key)
+            # A task of several keys carries a list; a hostile header any JSON value: only strings are keys.
+            for one in other_key if isinstance(other_key, list) else (other_key,):
+                if isinstance(one, str) and one in keys:
+                    undecided.add(one)
         return undecided
 
     def park_waiting(self) -> int:
+        """Loop thread: ``_park_waiting``, whose faults never reach the consumer loop (they would kill the worker):
+        a request it did not take keeps its place and waits for a pool process as in plain Celery."""
+        try:
+            return self._park_waiting()
+        except Exception:
+            logger.exception("celery-keyed: parking the requests waiting for a pool process failed")
+            return 0
+
+    def _park_waiting(self) -> int:
         """Loop thread: requests that wait in Celery's pool semaphore for a process, received before their key was
         busy here, are taken out of that line and handed to the receipt service once their key has a line here or
         its mutex runs here — as an arrival received now would be (``receive``). Without it each waits for a pool

@@ -277,6 +277,7 @@ def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.Mo
         headers[HEADER_NONCE] = "n-1"
     request = SimpleNamespace(_request_dict=headers, keyed_claim=None)
     handled: list[Any] = []
+    gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
     answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if nonce:
         assert (answer, handled, submitted) == ("handled", [request], [])
@@ -324,6 +325,7 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
     monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key="account:1"))
     request = SimpleNamespace(_request_dict={HEADER_KEY: "account:1"}, keyed_claim=None)
     handled: list[Any] = []
+    gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
     answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if parked_at_receipt:
         assert (answer, handled, len(submitted)) == (None, [], 1)
@@ -363,7 +365,7 @@ def _waiting_gate(monkeypatch: pytest.MonkeyPatch, held: set[str]) -> tuple[Any,
         lock=_threading.Lock(),
         handoff=SimpleNamespace(prebound={}),
     )
-    for name in ("park_waiting", "_undecided_keys", "_back_in_line"):
+    for name in ("park_waiting", "_park_waiting", "_undecided_keys", "_back_in_line"):
         setattr(gate, name, getattr(GateService, name).__get__(gate))
     monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key=request._request_dict["keyed_key"]))
     return gate, semaphore, submitted
@@ -478,3 +480,47 @@ def test_a_promotion_waiting_for_a_process_is_no_line_for_later_arrivals(monkeyp
     assert not line_here(new, "acct:1")
     monkeypatch.setattr(worker_state, "reserved_requests", {bound, published, plain, new})
     assert line_here(new, "acct:1")
+
+
+def test_a_request_of_several_keys_or_a_hostile_key_header_waiting_here_breaks_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``GateService._line_here`` on a worker holding a request whose key header is a list (a task of several keys)
+    or any other JSON value: a list's string keys are lines like a single key's (a later arrival of one of them does
+    not park before it, D10); anything else is no key. It raised TypeError (unhashable list) on the consumer loop,
+    which killed the worker (the demo's partner-API tasks, found in the sixth session)."""
+    from celery.worker import state as worker_state
+
+    from celery_keyed.gate import GateService
+    from celery_keyed.headers import HEADER_KEY
+
+    gate, _, _ = _waiting_gate(monkeypatch, held=set())
+    several, new = _Request("several", "api"), _Request("new", "tenant:t1")
+    several._request_dict[HEADER_KEY] = ["api", "tenant:t1"]
+    hostile = [_Request(f"h{i}", "x") for i in range(4)]
+    for request, value in zip(hostile, [{"a": 1}, [["nested"]], 7, None], strict=True):
+        request._request_dict[HEADER_KEY] = value
+    line_here = GateService._line_here.__get__(gate)
+    monkeypatch.setattr(worker_state, "active_requests", set())
+    monkeypatch.setattr(worker_state, "reserved_requests", {*hostile, new})
+    assert not line_here(new, "tenant:t1")
+    monkeypatch.setattr(worker_state, "reserved_requests", {*hostile, several, new})
+    assert line_here(new, "tenant:t1")
+    assert not line_here(new, "tenant:t2")
+
+
+def test_a_fault_of_the_receipt_shortcuts_never_reaches_the_consumer_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GateService.receive`` and ``park_waiting`` run on Celery's consumer loop, where an exception is an
+    "Unrecoverable error" that stops the worker: a fault in either leaves the request on Celery's own path (it waits
+    for a pool process, where its admission decides) and the worker running."""
+    from celery_keyed.gate import GateService
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise TypeError("unhashable type: 'list'")
+
+    handled: list[object] = []
+    gate = SimpleNamespace(_receipt_job=broken, _park_waiting=broken, receipts=None)
+    request = _Request("r", "acct:1")
+    assert GateService.receive(gate, request, handled.append) is None  # type: ignore[arg-type]
+    assert handled == [request]
+    assert GateService.park_waiting(gate) == 0  # type: ignore[arg-type]
