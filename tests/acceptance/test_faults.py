@@ -145,6 +145,29 @@ def test_a_local_handoff_does_not_wait_behind_a_busy_pool(cluster: Cluster, prod
     cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
 
 
+def test_a_task_of_several_keys_waiting_for_a_process_keeps_the_worker_alive(cluster: Cluster, producer) -> None:
+    """A task of several keys (its key header is a list) waits in W1's memory for the one pool process while A holds
+    the mutex acct:m there; then B of acct:m arrives, which is parked at receipt after a look at the requests
+    waiting here. That look hashed the list and raised on the consumer loop, and the worker died ("Unrecoverable
+    error"; the demo's partner-API calls, sixth session). The worker keeps serving, everything runs once, the mutex
+    holds."""
+    cluster.start_worker("w1", concurrency=1, extra=["--prefetch-multiplier", "4"])
+    a = producer.hold.delay("acct:m", 2.0, note="A")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    several = producer.hold.apply_async(("several", 0.2), {"note": "S"}, concurrency_key=["acct:n", "api:n"])
+    received = f"Task acceptance.hold[{several.id}] received"
+    deadline = time.monotonic() + 30
+    while received not in cluster.logs["w1"].read_text(errors="replace"):
+        assert time.monotonic() < deadline, cluster.logs["w1"].read_text()[-3000:]
+        time.sleep(0.05)
+    b = producer.hold.delay("acct:m", 0.1, note="B")
+    assert [r.get(timeout=60) for r in (a, several, b)] == ["A", "S", "B"]
+    assert producer.ping.delay("alive").get(timeout=30) == "alive"
+    log = cluster.logs["w1"].read_text(errors="replace")
+    assert "Unrecoverable error" not in log and "Traceback" not in log, log[-3000:]
+    assert peak_overlap(cluster.intervals("acct:m")) == 1
+
+
 def test_a_null_key_header_is_still_gated(cluster: Cluster, producer) -> None:
     """``headers={"keyed_key": None}`` from a foreign producer: the keys are computed from the arguments."""
     cluster.start_worker("w1", concurrency=4)
