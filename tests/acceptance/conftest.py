@@ -119,12 +119,16 @@ class Cluster:
         )
         return [(r.task_id, float(r.s), float(r.e)) for r in rows]
 
-    def wait_for(self, sql: str, expected: Any, timeout: float = 60.0, **params: Any) -> None:
+    def wait_for(
+        self, sql: str, expected: Any, timeout: float = 60.0, *, at_least: bool = False, **params: Any
+    ) -> None:
+        """Poll ``sql`` until it returns ``expected`` (or, with ``at_least``, a count of at least ``expected``: a
+        count that keeps growing can pass the value between two polls on a loaded machine)."""
         deadline = time.monotonic() + timeout
         value = None
         while time.monotonic() < deadline:
             value = self.scalar(sql, **params)
-            if value == expected:
+            if value == expected or (at_least and value is not None and value >= expected):
                 return
             time.sleep(0.1)
         logs = "\n".join(f"--- {n}\n{p.read_text(errors='replace')[-4000:]}" for n, p in self.logs.items())

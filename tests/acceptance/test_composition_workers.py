@@ -21,9 +21,11 @@ def test_per_tenant_and_global_limits_together(cluster: Cluster, producer) -> No
     are reached under load."""
     cluster.start_worker("w1", concurrency=4)
     cluster.start_worker("w2", concurrency=4)
+    # Three service units each: on a loaded machine a handoff can take a good part of one unit, and the global
+    # bound is only reached when five run at once.
     for i in range(8):
         for tenant in "abcd":
-            producer.tenant_call.delay(tenant, SERVICE)
+            producer.tenant_call.delay(tenant, 3 * SERVICE)
         _ = i
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 32, timeout=90)
     per_tenant = {t: peak_overlap(cluster.intervals(f"tenant:{t}")) for t in "abcd"}
@@ -203,7 +205,7 @@ def test_fair_sharing_a_late_tenant_starts_within_a_service_time(cluster: Cluste
     cluster.start_worker("w2", concurrency=2)
     for i in range(30):
         producer.hold.apply_async(("stripe", SERVICE), {"note": f"A{i}"}, fair_key="tenant:A")
-    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 2, timeout=30)
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 2, timeout=30, at_least=True)
     b_ids = [
         producer.hold.apply_async(("stripe", SERVICE), {"note": f"B{i}"}, fair_key="tenant:B").id for i in range(3)
     ]
