@@ -183,6 +183,10 @@ class Model:
         self.arrivals = 0  # order of receipt of parked rows
         # (key, shard) -> the largest share in effect since the shard's oldest live claim (the bound, D1/D12).
         self.max_share: dict[tuple[str, int], int] = {}
+        # Keys whose due rows a promotion of one shard joined to the line (``promote_one``): the room their
+        # not-before time made on the key's other shards waits for the next sweep, as the room of a lapsed
+        # override does (§3.12 bounds the delay by the sweep interval). Cleared by a sweep and by a whole-key fill.
+        self.time_joined: set[str] = set()
 
     # -- limits -----------------------------------------------------------------------------------------
     def limit(self, name: str, now: datetime) -> int:
@@ -259,6 +263,10 @@ class Model:
         for w in self.waiting.values():
             if (key is None or w.key == key) and w.not_before is not None and w.not_before <= now:
                 w.not_before = None
+                if key is not None:
+                    self.time_joined.add(key)
+        if key is None:
+            self.time_joined.clear()
 
     def promote(self, w: Parked, shard: int, now: datetime) -> tuple[Token, str, int]:
         """A parked attempt is given a slot on ``shard``; fence and nonce come from the ledger's answer."""
@@ -290,6 +298,7 @@ class Model:
         free = [s for s in range(n) for _ in range(max(0, self.share_of(key, s, now) - self.used(key, s)))]
         if free:
             self.clear_due(key, now)
+        self.time_joined.discard(key)
         out = []
         for s in free:
             w = self.next_eligible(key, now)
@@ -811,7 +820,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 .all()
             )
         for key in ready:
-            if key_name(key) in skip or (key in due and not strict):
+            if key_name(key) in skip or ((key in due or key in m.time_joined) and not strict):
                 continue
             free = [s for s in range(m.shards(key_name(key))) if used.get((key, s), 0) < m.share_of(key, s, now)]
             assert not free, f"lost wakeup: {key} has room on shards {free} and an eligible waiter"
