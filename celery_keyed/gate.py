@@ -74,6 +74,10 @@ from celery_keyed.worker.sweeper import Sweeper
 
 logger = logging.getLogger("celery_keyed")
 
+# Seconds a worker remembers a promotion it gave back to the broker (``GateService._decline_promotion``): delivered
+# here again within them, it is kept.
+DECLINE_MEMORY = 60.0
+
 _current: GateService | None = None
 
 
@@ -170,6 +174,9 @@ class GateService:
         self.receipts: AdmissionService | None = None
         self._pool_release: Callable[[], None] | None = None
         self._returned = 0  # requests sent back to the pool semaphore's front in the current delivery (loop only)
+        # nonces of published promotions this worker gave back to the broker once (``_decline_promotion``), with
+        # when: a promotion is declined at most once per worker (loop only)
+        self._declined: dict[str, float] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -360,6 +367,8 @@ class GateService:
         the same key still waiting here for a pool process (the line's order is the order the ledger receives
         them, D10)."""
         try:
+            if self._decline_promotion(request):
+                return None
             job = self._receipt_job(request, handle)
         except Exception:  # a fault of this shortcut must never reach the consumer loop (it would kill the worker)
             logger.exception("celery-keyed: the receipt check of %s failed; it waits for a pool process", request)
@@ -370,6 +379,35 @@ class GateService:
             request.keyed_receipt = False
             return handle(request)
         return None
+
+    def _decline_promotion(self, request: Any) -> bool:
+        """Loop thread: give a published promotion (it carries a nonce, D5) back to the broker when this worker's
+        pool cannot start it soon (``Handoff.pool_has_room`` without it: every process has work that will run, and
+        not short work). It holds its slot while it waits, so waiting here behind long work keeps its key's line
+        stopped while another worker may idle — a worker with a free prefetch slot fetches it as readily as an idle
+        one. Requeued, it goes to a worker waiting on the queue. Each worker declines a promotion once only (its
+        nonce is remembered for ``DECLINE_MEMORY`` seconds): a second delivery here is kept, so a promotion never
+        bounces for ever when every pool is busy. Its claim stays promoted meanwhile, voided past its dispatch
+        deadline as always (D5). Returns whether it was declined."""
+        headers = getattr(request, "_request_dict", None) or {}
+        nonce = headers.get(HEADER_NONCE)
+        if not isinstance(nonce, str) or self.closed or self.stopping.is_set():
+            return False
+        if getattr(request, "acknowledged", True) or self.handoff.pool_has_room(exclude=request):
+            return False
+        now = time.monotonic()
+        if len(self._declined) > 1024:
+            self._declined = {n: at for n, at in self._declined.items() if now - at < DECLINE_MEMORY}
+        at = self._declined.get(nonce)
+        if at is not None and now - at < DECLINE_MEMORY:
+            return False
+        self._declined[nonce] = now
+        request.reject(requeue=True)
+        worker_state.task_ready(request)
+        logger.info(
+            "celery-keyed: promoted %s given back to the broker: every pool process here has long work", request.id
+        )
+        return True
 
     def _receipt_job(self, request: Any, handle: Callable[[Any], Any]) -> Job | None:
         """Loop thread: the receipt service's job for ``request`` when it parks at receipt (``receive``), else None."""

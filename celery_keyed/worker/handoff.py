@@ -266,7 +266,7 @@ class Handoff:
         typical = self.typical_run
         self.typical_run = seconds if typical is None else typical + RUN_WEIGHT * (seconds - typical)
 
-    def pool_has_room(self, released: str | None = None) -> bool:
+    def pool_has_room(self, released: str | None = None, *, exclude: Any = None) -> bool:
         """Whether a promotion should start here rather than be published for any worker (D4 and issue 9 item 3:
         a promotion bound here while the pool is busy holds its slot and keeps its line waiting on this worker
         while others idle).
@@ -284,7 +284,8 @@ class Handoff:
         typical run here over the number of processes is at most ``SOON`` (short tasks: the promotion waits one
         short run at most, where published it would wait behind a burst in the broker's queue). Else (the pool busy
         with long work that will run) it is published: another worker may be idle. A promotion bound here that no
-        process took within a heartbeat goes back in line (``Heartbeat``), whatever this guess."""
+        process took within a heartbeat goes back in line (``Heartbeat``), whatever this guess. ``exclude``: a
+        received request not to count (a promotion asking whether it can start here)."""
         consumer = self.gate.consumer
         pool = getattr(consumer, "pool", None)
         size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
@@ -299,6 +300,8 @@ class Handoff:
             busy.add(released)
         will_run = 0
         for request in reserved:
+            if request is exclude:
+                continue
             if request not in active:
                 key = getattr(request, "keyed_arrival_key", None)
                 if key is None:

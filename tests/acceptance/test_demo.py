@@ -138,13 +138,15 @@ def test_demo_runs_every_expectation_holds_and_leaves_nothing(
     assert time.monotonic() - started < 60
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_demo_serve_keeps_the_admin_up_with_a_demo_login_until_sigterm(
     postgres_server: PostgresTarget, redis_url: str, tmp_path: Path
 ) -> None:
     port = testbed._free_port()
     out_path = tmp_path / "stdout"
-    cmd = [sys.executable, "-m", "example_project.demo", "--unit", "0.25", "--quiet", "--serve", "--port", str(port)]
+    # The default unit (0.5 s), as in the test above: with a quarter-second unit the makespan verdict's second of
+    # fixed costs was too thin on a loaded CI machine (18.4u and 19.8u against 16u; 11.5-12.3u when quiet).
+    cmd = [sys.executable, "-m", "example_project.demo", "--unit", "0.5", "--quiet", "--serve", "--port", str(port)]
     with (
         open(out_path, "w") as err_file,
         subprocess.Popen(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,6 +143,41 @@ def test_a_local_handoff_does_not_wait_behind_a_busy_pool(cluster: Cluster, prod
     assert c_ended == 0, "B waited for W1's pool, busy with C"
     assert c.get(timeout=60) == "C"
     assert peak_overlap(cluster.intervals("acct:x")) == 1
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
+
+
+def test_a_promotion_fetched_by_a_busy_worker_is_given_back_once_then_kept(cluster: Cluster, producer) -> None:
+    """The other side of the busy-pool rule: W1's releaser publishes B's promotion (its pool is taken by C), and W1
+    itself fetches it with the prefetch slot A's ack freed (here W1 is the only worker left; in a cluster it races the
+    idle ones for it). W1 gives it back to the broker once instead of holding its slot behind C, then keeps it when
+    it comes back (no bouncing for ever when every pool is busy): B runs once, after C started, the mutex holds."""
+    cluster.env.update(KEYED_LEASE=str(LEASE))
+    cluster.start_worker("w2", concurrency=1)  # parks B (acct:x runs on W1), then leaves
+    queue = producer.app.conf.task_default_queue
+    w2 = f"w2@{socket.gethostname()}"
+    assert producer.app.control.cancel_consumer(queue, destination=[w2], reply=True, timeout=10), "W2 did not answer"
+    cluster.start_worker("w1", concurrency=1, extra=["--prefetch-multiplier", "2"])
+    a = producer.hold.delay("acct:x", 4.0, note="A")  # long enough for B to be parked on a loaded machine
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    c = producer.hold.delay("acct:y", 3.0, note="C")
+    received = f"Task acceptance.hold[{c.id}] received"
+    deadline = time.monotonic() + 30
+    while received not in cluster.logs["w1"].read_text(errors="replace"):  # C waits in W1's memory
+        assert time.monotonic() < deadline, cluster.logs["w1"].read_text()[-3000:]
+        time.sleep(0.05)
+    assert producer.app.control.add_consumer(queue, destination=[w2], reply=True, timeout=10), "W2 did not answer"
+    b = producer.hold.delay("acct:x", 0.1, note="B")
+    cluster.wait_for("SELECT count(*) FROM keyed_waiting WHERE task_id = :id", 1, id=b.id)
+    cluster.kill_worker("w2", signal.SIGTERM)
+
+    assert [r.get(timeout=60) for r in (a, c, b)] == ["A", "C", "B"]
+    log = cluster.logs["w1"].read_text(errors="replace")
+    assert log.count(f"promoted {b.id} given back to the broker") == 1, log[-3000:]
+    assert log.count(f"Task acceptance.hold[{b.id}] received") == 2, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert _interval(cluster, b.id)[0] >= _interval(cluster, c.id)[0]
+    assert peak_overlap(cluster.intervals("acct:x")) == 1
+    assert _books(cluster, b.id) == "completed"
     cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
 
 

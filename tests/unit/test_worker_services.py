@@ -278,6 +278,7 @@ def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.Mo
     request = SimpleNamespace(_request_dict=headers, keyed_claim=None)
     handled: list[Any] = []
     gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
+    gate._decline_promotion = lambda request: False  # type: ignore[attr-defined]
     answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if nonce:
         assert (answer, handled, submitted) == ("handled", [request], [])
@@ -326,6 +327,7 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
     request = SimpleNamespace(_request_dict={HEADER_KEY: "account:1"}, keyed_claim=None)
     handled: list[Any] = []
     gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
+    gate._decline_promotion = lambda request: False  # type: ignore[attr-defined]
     answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if parked_at_receipt:
         assert (answer, handled, len(submitted)) == (None, [], 1)
@@ -524,3 +526,53 @@ def test_a_fault_of_the_receipt_shortcuts_never_reaches_the_consumer_loop(monkey
     assert GateService.receive(gate, request, handled.append) is None  # type: ignore[arg-type]
     assert handled == [request]
     assert GateService.park_waiting(gate) == 0  # type: ignore[arg-type]
+
+
+class _Promotion:
+    """A received request of a published promotion (it carries a nonce), as Celery's strategy hands it over."""
+
+    def __init__(self, nonce: object) -> None:
+        from celery_keyed.headers import HEADER_KEY, HEADER_NONCE
+
+        self.id = "p"
+        self.acknowledged = False
+        self.rejected: list[bool] = []
+        self._request_dict = {HEADER_KEY: "acct:x", HEADER_NONCE: nonce}
+
+    def reject(self, requeue: bool = False) -> None:
+        self.rejected.append(requeue)
+        self.acknowledged = True
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_published_promotion_is_given_back_once_when_the_pool_has_long_work(
+    monkeypatch: pytest.MonkeyPatch, room: bool
+) -> None:
+    """``GateService._decline_promotion``: a promotion fetched from the broker by a worker whose every process has
+    long work (a free prefetch slot fetches as readily as an idle worker) is requeued for a worker waiting on the
+    queue — once: delivered here again, it is kept (no bouncing when every pool is busy). With room it is kept at
+    once. Without a nonce (an arrival, or a promotion bound here) nothing is declined."""
+    from celery.worker import state as worker_state
+
+    from celery_keyed.gate import GateService
+
+    asked: list[object] = []
+
+    def pool_has_room(released: str | None = None, *, exclude: object = None) -> bool:
+        asked.append(exclude)
+        return room
+
+    readied: list[object] = []
+    monkeypatch.setattr(worker_state, "task_ready", readied.append)
+    gate = SimpleNamespace(
+        closed=False, stopping=threading.Event(), handoff=SimpleNamespace(pool_has_room=pool_has_room), _declined={}
+    )
+    decline = GateService._decline_promotion.__get__(gate)
+    first = _Promotion("6a1f0000-0000-4000-8000-000000000001")
+    assert decline(first) is (not room)
+    assert asked == [first]  # the promotion itself is not counted as work that will run here
+    assert first.rejected == ([] if room else [True]) and readied == ([] if room else [first])
+    again = _Promotion("6a1f0000-0000-4000-8000-000000000001")  # the same promotion delivered here again
+    assert decline(again) is False and again.rejected == []
+    for nonce in (None, 7, ["x"]):
+        assert decline(_Promotion(nonce)) is False
