@@ -123,8 +123,14 @@ def test_a_local_handoff_does_not_wait_behind_a_busy_pool(cluster: Cluster, prod
     is parked through W2. When A ends, W1's pool is taken by C: B must not be bound to W1 (it would hold the
     slot while W2 idles, then start with a stale claim); it runs on W2 while C still runs (D14)."""
     cluster.env.update(KEYED_LEASE=str(LEASE))
+    # W2 is up from the start but consumes nothing until C waits in W1's memory (a worker's start took 6 s on a
+    # loaded machine: A ended before B was parked).
+    cluster.start_worker("w2", concurrency=2)
+    queue = producer.app.conf.task_default_queue
+    w2 = f"w2@{socket.gethostname()}"
+    assert producer.app.control.cancel_consumer(queue, destination=[w2], reply=True, timeout=10), "W2 did not answer"
     cluster.start_worker("w1", concurrency=1, extra=["--prefetch-multiplier", "2"])
-    a = producer.hold.delay("acct:x", 6.0, note="A")  # long enough to outlast W2's start on a loaded machine
+    a = producer.hold.delay("acct:x", 4.0, note="A")  # long enough for B to be parked on a loaded machine
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
     c = producer.hold.delay("acct:y", 8 * LEASE, note="C")
     received = f"Task acceptance.hold[{c.id}] received"
@@ -133,7 +139,7 @@ def test_a_local_handoff_does_not_wait_behind_a_busy_pool(cluster: Cluster, prod
         assert time.monotonic() < deadline, cluster.logs["w1"].read_text()[-3000:]
         time.sleep(0.05)
     assert cluster.scalar("SELECT count(*) FROM keyed_claims") == 1  # only A's: C holds no claim while it waits
-    cluster.start_worker("w2", concurrency=2)
+    assert producer.app.control.add_consumer(queue, destination=[w2], reply=True, timeout=10), "W2 did not answer"
     b = producer.hold.delay("acct:x", 0.1, note="B")
     cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
 
