@@ -132,7 +132,7 @@ def test_a_local_handoff_does_not_wait_behind_a_busy_pool(cluster: Cluster, prod
     cluster.start_worker("w1", concurrency=1, extra=["--prefetch-multiplier", "2"])
     a = producer.hold.delay("acct:x", 4.0, note="A")  # long enough for B to be parked on a loaded machine
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
-    c = producer.hold.delay("acct:y", 8 * LEASE, note="C")
+    c = producer.hold.delay("acct:y", 4 * LEASE, note="C")  # outlasts B on W2 and a lease
     received = f"Task acceptance.hold[{c.id}] received"
     deadline = time.monotonic() + 30
     while received not in cluster.logs["w1"].read_text(errors="replace"):  # C waits in W1's memory (prefetched)
