@@ -20,11 +20,12 @@ $(STAMP): pyproject.toml
 # The fast suite: what CI runs. On TEST_WORKERS pytest-xdist workers, each with its own PostgreSQL and Redis: most
 # tests wait on real worker subprocesses, so 3 pay even on 2 cores. --dist loadscope: the tests of one module run on
 # one worker, in file order (modules whose tests rely on an earlier one's; the demo's three runs one at a time),
-# modules handed out in file order. TEST_WORKERS=0 runs the suite in this process, one test after another.
+# modules handed out in file order. TEST_WORKERS=0 runs the suite in this process, one test after another. The 25
+# slowest tests are listed at the end (the suite must stay under 15 min in CI).
 TEST_WORKERS ?= 3
 test: venv
 	$(VPY) -m ruff check .
-	$(VPY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	$(VPY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 # Long-running tests (stress, soak). pytest exits 5 when none are collected yet: not a failure here.
 test-slow: venv
