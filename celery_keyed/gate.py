@@ -371,6 +371,10 @@ class GateService:
                 return None
             job = self._receipt_job(request, handle)
         except Exception:  # a fault of this shortcut must never reach the consumer loop (it would kill the worker)
+            if getattr(request, "acknowledged", False) is True:  # given back to the broker: not here too
+                with contextlib.suppress(Exception):
+                    worker_state.task_ready(request)
+                return None
             logger.exception("celery-keyed: the receipt check of %s failed; it waits for a pool process", request)
             job = None
         if job is None:
@@ -403,10 +407,12 @@ class GateService:
             return False
         self._declined[nonce] = now
         request.reject(requeue=True)
-        worker_state.task_ready(request)
-        logger.info(
-            "celery-keyed: promoted %s given back to the broker: every pool process here has long work", request.id
-        )
+        with contextlib.suppress(Exception):  # requeued: it must never also run here
+            worker_state.task_ready(request)
+            logger.info(
+                "celery-keyed: promoted %s given back to the broker: every pool process here has long work",
+                request.id,
+            )
         return True
 
     def _receipt_job(self, request: Any, handle: Callable[[Any], Any]) -> Job | None:

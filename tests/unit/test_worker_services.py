@@ -526,6 +526,11 @@ def test_a_fault_of_the_receipt_shortcuts_never_reaches_the_consumer_loop(monkey
     assert GateService.receive(gate, request, handled.append) is None  # type: ignore[arg-type]
     assert handled == [request]
     assert GateService.park_waiting(gate) == 0  # type: ignore[arg-type]
+    given_back = _Request("given back", "acct:1")  # the fault came after its message went back to the broker
+    given_back.acknowledged = True  # type: ignore[attr-defined]
+    monkeypatch.setattr("celery.worker.state.task_ready", lambda request: None)
+    assert GateService.receive(gate, given_back, handled.append) is None  # type: ignore[arg-type]
+    assert handled == [request]  # it never also runs here
 
 
 class _Promotion:
