@@ -302,7 +302,9 @@ class Handoff:
         for request in reserved:
             if request is exclude:
                 continue
-            if request not in active:
+            # A request admitted here (it holds its claim) starts on the next free process, even before Celery
+            # counts it active; its own key is held by that very claim, so the key rules below must not skip it.
+            if request not in active and getattr(request, "keyed_claim", None) is None:
                 key = getattr(request, "keyed_arrival_key", None)
                 if key is None:
                     headers = getattr(request, "_request_dict", None) or {}

@@ -220,6 +220,14 @@ def test_requests_of_a_mutex_running_here_or_of_the_released_key_do_not_make_the
     assert not handoff.pool_has_room()  # acct:1 no longer runs here: they may run
     assert handoff.pool_has_room("acct:1")  # unless acct:1 is the key being released (its line goes first)
     assert not handoff.pool_has_room("acct:2")
+    # The request that holds acct:1's claim here, admitted and about to start (Celery does not count it active yet),
+    # is work that will run: its key being held by its own claim does not make it a request that will park. (CI: a
+    # promotion was started here behind it, with the only process about to be taken.)
+    admitted = Received("acct:1")
+    admitted.keyed_claim = object()  # type: ignore[attr-defined]
+    monkeypatch.setattr(worker_state, "reserved_requests", {admitted})
+    held.add("acct:1")
+    assert not handoff.pool_has_room()
 
 
 def test_held_mutex_keys_are_the_running_keys_of_names_configured_as_mutexes() -> None:
