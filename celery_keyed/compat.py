@@ -29,16 +29,46 @@ with a ``redis.ConnectionError`` that kombu and Celery already ignore (if it is 
 in the ``unacked`` hash until the visibility timeout, exactly as when the first close fails. A channel that
 never computed parameters for that pool kind raises ``redis.ConnectionError`` instead of ``AttributeError``.
 Attached transports get the original method's result, untouched.
+
+``patch_kombu_redis_restore_lock()``: on the Redis broker, no message of a dead worker is redelivered for five
+minutes after a Redis restart or outage. Upstream, plain kombu 5.7.0 (``tests/test_compat_restore_lock.py``
+shows it on unpatched kombu):
+
+1. Every worker redelivers the unacked messages older than ``visibility_timeout`` (``QoS.restore_visible``,
+   every ``unacked_restore_interval``) under one lock in Redis, kombu's ``Mutex`` over redis-py's ``Lock``, with
+   an expiry of ``unacked_mutex_expire`` (300 s by default).
+2. ``Mutex`` releases the lock in a ``finally`` that forgives only ``LockNotOwnedError``. When Redis goes away
+   while a worker holds the lock (a restart, an outage, a dropped connection), the release fails with a
+   ``ConnectionError`` and the lock stays: Redis persisted it, so once back it refuses every worker's scan until
+   the expiry. A lock taken by a ``SET`` whose reply was lost is left the same way (its token unknown).
+3. Meanwhile the messages of a worker that was killed or lost its connection wait in the ``unacked`` hash: the
+   chaos harness saw three tasks wait five minutes after a 6 s Redis outage (CI, seed 9; issue 13).
+
+The workaround: ``Mutex`` takes the lock with a token of its own and, when the release (or the acquire) fails
+with a connection error, remembers the token; its next use in the process (the next scan) first deletes the
+lock if it still holds that token (a compare-and-delete in one Lua script: a lock taken since by another worker
+is never touched), so the lock is gone one scan after Redis is back. A worker killed while it holds the lock still
+leaves it until ``unacked_mutex_expire``: set that to tens of seconds (docs/guide.md, *Redis broker*).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["DETACHED_SOCKET_TIMEOUT", "KOMBU_FIXED_IN", "kombu_redis_close_affected", "patch_kombu_redis_close"]
+__all__ = [
+    "DETACHED_SOCKET_TIMEOUT",
+    "KOMBU_FIXED_IN",
+    "kombu_redis_close_affected",
+    "kombu_redis_restore_lock_affected",
+    "patch_kombu_redis_close",
+    "patch_kombu_redis_restore_lock",
+]
 
 #: Socket (connect) timeout, in seconds, for the pools a channel builds after its transport was detached:
 #: teardown must not block on an unreachable broker (the same bound as Celery's ``COLLECT_SOCKET_TIMEOUT``).
@@ -135,4 +165,119 @@ def patch_kombu_redis_close(*, force: bool = False) -> bool:
         if not (force or kombu_redis_close_affected()):
             return False
         setattr(kombu_redis.Channel, "_connparams", _guard(current))  # noqa: B010 - a method, not a field
+        return True
+
+
+# ----------------------------------------------------------------------------------------------------
+# The restore lock (see the module docstring).
+
+_LOCK_MARK = "__celery_keyed_restore_lock__"
+#: Compare-and-delete: drop the lock only while it still holds the given token.
+_DELETE_IF_OURS = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+#: Tokens per lock kept for a later release; a lock expires anyway, so older ones are dropped past this many.
+_STALE_KEEP = 16
+_stale: dict[tuple[Any, ...], list[bytes]] = {}
+_stale_lock = threading.Lock()
+
+
+def kombu_redis_restore_lock_affected() -> bool:
+    """Whether the installed kombu's redis ``Mutex`` leaves its lock set when the release fails on a connection
+    error: it forgives ``LockNotOwnedError`` only."""
+    try:
+        from kombu.transport import redis as kombu_redis
+    except ImportError:
+        return False
+    mutex = getattr(kombu_redis, "Mutex", None)
+    if mutex is None or getattr(mutex, _LOCK_MARK, False):
+        return False
+    try:
+        source = inspect.getsource(inspect.unwrap(mutex))
+    except (OSError, TypeError):
+        return False
+    return "LockNotOwnedError" in source and "ConnectionError" not in source
+
+
+def _lock_site(client: Any, name: Any) -> tuple[Any, ...]:
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {}) or {}
+    return (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db"), name)
+
+
+def _remember_stale(site: tuple[Any, ...], token: bytes) -> None:
+    with _stale_lock:
+        tokens = _stale.setdefault(site, [])
+        tokens.append(token)
+        del tokens[:-_STALE_KEEP]
+
+
+def _release_stale(client: Any, site: tuple[Any, ...], name: Any) -> None:
+    """Delete the lock ``name`` if it still holds a token this process failed to release; tokens whose fate is
+    known (deleted, or the lock is not theirs) are forgotten; on a connection error they are kept for next time."""
+    import redis
+
+    with _stale_lock:
+        tokens = list(_stale.get(site, ()))
+    for token in tokens:
+        try:
+            client.eval(_DELETE_IF_OURS, 1, name, token)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            return
+        with _stale_lock:
+            left = _stale.get(site, [])
+            if token in left:
+                left.remove(token)
+            if not left:
+                _stale.pop(site, None)
+
+
+def _mutex(original: Any) -> Any:
+    @contextlib.contextmanager
+    def Mutex(client: Any, name: Any, expire: Any) -> Iterator[None]:  # kombu's name
+        import redis
+        from kombu.transport.redis import MutexHeld
+
+        connection_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        site = _lock_site(client, name)
+        _release_stale(client, site, name)
+        lock = client.lock(name, timeout=expire)
+        token = uuid.uuid4().hex.encode()
+        try:
+            acquired = lock.acquire(blocking=False, token=token)
+        except connection_errors:
+            _remember_stale(site, token)  # the SET may have taken the lock before its reply was lost
+            raise
+        if not acquired:
+            raise MutexHeld()
+        try:
+            yield
+        finally:
+            try:
+                lock.release()
+            except redis.exceptions.LockNotOwnedError:
+                pass  # expired meanwhile (as kombu)
+            except connection_errors:
+                _remember_stale(site, token)
+                raise
+
+    setattr(Mutex, _LOCK_MARK, True)
+    Mutex.kombu_mutex = original  # type: ignore[attr-defined]
+    return Mutex
+
+
+def patch_kombu_redis_restore_lock(*, force: bool = False) -> bool:
+    """Replace kombu's redis ``Mutex`` with one that frees a lock it could not release once Redis is back (see
+    the module docstring). Idempotent and process-wide; ``install(app)`` calls it. Applied only when
+    ``kombu_redis_restore_lock_affected()`` (or ``force``). Returns whether the replacement is in place."""
+    with _lock:
+        try:
+            from kombu.transport import redis as kombu_redis
+        except ImportError:
+            return False
+        current = getattr(kombu_redis, "Mutex", None)
+        if current is None:
+            return False
+        if getattr(current, _LOCK_MARK, False):
+            return True
+        if not (force or kombu_redis_restore_lock_affected()):
+            return False
+        kombu_redis.Mutex = _mutex(current)
         return True

@@ -47,6 +47,8 @@ def make_app(env: Mapping[str, str]) -> Any:
             "visibility_timeout": float(env.get("VISIBILITY_TIMEOUT", "3600")),
             "unacked_restore_interval": 1,  # scan for messages of dead workers every second (kombu: 100 s)
             "unacked_restore_throttle": 1,
+            # a worker killed holding the restore lock leaves it set until this expiry (kombu: 300 s); docs/guide.md
+            "unacked_mutex_expire": 10,
         },
         worker_hijack_root_logger=False,
     )

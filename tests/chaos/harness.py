@@ -541,6 +541,29 @@ class Chaos:
             except Exception:
                 self.reconcile_errors += 1
 
+    def watch_restore_mutex(self) -> None:
+        """kombu's Redis transport restores unacked messages past the visibility timeout under one lock
+        (``unacked_mutex``, held for milliseconds); a holder that dies or loses Redis inside leaves it for its
+        whole expiry. Logged when seen held for more than 2 s: no message is redelivered meanwhile."""
+        import redis as redis_lib
+
+        client = redis_lib.Redis.from_url(self.redis.url_for(0), socket_timeout=1.0)
+        held_since: float | None = None
+        reported = False
+        while not self._stop.wait(0.5):
+            try:
+                ttl = client.pttl("unacked_mutex")
+            except Exception:
+                continue
+            if ttl is None or ttl < 0:
+                held_since, reported = None, False
+                continue
+            held_since = held_since or now()
+            if not reported and now() - held_since > 2.0:
+                reported = True
+                self.log_fault(f"  Redis restore lock (unacked_mutex) held for 2 s, {ttl / 1000:.0f} s to expiry")
+        client.close()
+
     def run_faults(self) -> None:
         for fault in self.config.faults:
             delay = self.t0 + fault.at - now()
@@ -717,6 +740,7 @@ class Chaos:
                 for fn in (self.publish, self.run_faults)
             ]
             reconciler = threading.Thread(target=self._guard(self.reconcile_loop), daemon=True)
+            threading.Thread(target=self._guard(self.watch_restore_mutex), daemon=True).start()
             supervisor = threading.Thread(
                 target=self._guard(lambda: self.workers.supervise(self.died, self._stop, self.rel)), daemon=True
             )
@@ -928,7 +952,10 @@ class Chaos:
                     for b in runs
                 )
                 + f"; explain: {state['explain'].get(task_id)}"
+                + f"; broker: {state['broker'].get(task_id)}"
             )
+        if bad:
+            self.report.details.append(f"broker: restore mutex ttl {state['broker'].get('unacked_mutex ttl ms')} ms")
         drift_events = state["drift_events"]
         figures["reconcile drift (runs / keyed_events)"] = f"{len(self.drift)} / {len(drift_events)}"
         figures["reconcile runs failed (ledger down)"] = self.reconcile_errors
@@ -955,6 +982,7 @@ class Chaos:
                 ).scalar_one()
             bad = [t for t in self.tasks if state["outcomes"].get(t) != "completed"][:5]
             state["explain"] = {}
+            state["broker"] = self.broker_state(bad)
             for t in bad:
                 try:
                     state["explain"][t] = ledger.explain(t)
@@ -964,6 +992,37 @@ class Chaos:
         except Exception:
             self.report.details.append(traceback.format_exc())
             return None
+
+    def broker_state(self, task_ids: list[str]) -> dict[str, str]:
+        """Where the Redis transport holds each of ``task_ids`` after the drain: in the unacked hash (with the
+        age of its delivery and its tag), in a queue list, or nowhere; plus the restore mutex's remaining TTL.
+        Tells a message the transport still holds but never restored from one that was acked or lost."""
+        import redis as redis_lib
+
+        found: dict[str, str] = {}
+        try:
+            client = redis_lib.Redis.from_url(self.redis.url_for(0))
+            ages = dict(client.zrange("unacked_index", 0, -1, withscores=True))
+            for tag, raw in client.hgetall("unacked").items():
+                for t in task_ids:
+                    if t.encode() in raw:
+                        age = time.time() - ages[tag] if tag in ages else float("nan")
+                        found[t] = f"unacked (tag {tag.decode()}, delivered {age:.1f}s ago)"
+            for queue in client.keys("*"):
+                if client.type(queue) != b"list":
+                    continue
+                for raw in client.lrange(queue, 0, -1):
+                    for t in task_ids:
+                        if t.encode() in raw:
+                            found[t] = f"queued in {queue.decode()}"
+            ttl = client.pttl("unacked_mutex")
+            found["unacked_mutex ttl ms"] = str(ttl)
+            client.close()
+        except Exception as error:
+            found["error"] = repr(error)
+        for t in task_ids:
+            found.setdefault(t, "nowhere in Redis (acked, or lost)")
+        return found
 
     def scan_logs(self) -> dict[str, int]:
         patterns = {

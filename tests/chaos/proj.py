@@ -80,6 +80,8 @@ def make_app(env: Mapping[str, str]) -> Any:
             "visibility_timeout": float(env.get("VISIBILITY_TIMEOUT", "3600")),
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            # a worker killed holding the restore lock leaves it set until this expiry (kombu: 300 s); docs/guide.md
+            "unacked_mutex_expire": 10,
         },
         # Celery reads a task's stored meta before writing its result without retrying a connection error: with
         # the backend's Redis down, a body that ran to its end is marked failed. A careful user of a Redis
