@@ -220,7 +220,9 @@ def _release_stale(client: Any, site: tuple[Any, ...], name: Any) -> None:
         try:
             client.eval(_DELETE_IF_OURS, 1, name, token)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            return
+            return  # Redis still away: next time
+        except redis.exceptions.RedisError:
+            pass  # refused (a read-only replica, no scripting): never raised into kombu's scan; left to its expiry
         with _stale_lock:
             left = _stale.get(site, [])
             if token in left:
