@@ -216,12 +216,16 @@ class GateService:
         self._pool_release = self._pool_semaphore_release()
         if hub is not None and self._pool_release is not None and self.settings.admission_batch > 0:
             if self.admission is None:
-                self.admission = AdmissionService(self._decide, self._deliver, batch=self.settings.admission_batch)
+                self.admission = AdmissionService(
+                    self._decide, self._deliver, batch=self.settings.admission_batch,
+                    thread_context=self.ledger.pinned,
+                )
             self.admission.start()
             if self.settings.park_at_receipt:
                 if self.receipts is None:
                     self.receipts = AdmissionService(
-                        self._decide, self._deliver, batch=self.settings.admission_batch, name="keyed-receipt"
+                        self._decide, self._deliver, batch=self.settings.admission_batch, name="keyed-receipt",
+                        thread_context=self.ledger.pinned,
                     )
                 self.receipts.start()
         if timer is not None:

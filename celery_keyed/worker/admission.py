@@ -19,6 +19,7 @@ verdict goes back to the loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -54,8 +55,11 @@ class AdmissionService:
         *,
         batch: int,
         name: str = "keyed-admission",
+        thread_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self._name = name
+        #: Entered by the service's thread for its lifetime (the ledger's ``pinned``: one connection kept).
+        self._thread_context = thread_context
         self._decide = decide
         self._deliver = deliver
         self._batch = max(1, batch)
@@ -124,6 +128,10 @@ class AdmissionService:
         return len(jobs)
 
     def _run(self) -> None:
+        with self._thread_context():
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             self._ready.wait()
             self._ready.clear()

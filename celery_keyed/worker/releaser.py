@@ -201,7 +201,12 @@ class Releaser:
 
     def _run(self, stop: threading.Event) -> None:
         """The releaser thread: runs the releases handed to it, in order; on stop, the ones already handed over
-        (``stop`` closes the hand-over first, so none is left behind)."""
+        (``stop`` closes the hand-over first, so none is left behind). It keeps one ledger connection between its
+        calls (``Ledger.pinned``)."""
+        with self.gate.ledger.pinned():
+            self._serve(stop)
+
+    def _serve(self, stop: threading.Event) -> None:
         while True:
             self._ready.wait()
             self._ready.clear()

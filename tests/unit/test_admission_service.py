@@ -172,3 +172,33 @@ def test_an_unreachable_ledger_fails_every_job_of_the_receipt_batch() -> None:
     jobs = receipt_jobs(2)
     GateService._park_received(SimpleNamespace(ledger=ledger), jobs)  # type: ignore[arg-type]
     assert all(j.error is down and j.result is None for j in jobs)
+
+
+def test_the_thread_decides_inside_its_thread_context_for_its_whole_life() -> None:
+    """The gate passes ``Ledger.pinned``: the thread keeps one ledger connection from start to stop."""
+    import contextlib
+
+    events: list[tuple[str, str]] = []
+    rec = Recorder()
+
+    @contextlib.contextmanager
+    def context():  # type: ignore[no-untyped-def]
+        events.append(("enter", threading.current_thread().name))
+        yield
+        events.append(("exit", threading.current_thread().name))
+
+    def decide(jobs: Sequence[Job]) -> None:
+        events.append(("decide", threading.current_thread().name))
+        rec.decide(jobs)
+
+    service = AdmissionService(decide, rec.deliver, batch=4, name="keyed-admission-test", thread_context=context)
+    service.start()
+    try:
+        service.submit(job(0))
+        assert rec.done.wait(10)
+        service.submit(job(1))
+    finally:
+        service.stop()
+    thread_events = [what for what, name in events if name == "keyed-admission-test"]
+    assert thread_events[0] == "enter" and thread_events[-1] == "exit"
+    assert thread_events.count("enter") == 1 and "decide" in thread_events[1:-1]

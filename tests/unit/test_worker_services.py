@@ -3,8 +3,10 @@ dispatch policy of promotions, and the releaser's batches, order, start / stop t
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,6 +48,12 @@ class FakeLedger:
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[str]]] = []
         self.fail: BaseException | None = None
+        self.pins = 0
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:  # the releaser's thread keeps one connection for its lifetime
+        self.pins += 1
+        yield
 
     def release(self, token: Token, fence: int, outcome: Outcome, **kw: Any) -> ReleaseReport:
         if self.fail is not None:
@@ -114,6 +122,7 @@ def test_the_releaser_starts_and_stops_twice_and_loses_nothing() -> None:
     hand(releaser, "again")
     releaser.stop()
     assert gate.ledger.calls[-1] == ("release", ["again"])
+    assert gate.ledger.pins == 2  # each run of the thread kept one ledger connection (Ledger.pinned)
 
 
 def test_a_release_that_cannot_commit_is_kept_with_its_ack_and_retried() -> None:

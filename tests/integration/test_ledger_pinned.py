@@ -1,0 +1,100 @@
+"""``Ledger.pinned``: a worker's service thread (admission, releaser) keeps one autocommit connection between its
+self-committing calls instead of checking one out of the pool and back for each (about 75 µs of the worker's main
+process CPU per call, docs/benchmarks.md). What must hold: the calls inside the context share one connection, the
+connection goes back to the pool when the context ends, a thread without a pin (or another thread) is not
+affected, and a pinned connection the server dropped fails one call at most and is never used again."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import sqlalchemy as sa
+
+from celery_keyed.ledger import Arrival, Ledger, Outcome, Token, Verdict
+
+
+def _checkouts(engine: sa.Engine) -> list[int]:
+    seen: list[int] = []
+    sa.event.listen(engine, "checkout", lambda dbapi, record, proxy: seen.append(id(dbapi)))
+    return seen
+
+
+def _cycle(ledger: Ledger, key: str) -> None:
+    task_id = f"t-{uuid.uuid4().hex[:10]}"
+    admission = ledger.admit(Arrival(task_id=task_id, key=key))
+    assert admission.verdict is Verdict.ADMITTED
+    report = ledger.release(Token(task_id, 0), admission.fence or 0, Outcome.COMPLETED)
+    assert report.released
+
+
+def test_calls_inside_the_context_share_one_connection_and_give_it_back(engine: sa.Engine) -> None:
+    ledger = Ledger(engine)
+    checkouts = _checkouts(engine)
+    for i in range(3):
+        _cycle(ledger, f"unpinned:{i}")
+    unpinned = len(checkouts)
+    assert unpinned >= 6  # the control: a claim and a release each check a connection out
+    checkouts.clear()
+    with ledger.pinned():
+        for i in range(5):
+            _cycle(ledger, f"pinned:{i}")
+        assert engine.pool.checkedout() == 1  # type: ignore[attr-defined]
+        with ledger.pinned():  # nested: the same pin
+            _cycle(ledger, "pinned:nested")
+    assert len(checkouts) == 1
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]  # back in the pool at the end
+
+
+def test_another_thread_is_not_pinned(engine: sa.Engine) -> None:
+    ledger = Ledger(engine)
+    checkouts = _checkouts(engine)
+    done = threading.Event()
+    with ledger.pinned():
+        _cycle(ledger, "mine")
+        mine = len(checkouts)
+
+        def other() -> None:
+            _cycle(ledger, "theirs:0")
+            _cycle(ledger, "theirs:1")
+            done.set()
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(timeout=30)
+        assert done.is_set()
+        assert len(checkouts) - mine >= 4  # the other thread checked out per call
+        assert engine.pool.checkedout() == 1  # type: ignore[attr-defined]  # only the pin is out
+
+
+def test_a_dropped_pinned_connection_fails_one_call_at_most_then_a_new_one_is_used(engine: sa.Engine) -> None:
+    ledger = Ledger(engine)
+    failures = 0
+    with ledger.pinned():
+        _cycle(ledger, "before")
+        pid = ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+        with engine.connect() as admin:
+            assert admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
+        for i in range(3):
+            try:
+                _cycle(ledger, f"after:{i}")
+            except sa.exc.DBAPIError:
+                failures += 1
+        new_pid = ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+    assert failures <= 1
+    assert new_pid != pid
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+def test_a_statement_through_sqlalchemy_leaves_no_transaction_open_on_the_pin(engine: sa.Engine) -> None:
+    """SQLAlchemy autobegins on ``conn.execute`` even in autocommit; the pin ends it after each call, so the next
+    call is not run inside it (and an error in one call does not leave the pin unusable)."""
+    ledger = Ledger(engine)
+    with ledger.pinned():
+        assert ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT 1")).scalar_one()) == 1
+        assert not ledger.autocommitted(lambda conn: conn.in_transaction())
+        with pytest.raises(sa.exc.DBAPIError):
+            ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT 1/0")).scalar_one())
+        assert ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT 2")).scalar_one()) == 2
+        _cycle(ledger, "still-usable")
