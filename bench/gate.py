@@ -145,6 +145,13 @@ if os.environ.get(ENV_VARIANT) and __name__ != "__main__":  # a worker: celery -
         os.environ[ENV_OBSERVER],
     )
 
+    @signals.worker_process_init.connect(weak=False)
+    def _connect_observer(**kwargs: Any) -> None:
+        """Each pool process opens its observer connection when it starts: a task body's first record would
+        otherwise connect after the body's end was stamped, and that connect would count in the handoff that
+        follows it (the first handoff of every fresh pool process)."""
+        _observer(os.environ[ENV_OBSERVER]).ping()
+
     @signals.worker_ready.connect(weak=False)
     def _announce_ready(sender: Any = None, **kwargs: Any) -> None:
         _observer(os.environ[ENV_OBSERVER]).rpush(READY_LIST, str(getattr(sender, "hostname", "?")))

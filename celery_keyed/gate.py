@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from signal import SIGTERM
 from typing import Any
@@ -218,14 +218,14 @@ class GateService:
             if self.admission is None:
                 self.admission = AdmissionService(
                     self._decide, self._deliver, batch=self.settings.admission_batch,
-                    thread_context=self.ledger.pinned,
+                    thread_context=self._service_thread,
                 )
             self.admission.start()
             if self.settings.park_at_receipt:
                 if self.receipts is None:
                     self.receipts = AdmissionService(
                         self._decide, self._deliver, batch=self.settings.admission_batch, name="keyed-receipt",
-                        thread_context=self.ledger.pinned,
+                        thread_context=self._service_thread,
                     )
                 self.receipts.start()
         if timer is not None:
@@ -949,6 +949,14 @@ class GateService:
         ``TaskRevokedError`` from ``execute_using_pool`` does on the loop's own path)."""
         if self._pool_release is not None:
             self._pool_release()
+
+    @contextlib.contextmanager
+    def _service_thread(self) -> Iterator[None]:
+        """The admission and receipt threads' context for their lifetime: one ledger connection kept between
+        calls (``Ledger.pinned``), warmed up before the first request needs it (``Ledger.warm_up``)."""
+        with self.ledger.pinned():
+            self.ledger.warm_up()
+            yield
 
     def _pool_semaphore_release(self) -> Callable[[], None] | None:
         """Celery's release of the pool semaphore when the worker guards pool puts with it (prefork on the event

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
@@ -920,6 +921,45 @@ class Ledger:
             return {}
         with self.engine.connect() as conn:
             return claims_cancel_requested(conn, self.holder, held)
+
+    def warm_up(self) -> None:
+        """Open this thread's connection and run the hot path once on it, rolled back: a claim, an arrival parked
+        behind it, and the release that promotes it to this holder (local handoff).
+
+        A new backend compiles the ledger's PL/pgSQL functions and plans their statements on first use (and loads
+        the catalog entries of every table they touch); together with the connection's own start that made the
+        first handoff of a fresh worker 30-60 ms slower than the next ones (docs/benchmarks.md). The worker's
+        service threads call it in their pinned context (``pinned``) when they start, before any task needs them.
+        Everything runs in one explicit transaction block that is rolled back, on a key of its own
+        (``keyed-warm-up:<uuid>``), so nothing is left behind, and no other key's lock is taken; only the shard's
+        fence sequence may move on. Never raises: a ledger that cannot be reached is the breaker's business when a
+        real call finds it."""
+        try:
+            with self._autocommit_connection() as conn:
+                raw = conn.connection.driver_connection
+                if not isinstance(raw, psycopg.Connection) or not raw.autocommit:
+                    return
+                raw.execute("BEGIN")
+                try:
+                    key = f"keyed-warm-up:{uuid.uuid4().hex}"
+                    first = Arrival(task_id=f"{key}:first", key=key, task_name="keyed.warm_up", queue="keyed.warm_up")
+                    second = Arrival(task_id=f"{key}:second", key=key, task_name="keyed.warm_up",
+                                     queue="keyed.warm_up")
+                    claimed, _ = admit.admit_autocommit(conn, first, holder=self.holder, lease=self.lease)
+                    admit.admit_plain(conn, second, holder=self.holder, lease=self.lease)
+                    if claimed is not None and claimed.fence is not None:
+                        request = ReleaseRequest(
+                            Token(first.task_id, 0), claimed.fence, Outcome.COMPLETED,
+                            local_queues=frozenset({"keyed.warm_up"}), local_tasks=frozenset({"keyed.warm_up"}),
+                        )
+                        release.release_and_promote(conn, [request], holder=self.holder, lease=self.lease)
+                finally:
+                    if not raw.closed:
+                        raw.execute("ROLLBACK")
+        except Exception:
+            logger.debug("celery-keyed: warming the ledger connection up failed", exc_info=True)
+            if getattr(self._pins, "depth", 0):
+                self._drop_pin()  # whatever state it was left in, the next call starts on a fresh connection
 
     def confirm(self, token: Token, fence: int, *, now: datetime | None = None) -> bool:
         """Bind a start to a claim taken earlier (D14): True when the claim of ``token`` is still this holder's,

@@ -202,8 +202,9 @@ class Releaser:
     def _run(self, stop: threading.Event) -> None:
         """The releaser thread: runs the releases handed to it, in order; on stop, the ones already handed over
         (``stop`` closes the hand-over first, so none is left behind). It keeps one ledger connection between its
-        calls (``Ledger.pinned``)."""
+        calls (``Ledger.pinned``), warmed up when the thread starts (``Ledger.warm_up``)."""
         with self.gate.ledger.pinned():
+            self.gate.ledger.warm_up()
             self._serve(stop)
 
     def _serve(self, stop: threading.Event) -> None:

@@ -98,3 +98,46 @@ def test_a_statement_through_sqlalchemy_leaves_no_transaction_open_on_the_pin(en
             ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT 1/0")).scalar_one())
         assert ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT 2")).scalar_one()) == 2
         _cycle(ledger, "still-usable")
+
+
+def _ledger_rows(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        tables = conn.execute(
+            sa.text("SELECT tablename FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'keyed%'")
+        ).scalars().all()
+        return {t: conn.execute(sa.text(f'SELECT count(*) FROM "{t}"')).scalar_one() for t in tables}
+
+
+def test_warm_up_runs_the_hot_path_on_the_pinned_connection_and_leaves_nothing(engine: sa.Engine) -> None:
+    """The warm-up claims, parks and releases on a key of its own inside a block it rolls back: every ledger
+    table has the rows it had, the pin it warmed is the connection the thread goes on with, and the hot path works
+    after it."""
+    ledger = Ledger(engine)
+    _cycle(ledger, "before")  # the tables the warm-up touches have rows of their own
+    before = _ledger_rows(engine)
+    checkouts = _checkouts(engine)
+    with ledger.pinned():
+        ledger.warm_up()
+        pid = ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+        assert not ledger.autocommitted(lambda conn: conn.in_transaction())
+        _cycle(ledger, "before")  # the same key: no key or slot rows of its own
+        assert ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()) == pid
+    assert len(checkouts) == 1
+    after = _ledger_rows(engine)
+    grown = {t: (before[t], after[t]) for t in after if after[t] != before.get(t)}
+    assert set(grown) <= {"keyed_tasks"}, grown  # only the second cycle's own task row
+    assert after["keyed_tasks"] == before["keyed_tasks"] + 1
+    with engine.connect() as conn:
+        assert not conn.execute(sa.text("SELECT count(*) FROM keyed_tasks WHERE key LIKE 'keyed-warm-up:%'")).scalar()
+
+
+def test_warm_up_never_raises_when_the_database_cannot_be_reached() -> None:
+    engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:9/none", connect_args={"connect_timeout": 1})
+    try:
+        ledger = Ledger(engine)
+        with ledger.pinned():
+            ledger.warm_up()  # logged at debug level, not raised: the breaker hears of it from a real call
+            with pytest.raises(sa.exc.OperationalError):
+                ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT 1")).scalar_one())
+    finally:
+        engine.dispose()

@@ -55,6 +55,9 @@ class FakeLedger:
         self.pins += 1
         yield
 
+    def warm_up(self) -> None:
+        self.calls.append(("warm_up", []))
+
     def release(self, token: Token, fence: int, outcome: Outcome, **kw: Any) -> ReleaseReport:
         if self.fail is not None:
             raise self.fail
