@@ -922,37 +922,58 @@ class Ledger:
         with self.engine.connect() as conn:
             return claims_cancel_requested(conn, self.holder, held)
 
-    def warm_up(self) -> None:
-        """Open this thread's connection and run the hot path once on it, rolled back: a claim, an arrival parked
-        behind it, and the release that promotes it to this holder (local handoff).
+    def warm_up(self) -> bool:
+        """Open this thread's connection and run the hot path once on it, rolled back: claims, an arrival parked
+        behind one of them, a release that promotes it and one that finds nobody waiting, and the fast claim.
 
         A new backend compiles the ledger's PL/pgSQL functions and plans their statements on first use (and loads
         the catalog entries of every table they touch); together with the connection's own start that made the
         first handoff of a fresh worker 30-60 ms slower than the next ones (docs/benchmarks.md). The worker's
         service threads call it in their pinned context (``pinned``) when they start, before any task needs them.
-        Everything runs in one explicit transaction block that is rolled back, on a key of its own
-        (``keyed-warm-up:<uuid>``), so nothing is left behind, and no other key's lock is taken; only the shard's
-        fence sequence may move on. Never raises: a ledger that cannot be reached is the breaker's business when a
-        real call finds it."""
+        Everything runs in one explicit transaction block that is rolled back, on keys of a name of its own
+        (``keyed-warm-up-<random>``), so nothing is left behind and no lock of another name or key is taken; only
+        the fence sequence may move on. Never raises: a ledger that cannot be reached is the breaker's business when a
+        real call finds it. True when the whole path ran (claimed, parked, released and promoted)."""
         try:
             with self._autocommit_connection() as conn:
                 raw = conn.connection.driver_connection
                 if not isinstance(raw, psycopg.Connection) or not raw.autocommit:
-                    return
+                    return False
                 raw.execute("BEGIN")
                 try:
-                    key = f"keyed-warm-up:{uuid.uuid4().hex}"
-                    first = Arrival(task_id=f"{key}:first", key=key, task_name="keyed.warm_up", queue="keyed.warm_up")
-                    second = Arrival(task_id=f"{key}:second", key=key, task_name="keyed.warm_up",
-                                     queue="keyed.warm_up")
-                    claimed, _ = admit.admit_autocommit(conn, first, holder=self.holder, lease=self.lease)
-                    admit.admit_plain(conn, second, holder=self.holder, lease=self.lease)
-                    if claimed is not None and claimed.fence is not None:
-                        request = ReleaseRequest(
-                            Token(first.task_id, 0), claimed.fence, Outcome.COMPLETED,
-                            local_queues=frozenset({"keyed.warm_up"}), local_tasks=frozenset({"keyed.warm_up"}),
-                        )
-                        release.release_and_promote(conn, [request], holder=self.holder, lease=self.lease)
+                    # a name of its own (the name's rows, inserted and rolled back, would make two threads warming
+                    # up at once wait for each other)
+                    name = f"keyed-warm-up-{uuid.uuid4().hex[:16]}"
+                    key, other = f"{name}:1", f"{name}:2"
+                    first, second, third, fourth = (
+                        Arrival(task_id=f"{k}:{n}", key=k, task_name="keyed.warm_up", queue="keyed.warm_up")
+                        for k, n in ((key, 1), (key, 2), (other, 3), (other, 4))
+                    )
+                    queues = tasks = frozenset({"keyed.warm_up"})
+                    # a key's first arrival (keyed_admit_plain), one parked behind it, the release that promotes
+                    # it; another key's first arrival, its release with nobody waiting, then the fast claim of a
+                    # known key with room (CLAIM_NEW)
+                    claimed, _ = admit.admit_plain(conn, first, holder=self.holder, lease=self.lease)
+                    parked, _ = admit.admit_plain(conn, second, holder=self.holder, lease=self.lease)
+                    alone, _ = admit.admit_plain(conn, third, holder=self.holder, lease=self.lease)
+                    if claimed is None or parked is None or alone is None:
+                        return False
+                    done = release.release_and_promote(
+                        conn,
+                        [
+                            ReleaseRequest(Token(t.task_id, 0), a.fence or 0, Outcome.COMPLETED,
+                                           local_queues=queues, local_tasks=tasks)
+                            for t, a in ((first, claimed), (third, alone))
+                        ],
+                        holder=self.holder, lease=self.lease,
+                    )
+                    fast, _ = admit.admit_autocommit(conn, fourth, holder=self.holder, lease=self.lease)
+                    return (
+                        parked.verdict is Verdict.PARKED
+                        and [p.task_id for p in done.promotions] == [second.task_id]
+                        and fast is not None
+                        and fast.verdict is Verdict.ADMITTED
+                    )
                 finally:
                     if not raw.closed:
                         raw.execute("ROLLBACK")
@@ -960,6 +981,7 @@ class Ledger:
             logger.debug("celery-keyed: warming the ledger connection up failed", exc_info=True)
             if getattr(self._pins, "depth", 0):
                 self._drop_pin()  # whatever state it was left in, the next call starts on a fresh connection
+            return False
 
     def confirm(self, token: Token, fence: int, *, now: datetime | None = None) -> bool:
         """Bind a start to a claim taken earlier (D14): True when the claim of ``token`` is still this holder's,
