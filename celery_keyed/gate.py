@@ -174,6 +174,9 @@ class GateService:
         self.receipts: AdmissionService | None = None
         self._pool_release: Callable[[], None] | None = None
         self._returned = 0  # requests sent back to the pool semaphore's front in the current delivery (loop only)
+        #: Loop only: while a decided batch is acted on, the pool processes it gives back (``_free_pool_slot``);
+        #: None otherwise.
+        self._frees: list[Callable[[], None]] | None = None
         # nonces of published promotions this worker gave back to the broker once (``_decline_promotion``), with
         # when: a promotion is declined at most once per worker (loop only)
         self._declined: dict[str, float] = {}
@@ -883,14 +886,31 @@ class GateService:
     def _admitted(self, jobs: list[Job]) -> None:
         """Loop thread: start the admitted requests of a decided batch in the pool processes kept for them; ack,
         park or drop the others and give their pool process back. Then the requests still waiting for a pool process
-        whose key became busy here meanwhile are parked without one (``park_waiting``)."""
+        whose key became busy here meanwhile are parked without one (``park_waiting``).
+
+        The pool processes the batch gives back are given back after ``park_waiting``, not as each verdict is acted
+        on: given back at once, a parked request's process went straight to the next request of its key waiting in
+        the pool semaphore's line, whose admission was then under way while ``park_waiting`` looked (D10 keeps a
+        key with a request in admission flight where it is), so a burst of one key's arrivals was parked one at a
+        time, each holding a pool process for its round trip (bench.gate c: an admission every ~5 ms beside the
+        key's handoffs, which waited on the same rows)."""
         self._returned = 0
-        for job in jobs:
-            try:
-                self._start_decided(job)
-            except Exception:
-                logger.exception("celery-keyed: could not act on the admission of %s", job.request.id)
-        self.park_waiting()
+        frees: list[Callable[[], None]] = []
+        self._frees = frees
+        try:
+            for job in jobs:
+                try:
+                    self._start_decided(job)
+                except Exception:
+                    logger.exception("celery-keyed: could not act on the admission of %s", job.request.id)
+            self.park_waiting()
+        finally:
+            self._frees = None
+            for free in frees:
+                try:
+                    free()
+                except Exception:
+                    logger.exception("celery-keyed: could not give a pool process back")
 
     def _start_decided(self, job: Job) -> None:
         if job.extra.get("receipt"):
@@ -946,9 +966,14 @@ class GateService:
 
     def _free_pool_slot(self) -> None:
         """Give back the pool semaphore Celery took for a request that does not start after all (what raising
-        ``TaskRevokedError`` from ``execute_using_pool`` does on the loop's own path)."""
-        if self._pool_release is not None:
-            self._pool_release()
+        ``TaskRevokedError`` from ``execute_using_pool`` does on the loop's own path); while a decided batch is
+        acted on (``_admitted``), once the batch is done."""
+        if self._pool_release is None:
+            return
+        if self._frees is not None:
+            self._frees.append(self._pool_release)
+            return
+        self._pool_release()
 
     @contextlib.contextmanager
     def _service_thread(self) -> Iterator[None]:

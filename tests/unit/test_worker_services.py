@@ -436,6 +436,39 @@ def test_requests_waiting_for_a_pool_process_of_a_busy_key_go_to_the_receipt_ser
     assert submitted[-1].request.id == "r3"
 
 
+def test_a_decided_batch_gives_its_pool_processes_back_after_parking_what_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GateService._admitted``: a parked request's pool process is given back once ``park_waiting`` has looked, so
+    the requests of its key waiting in the pool semaphore's line are parked at receipt together, in order, and the
+    process goes to the next request that will run. Given back at once, it went to the key's next request, whose
+    admission was then under way (D10 kept the key where it was), and a burst was parked one request at a time."""
+    from celery.worker import state as worker_state
+
+    from celery_keyed.gate import GateService
+
+    gate, semaphore, submitted = _waiting_gate(monkeypatch, held={"acct:1"})
+    given: list[str] = []
+
+    def pool_release() -> None:  # kombu's semaphore: the freed process goes to the first request waiting
+        if semaphore._waiting:
+            given.append(semaphore._waiting.popleft()[1][0].id)
+
+    gate._pool_release = pool_release
+    gate._frees = None
+    gate._free_pool_slot = GateService._free_pool_slot.__get__(gate)
+    gate._start_decided = lambda job: gate._free_pool_slot()  # the batch's one verdict: parked, its process freed
+    r1, other, r2 = _Request("r1", "acct:1"), _Request("u", None), _Request("r2", "acct:1")
+    for request in (r1, other, r2):
+        semaphore._waiting.append((lambda r: None, (request,), {}))
+    monkeypatch.setattr(worker_state, "reserved_requests", {r1, other, r2})
+    monkeypatch.setattr(worker_state, "active_requests", set())
+    GateService._admitted(gate, [SimpleNamespace(request=_Request("r0", "acct:1"))])  # type: ignore[arg-type]
+    assert [job.request.id for job in submitted] == ["r1", "r2"]  # parked together, in order
+    assert given == ["u"]  # the process went to the request that will run
+    assert gate._frees is None
+    gate._free_pool_slot()  # outside a batch: given back at once
+    assert given == ["u"] and not semaphore._waiting
+
+
 def test_requests_sent_back_undecided_return_to_the_front_of_the_line_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """``GateService._back_in_line``: requests taken out of the pool semaphore's line that the ledger did not park
     (room after all) go back to its front, in the order they were taken, ahead of requests received after them."""
