@@ -29,12 +29,15 @@ def ledger_url(database_url: str) -> sa.URL:
     return url
 
 
-def create_ledger_engine(settings: KeyedSettings) -> sa.Engine:
+def create_ledger_engine(settings: KeyedSettings, *, pinned: int = 0) -> sa.Engine:
+    """The ledger's engine: ``keyed_pool_size`` connections kept (as many again may overflow), plus ``pinned`` for
+    the threads that keep one each for their lifetime (the worker's admission, receipt and releaser threads,
+    ``Ledger.pinned``), so that those never leave the heartbeat, the sweeper or the loop waiting for one."""
     url = ledger_url(settings.database_url)
     try:
         return sa.create_engine(
             url,
-            pool_size=settings.pool_size,
+            pool_size=settings.pool_size + pinned,
             max_overflow=settings.pool_size,
             pool_timeout=settings.connect_timeout,
             connect_args={

@@ -74,6 +74,11 @@ from celery_keyed.worker.sweeper import Sweeper
 
 logger = logging.getLogger("celery_keyed")
 
+#: Threads of a worker process that keep one ledger connection each for their lifetime (``Ledger.pinned``): the
+#: admission, receipt and releaser threads. The engine's pool keeps that many connections more than
+#: ``keyed_pool_size``.
+PINNED_THREADS = 3
+
 # Seconds a worker remembers a promotion it gave back to the broker (``GateService._decline_promotion``): delivered
 # here again within them, it is kept.
 DECLINE_MEMORY = 60.0
@@ -144,7 +149,7 @@ class GateService:
         self.app = app
         self.consumer = consumer
         self.settings = settings
-        self.engine = create_ledger_engine(settings)
+        self.engine = create_ledger_engine(settings, pinned=PINNED_THREADS)
         self.ledger = Ledger(
             self.engine,
             holder=new_holder(getattr(consumer, "hostname", None)),

@@ -141,3 +141,48 @@ def test_warm_up_never_raises_when_the_database_cannot_be_reached() -> None:
                 ledger.autocommitted(lambda conn: conn.execute(sa.text("SELECT 1")).scalar_one())
     finally:
         engine.dispose()
+
+
+def test_a_worker_keeps_room_in_its_pool_for_the_pinned_threads(database_url: str) -> None:
+    """With ``keyed_pool_size = 1`` (one connection, one more in overflow) the three pinned threads would take every
+    connection a worker may open and leave the heartbeat waiting for one (self-fencing its running tasks): the
+    gate's engine keeps ``PINNED_THREADS`` connections more, so with every thread pinned the heartbeat's and the
+    loop's calls still get theirs."""
+    from types import SimpleNamespace
+
+    from celery import Celery
+
+    from celery_keyed.gate import PINNED_THREADS, GateService
+    from celery_keyed.settings import read_settings
+
+    app = Celery("pinned-room", broker="memory://", set_as_current=False)
+    app.conf.update(keyed_database_url=database_url, keyed_pool_size=1, keyed_connect_timeout=1)
+    consumer = SimpleNamespace(hostname="pinned-room", timer=None, strategies={}, pool=None)
+    gate = GateService(app, consumer, read_settings(app.conf))
+    try:
+        assert PINNED_THREADS == 3
+        assert gate.engine.pool.size() == 1 + PINNED_THREADS  # type: ignore[attr-defined]
+        pinned = threading.Barrier(PINNED_THREADS + 1)
+        done = threading.Event()
+
+        def service_thread() -> None:
+            with gate.ledger.pinned():
+                gate.ledger.warm_up()
+                pinned.wait(timeout=10)
+                done.wait(timeout=30)
+
+        threads = [threading.Thread(target=service_thread) for _ in range(PINNED_THREADS)]
+        for thread in threads:
+            thread.start()
+        pinned.wait(timeout=10)
+        try:
+            # two more calls at once (the heartbeat and the loop): keyed_pool_size 1 and its overflow
+            _cycle(gate.ledger, "room:1")
+            with gate.engine.connect() as one, gate.engine.connect() as two:
+                assert one.execute(sa.text("SELECT 1")).scalar_one() == two.execute(sa.text("SELECT 1")).scalar_one()
+        finally:
+            done.set()
+            for thread in threads:
+                thread.join(timeout=10)
+    finally:
+        gate.engine.dispose()

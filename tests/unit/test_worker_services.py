@@ -436,7 +436,9 @@ def test_requests_waiting_for_a_pool_process_of_a_busy_key_go_to_the_receipt_ser
     assert submitted[-1].request.id == "r3"
 
 
-def test_a_decided_batch_gives_its_pool_processes_back_after_parking_what_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_decided_batch_gives_its_pool_processes_back_after_parking_what_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``GateService._admitted``: a parked request's pool process is given back once ``park_waiting`` has looked, so
     the requests of its key waiting in the pool semaphore's line are parked at receipt together, in order, and the
     process goes to the next request that will run. Given back at once, it went to the key's next request, whose
