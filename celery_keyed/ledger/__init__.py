@@ -929,7 +929,7 @@ class Ledger:
         A new backend compiles the ledger's PL/pgSQL functions and plans their statements on first use (and loads
         the catalog entries of every table they touch); together with the connection's own start that made the
         first handoff of a fresh worker 30-60 ms slower than the next ones (docs/benchmarks.md). The worker's
-        service threads call it in their pinned context (``pinned``) when they start, before any task needs them.
+        service threads call it in their pinned context (``pinned``) once the worker received its first keyed task.
         Everything runs in one explicit transaction block that is rolled back, on keys of a name of its own
         (``keyed-warm-up-<random>``), so nothing is left behind and no lock of another name or key is taken; only
         the fence sequence may move on. Never raises: a ledger that cannot be reached is the breaker's business when a

@@ -56,10 +56,15 @@ class AdmissionService:
         batch: int,
         name: str = "keyed-admission",
         thread_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        warm: Callable[[], Any] | None = None,
     ) -> None:
         self._name = name
         #: Entered by the service's thread for its lifetime (the ledger's ``pinned``: one connection kept).
         self._thread_context = thread_context
+        #: Run once by each of the service's threads, inside its context, once ``request_warm`` was called
+        #: (the ledger's ``warm_up``).
+        self._warm = warm
+        self._warm_wanted = threading.Event()
         self._decide = decide
         self._deliver = deliver
         self._batch = max(1, batch)
@@ -107,6 +112,13 @@ class AdmissionService:
                 self._thread = None
         self.admit_once()  # anything queued after the thread's last look (none when it ended normally)
 
+    def request_warm(self) -> None:
+        """Any thread: keyed work is coming; the service's thread (this one and every later one) runs ``warm``
+        once, before its next batch (at once if it is idle)."""
+        if self._warm is not None and not self._warm_wanted.is_set():
+            self._warm_wanted.set()
+            self._ready.set()
+
     def pending(self) -> int:
         with self._lock:
             return len(self._jobs)
@@ -132,9 +144,20 @@ class AdmissionService:
             self._serve()
 
     def _serve(self) -> None:
+        warmed = False
+        if self._warm_wanted.is_set():  # a later thread (consumer restart): its own connection, warmed when idle
+            self._ready.set()
         while True:
             self._ready.wait()
             self._ready.clear()
+            if not warmed and self._warm is not None and self._warm_wanted.is_set() and not self._stop.is_set():
+                # before the next batch: its first request waits for the warm-up once, where it would otherwise
+                # pay the cold connection's first use itself
+                warmed = True
+                try:
+                    self._warm()
+                except Exception:  # a warm-up is an optimisation: never the end of the thread
+                    logger.debug("celery-keyed: %s could not warm up", self._name, exc_info=True)
             while self.admit_once():
                 pass
             if self._stop.is_set():

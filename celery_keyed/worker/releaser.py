@@ -85,6 +85,7 @@ class Releaser:
         self._working = 0  # releases taken from ``_releases`` (or run in a caller's thread) not finished yet
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()  # the current thread's; a new one per start
+        self._warm_wanted = threading.Event()  # keyed work was seen: each releaser thread warms its connection up
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -202,15 +203,31 @@ class Releaser:
     def _run(self, stop: threading.Event) -> None:
         """The releaser thread: runs the releases handed to it, in order; on stop, the ones already handed over
         (``stop`` closes the hand-over first, so none is left behind). It keeps one ledger connection between its
-        calls (``Ledger.pinned``), warmed up when the thread starts (``Ledger.warm_up``)."""
+        calls (``Ledger.pinned``), warmed up once keyed work was seen (``request_warm``, ``Ledger.warm_up``)."""
         with self.gate.ledger.pinned():
-            self.gate.ledger.warm_up()
             self._serve(stop)
 
+    def request_warm(self) -> None:
+        """Any thread: keyed work is coming; the releaser thread (this one and every later one) warms its ledger
+        connection up once, before its next release (at once if it is idle), so that the first release — a
+        handoff — does not pay a fresh backend's first use."""
+        if not self._warm_wanted.is_set():
+            self._warm_wanted.set()
+            self._ready.set()
+
     def _serve(self, stop: threading.Event) -> None:
+        warmed = False
+        if self._warm_wanted.is_set():  # a later thread (consumer restart): its own connection, warmed when idle
+            self._ready.set()
         while True:
             self._ready.wait()
             self._ready.clear()
+            if not warmed and self._warm_wanted.is_set() and not stop.is_set():
+                warmed = True  # before the next release: it waits for the warm-up once, instead of running cold
+                try:
+                    self.gate.ledger.warm_up()
+                except Exception:  # never the end of the thread
+                    logger.debug("celery-keyed: the releaser could not warm up", exc_info=True)
             stopping = stop.is_set()
             while self.release_once():
                 pass

@@ -202,3 +202,51 @@ def test_the_thread_decides_inside_its_thread_context_for_its_whole_life() -> No
     thread_events = [what for what, name in events if name == "keyed-admission-test"]
     assert thread_events[0] == "enter" and thread_events[-1] == "exit"
     assert thread_events.count("enter") == 1 and "decide" in thread_events[1:-1]
+
+
+def test_the_thread_warms_up_once_when_asked_and_idle_and_never_unasked() -> None:
+    """``request_warm`` (the gate's first keyed arrival): the thread runs ``warm`` once, when it has nothing to
+    decide, and so does the thread of a later start; never asked (a worker of plain tasks only), it never runs."""
+    import time
+
+    rec = Recorder()
+    calls: list[str] = []
+
+    def warm() -> None:
+        calls.append("warm")
+
+    def decide(jobs: Sequence[Job]) -> None:
+        calls.append("decide")
+        rec.decide(jobs)
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while calls.count("warm") < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    service = AdmissionService(decide, rec.deliver, batch=4, warm=warm)
+    service.start()
+    try:
+        service.submit(job(0))
+        assert rec.done.wait(10)
+        time.sleep(0.05)
+        assert calls == ["decide"]  # not asked: no warm-up
+        service.request_warm()
+        service.request_warm()  # asked twice: once
+        wait_for(1)
+        rec.done.clear()
+        service.submit(job(1))
+        assert rec.done.wait(10)
+    finally:
+        service.stop()
+    assert calls == ["decide", "warm", "decide"]
+    service.start()  # a consumer restart: a new thread, a new connection, warmed up again once idle
+    try:
+        rec.done.clear()
+        service.submit(job(2))
+        assert rec.done.wait(10)
+        wait_for(2)
+    finally:
+        service.stop()
+    assert calls.count("warm") == 2 and calls.count("decide") == 3
+    assert calls[:3] == ["decide", "warm", "decide"]

@@ -126,6 +126,34 @@ def test_the_releaser_starts_and_stops_twice_and_loses_nothing() -> None:
     releaser.stop()
     assert gate.ledger.calls[-1] == ("release", ["again"])
     assert gate.ledger.pins == 2  # each run of the thread kept one ledger connection (Ledger.pinned)
+    assert ("warm_up", []) not in gate.ledger.calls  # no keyed work announced: no warm-up
+
+
+def test_the_releaser_warms_its_connection_up_once_keyed_work_is_announced() -> None:
+    """``request_warm`` (the gate's first keyed arrival): the idle releaser thread warms its connection up once; the
+    thread of a later start (a consumer restart: a new connection) does it again when idle."""
+    import time
+
+    gate = fake_gate()
+
+    def warmed(count: int) -> bool:
+        deadline = time.monotonic() + 10
+        while [name for name, _ in gate.ledger.calls].count("warm_up") < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [name for name, _ in gate.ledger.calls].count("warm_up") == count
+
+    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser.start()
+    releaser.request_warm()
+    assert warmed(1)
+    hand(releaser, "r0")
+    releaser.stop()
+    assert [name for name, _ in gate.ledger.calls] == ["warm_up", "release"]
+    releaser.start()
+    assert warmed(2)
+    hand(releaser, "r1")
+    releaser.stop()
+    assert [name for name, _ in gate.ledger.calls] == ["warm_up", "release", "warm_up", "release"]
 
 
 def test_a_release_that_cannot_commit_is_kept_with_its_ack_and_retried() -> None:
@@ -299,6 +327,7 @@ def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.Mo
     handled: list[Any] = []
     gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
     gate._decline_promotion = lambda request: False  # type: ignore[attr-defined]
+    gate._warm_services = lambda: None  # type: ignore[attr-defined]
     answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if nonce:
         assert (answer, handled, submitted) == ("handled", [request], [])
@@ -348,6 +377,7 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
     handled: list[Any] = []
     gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
     gate._decline_promotion = lambda request: False  # type: ignore[attr-defined]
+    gate._warm_services = lambda: None  # type: ignore[attr-defined]
     answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if parked_at_receipt:
         assert (answer, handled, len(submitted)) == (None, [], 1)
@@ -576,7 +606,7 @@ def test_a_fault_of_the_receipt_shortcuts_never_reaches_the_consumer_loop(monkey
         raise TypeError("unhashable type: 'list'")
 
     handled: list[object] = []
-    gate = SimpleNamespace(_receipt_job=broken, _park_waiting=broken, receipts=None)
+    gate = SimpleNamespace(_receipt_job=broken, _park_waiting=broken, receipts=None, _warm_services=lambda: None)
     request = _Request("r", "acct:1")
     assert GateService.receive(gate, request, handled.append) is None  # type: ignore[arg-type]
     assert handled == [request]
@@ -636,3 +666,18 @@ def test_a_published_promotion_is_given_back_once_when_the_pool_has_long_work(
     assert decline(again) is False and again.rejected == []
     for nonce in (None, 7, ["x"]):
         assert decline(_Promotion(nonce)) is False
+
+
+def test_the_first_keyed_arrival_asks_every_pinned_thread_to_warm_up_once() -> None:
+    from celery_keyed.gate import GateService
+
+    asked: list[str] = []
+    gate = SimpleNamespace(
+        _warm_requested=False,
+        admission=SimpleNamespace(request_warm=lambda: asked.append("admission")),
+        receipts=SimpleNamespace(request_warm=lambda: asked.append("receipt")),
+        releaser=SimpleNamespace(request_warm=lambda: asked.append("releaser")),
+    )
+    GateService._warm_services(gate)  # type: ignore[arg-type]
+    GateService._warm_services(gate)  # type: ignore[arg-type]
+    assert asked == ["admission", "receipt", "releaser"]
