@@ -295,7 +295,7 @@ class Ledger:
         """While the context is open, this thread's self-committing calls (``autocommitted``, the fast claim,
         ``confirm``) reuse one connection of the pool instead of checking one out and back in for each call.
 
-        For the worker's service threads (admission, releaser), which make one or two such calls per keyed task:
+        For the worker's service threads (admission, receipt, releaser), which make such a call per keyed task:
         the checkout, the isolation level set on it and reset on its return, cost about 75 µs of the worker's main
         process CPU per call, a third of a call's client CPU. The connection goes back to the pool when the context
         ends, and is dropped (the next call takes another from the pool) as soon as a call finds it broken or

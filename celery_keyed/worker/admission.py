@@ -145,7 +145,7 @@ class AdmissionService:
 
     def _serve(self) -> None:
         warmed = False
-        if self._warm_wanted.is_set():  # a later thread (consumer restart): its own connection, warmed when idle
+        if self._warm_wanted.is_set():  # a later thread (consumer restart): its own connection, warmed at once
             self._ready.set()
         while True:
             self._ready.wait()

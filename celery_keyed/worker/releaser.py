@@ -217,7 +217,7 @@ class Releaser:
 
     def _serve(self, stop: threading.Event) -> None:
         warmed = False
-        if self._warm_wanted.is_set():  # a later thread (consumer restart): its own connection, warmed when idle
+        if self._warm_wanted.is_set():  # a later thread (consumer restart): its own connection, warmed at once
             self._ready.set()
         while True:
             self._ready.wait()
