@@ -71,12 +71,18 @@ def install(app: Celery) -> None:
     if getattr(app, "_keyed_installed", False):
         return
     app._keyed_installed = True
-    from celery_keyed.compat import patch_kombu_redis_close, patch_kombu_redis_restore_lock
+    from celery_keyed.compat import (
+        patch_celery_untracked_child,
+        patch_kombu_redis_close,
+        patch_kombu_redis_restore_lock,
+    )
 
     # kombu's Redis transport kills the worker when it closes a channel twice after a broker outage, and stops
-    # redelivering dead workers' messages for five minutes after one (plain Celery too): celery_keyed/compat.py.
+    # redelivering dead workers' messages for five minutes after one; Celery's prefork pool kills it at a broker
+    # reconnect right after a pool process exited (plain Celery too): celery_keyed/compat.py.
     patch_kombu_redis_close()
     patch_kombu_redis_restore_lock()
+    patch_celery_untracked_child()
     from celery_keyed.beat import RECONCILE_TASK, reconcile
     from celery_keyed.bootstep import KeyedGate
 

@@ -49,6 +49,26 @@ with a connection error, remembers the token; its next use in the process (the n
 lock if it still holds that token (a compare-and-delete in one Lua script: a lock taken since by another worker
 is never touched), so the lock is gone one scan after Redis is back. A worker killed while it holds the lock still
 leaves it until ``unacked_mutex_expire``: set that to tens of seconds (docs/guide.md, *Redis broker*).
+
+``patch_celery_untracked_child()``: a prefork worker dies at a broker reconnect with ``Unrecoverable error:
+ValueError('file descriptor is None')`` when a pool process that exited is still in the pool's list. Upstream,
+Celery 5.7.0 (``tests/unit/test_compat_untracked_child.py`` shows it on a real ``AsynPool``):
+
+1. When a pool process exits, ``AsynPool._event_process_exit`` stops watching it (``_untrack_child_process``
+   closes its sentinel's duplicate and sets ``proc._sentinel_poll = None``) and calls ``maintain_pool``, which
+   removes and replaces it only once its exit code can be read; otherwise the next ``maintain_pool`` (a 5 s timer)
+   does.
+2. A broker reconnect in between (the consumer restarts and registers the pool with the event loop again) runs
+   ``_track_child_process`` for every process of the list. For the exited one it reads ``_sentinel_poll``, finds
+   ``None`` (the attribute is there, so no new duplicate is made) and hands it to ``hub.add_reader``, which raises
+   ``ValueError``; ``iterate_file_descriptors_safely`` forgives only ``OSError``, ``FileNotFoundError`` and
+   ``AttributeError``, so the consumer's start fails and the worker exits. The gate terminates pool processes
+   (self-fencing, newest-wins cancels), which makes such an exit next to a Redis outage likelier than in plain
+   Celery: ``make chaos`` saw it once (a worker exited with status 1 when Redis came back after an outage).
+
+The workaround: ``_track_child_process`` leaves a process alone when its sentinel was already untracked (its exit
+was handled); ``maintain_pool``, which the same registration schedules every 5 s, removes and replaces it as it
+would have. Every other process is tracked by Celery's own method.
 """
 
 from __future__ import annotations
@@ -66,6 +86,7 @@ __all__ = [
     "KOMBU_FIXED_IN",
     "kombu_redis_close_affected",
     "kombu_redis_restore_lock_affected",
+    "patch_celery_untracked_child",
     "patch_kombu_redis_close",
     "patch_kombu_redis_restore_lock",
 ]
@@ -282,4 +303,34 @@ def patch_kombu_redis_restore_lock(*, force: bool = False) -> bool:
         if not (force or kombu_redis_restore_lock_affected()):
             return False
         kombu_redis.Mutex = _mutex(current)
+        return True
+
+
+_CHILD_MARK = "__celery_keyed_untracked_child__"
+
+
+def patch_celery_untracked_child() -> bool:
+    """Make Celery's prefork pool skip, when it registers with the event loop again, a pool process whose exit it
+    has already handled (see the module docstring). Idempotent and process-wide; ``install(app)`` calls it.
+    Returns whether the replacement is in place (False without Celery's prefork pool)."""
+    with _lock:
+        try:
+            from celery.concurrency import asynpool
+        except ImportError:  # pragma: no cover - billiard missing: no prefork pool
+            return False
+        pool_class = asynpool.AsynPool
+        original = pool_class._track_child_process
+        if getattr(original, _CHILD_MARK, False):
+            return True
+
+        @functools.wraps(original)
+        def _track_child_process(self: Any, proc: Any, hub: Any) -> Any:
+            if getattr(proc, "_sentinel_poll", False) is None:
+                # untracked by _event_process_exit / on_process_down: it exited, and maintain_pool replaces it
+                return None
+            return original(self, proc, hub)
+
+        setattr(_track_child_process, _CHILD_MARK, True)
+        _track_child_process.celery_original = original  # type: ignore[attr-defined]
+        pool_class._track_child_process = _track_child_process
         return True
