@@ -83,6 +83,14 @@ PINNED_THREADS = 3
 # here again within them, it is kept.
 DECLINE_MEMORY = 60.0
 
+#: Most seconds a received request may be expected to wait for a pool process for its slot to be claimed while it
+#: waits (``GateService._ahead_job``, ``keyed_claim_ahead``).
+AHEAD_WAIT = 0.05
+
+#: Most seconds a claim taken ahead waits for other arrivals to share its round trip (``AdmissionService.lingering``);
+#: at most half the wait expected for a pool process.
+AHEAD_LINGER = 0.005
+
 _current: GateService | None = None
 
 
@@ -183,6 +191,8 @@ class GateService:
         #: None otherwise.
         self._frees: list[Callable[[], None]] | None = None
         self._warm_requested = False  # loop only: ``_warm_services`` asked once
+        #: Loop only: key -> requests of it handed to the receipt service whose verdict the loop has not acted on.
+        self._at_receipt: dict[str, int] = {}
         # nonces of published promotions this worker gave back to the broker once (``_decline_promotion``), with
         # when: a promotion is declined at most once per worker (loop only)
         self._declined: dict[str, float] = {}
@@ -373,8 +383,8 @@ class GateService:
         admission service on a thread of its own, ``keyed-receipt``, so that a burst of parks never queues in front
         of the admissions of requests a pool process is kept for), which parks it without a pool process
         (``Ledger.park_at_receipt``; ``keyed_park_at_receipt``). Where its key turns out to have room and no line,
-        nothing is written and it goes on to ``handle`` as usual: a slot is claimed only when a pool process can
-        start the attempt (D3).
+        nothing is written and it goes on to ``handle`` as usual: a slot is claimed when a pool process can start
+        the attempt (D3), or ahead of it when the request will wait for one, not long (``_ahead_job``).
 
         Only plain arrivals (one key, no group, no not-before, cost 1), and never ahead of an earlier request of
         the same key still waiting here for a pool process (the line's order is the order the ledger receives
@@ -384,6 +394,10 @@ class GateService:
             if self._decline_promotion(request):
                 return None
             job = self._receipt_job(request, handle)
+            if job is None:
+                job = self._ahead_job(request, handle)
+            if job is None:
+                job = self._pass_job(request, handle)
         except Exception:  # a fault of this shortcut must never reach the consumer loop (it would kill the worker)
             if getattr(request, "acknowledged", False) is True:  # given back to the broker: not here too
                 with contextlib.suppress(Exception):
@@ -393,10 +407,92 @@ class GateService:
             job = None
         if job is None:
             return handle(request)
-        if not self.receipts.submit(job):  # type: ignore[union-attr]
+        if not self._submit_receipt(job):
             request.keyed_receipt = False
             return handle(request)
         return None
+
+    def _submit_receipt(self, job: Job) -> bool:
+        """Loop thread: hand ``job`` to the receipt service; its key counts as having a request there (``_at_receipt``)
+        until the loop has acted on its verdict (``_received``). False: the service takes no new work."""
+        service = self.receipts
+        if service is None or not service.submit(job):
+            return False
+        key = job.extra.get("key")
+        if isinstance(key, str):
+            self._at_receipt[key] = self._at_receipt.get(key, 0) + 1
+        return True
+
+    def _ahead_job(self, request: Any, handle: Callable[[Any], Any]) -> Job | None:
+        """Loop thread: the receipt service's job that claims ``request``'s slot ahead (``keyed_claim_ahead``), or
+        None. D3 claims a slot when a pool process is ready for the request, so that a prefetched message never holds
+        a slot while another worker could run its key; but the claim's round trip then sits between a free pool
+        process and the start, and claims come one or two at a time. A request that will wait for a process here
+        anyway, and not long (``Handoff.start_expected``: more than nothing, at most ``AHEAD_WAIT``), has its slot
+        claimed while it waits, with the other arrivals received meanwhile in one ``admit_many`` (an arrival that
+        finds no room or a line is parked at once, as its admission would park it). The claim waits in
+        ``Handoff.prebound`` (renewed by the heartbeat, given back if no process took it within a heartbeat interval
+        or at shutdown) and the request starts with no round trip while the claim's lease provably holds
+        (``Handoff.take_fresh_entry``), else after a guarded confirmation (D14).
+
+        Only plain arrivals (one key, no group, no not-before, cost 1, no supersede key) of a key with no line here,
+        no attempt holding its mutex here, no earlier request waiting here undecided and none at the receipt service
+        (the ledger receives a key's arrivals in the order this worker received them, D10)."""
+        service = self.receipts
+        if (
+            not self.settings.claim_ahead
+            or service is None
+            or not service.accepting
+            or self.breaker.is_open
+            or self.closed
+            or self.stopping.is_set()
+            or not hasattr(request, "keyed_claim")
+        ):
+            return None
+        headers = request._request_dict
+        key = headers.get(HEADER_KEY)
+        if not isinstance(key, str) or headers.get(HEADER_NONCE) is not None or self._at_receipt.get(key):
+            return None
+        if self.releaser.is_contended(key) or self._mutex_held_here(key):
+            return None
+        wait = self.handoff.start_expected(request)
+        if wait is None or wait <= 0.0 or wait > AHEAD_WAIT:
+            return None
+        try:
+            arrival = intake.arrival_for(request)
+        except Exception:  # D16: admission at pool-ready records the rejection
+            return None
+        if arrival is None or arrival.key != key or not self.ledger.parks_at_receipt(arrival):
+            return None
+        if self._line_here(request, key):
+            return None
+        request.keyed_arrival_key = key
+        request.keyed_receipt = True
+        # It waits for a process anyway: its claim may wait for other arrivals to share the round trip, a part of
+        # that wait (``AdmissionService.lingering``).
+        by = time.monotonic() + min(wait / 2, AHEAD_LINGER)
+        return Job(
+            request,
+            arrival,
+            lambda: handle(request),
+            extra={"generation": self.generation, "receipt": True, "ahead": True, "key": key, "by": by},
+        )
+
+    def _pass_job(self, request: Any, handle: Callable[[Any], Any]) -> Job | None:
+        """Loop thread: a request that neither parks nor is claimed at receipt while an earlier request of its key is
+        at the receipt service goes there too, to be handed on (``handle``) after it, in order, with no ledger call:
+        otherwise a free pool process could take it to the ledger first (D10). None when its key has nothing
+        there."""
+        headers = getattr(request, "_request_dict", None) or {}
+        key = headers.get(HEADER_KEY)
+        if not isinstance(key, str) or not self._at_receipt.get(key):
+            return None
+        return Job(
+            request,
+            None,
+            lambda: handle(request),
+            extra={"generation": self.generation, "receipt": True, "pass": True, "key": key},
+        )
 
     def _decline_promotion(self, request: Any) -> bool:
         """Loop thread: give a published promotion (it carries a nonce, D5) back to the broker when this worker's
@@ -457,7 +553,8 @@ class GateService:
             return None
         request.keyed_arrival_key = key
         request.keyed_receipt = True
-        return Job(request, arrival, lambda: handle(request), extra={"generation": self.generation, "receipt": True})
+        extra = {"generation": self.generation, "receipt": True, "key": key}
+        return Job(request, arrival, lambda: handle(request), extra=extra)
 
     def _mutex_held_here(self, key: str) -> bool:
         """Whether an attempt of ``key`` holds its claim in this worker while its name is a mutex as configured
@@ -472,7 +569,13 @@ class GateService:
         (``keyed_concurrency_limits``: limit 1, the default) — an arrival of one of them has no room now."""
         with self.lock:
             running = list(self.running.values())
+            bound = [p.key for p in self.handoff.prebound.values()]
         held: set[str] = set()
+        for one in bound:  # a claim bound here waits for its request (a promotion, or a claim taken ahead)
+            if isinstance(one, str) and one not in held:
+                config = self.settings.limits.get(key_name(one))
+                if config is None or config.limit == 1:
+                    held.add(one)
         for entry in running:
             key = (getattr(entry.request, "_request_dict", None) or {}).get(HEADER_KEY)
             if isinstance(key, str) and key not in held:
@@ -592,9 +695,9 @@ class GateService:
                 request,
                 arrival,
                 functools.partial(self._back_in_line, request),
-                extra={"generation": self.generation, "receipt": True},
+                extra={"generation": self.generation, "receipt": True, "key": key},
             )
-            if not admission_service.submit(job):
+            if not self._submit_receipt(job):
                 request.keyed_receipt = False
                 waiting.appendleft(entry)
                 return taken
@@ -619,13 +722,27 @@ class GateService:
     def _received(self, job: Job) -> None:
         """Loop thread: act on the park-at-receipt decision of ``job``: parked (acked, announced) or rejected
         (recorded, its result stored), or on to Celery's ``on_task_request`` (``job.submit``) for its admission
-        when a pool process is ready."""
+        when a pool process is ready. A claim taken ahead (``_ahead_job``) waits in ``Handoff.prebound`` for the
+        request, which goes on to Celery's ``on_task_request``; a request handed on in order (``_pass_job``) goes on
+        too."""
         request = job.request
         request.keyed_receipt = False
+        key = job.extra.get("key")
+        if isinstance(key, str) and key in self._at_receipt:
+            if self._at_receipt[key] > 1:
+                self._at_receipt[key] -= 1
+            else:
+                del self._at_receipt[key]
         if self.stopping.is_set() or self.closed or job.extra.get("generation") != self.generation:
             # The consumer stopped since the hand-over: Celery has forgotten its requests, and the broker
-            # redelivers the message (a parked one is then recognised as a duplicate, D8).
+            # redelivers the message (a parked one is then recognised as a duplicate, D8). A claim taken ahead goes
+            # back (the redelivered copy is admitted again, D8: finished as worker lost).
+            if job.extra.get("ahead") and job.arrival is not None:
+                self._give_back_ahead(job.arrival.token)
             worker_state.task_ready(request)
+            return
+        if job.extra.get("pass"):
+            job.submit()
             return
         if job.error is not None:
             if isinstance(job.error, UNREACHABLE):
@@ -636,11 +753,34 @@ class GateService:
         if admission is None:
             job.submit()
             return
+        if job.extra.get("ahead"):
+            if admission.cancels:  # newest wins (not for plain arrivals; kept for safety)
+                self.pass_on_cancels(admission.cancels, f"superseded by {request.id} (newest wins)")
+            if admission.promotions:  # waiters ahead of it started with the room it found
+                self.dispatch(list(admission.promotions), local=True)
+            if admission.verdict is Verdict.ADMITTED:
+                job.submit()  # its claim waits in Handoff.prebound (``_claim_ahead``) until a pool process starts it
+                return
+            metrics.started(job.arrival.token, admission.verdict)
+            self._not_admitted(request, admission)
+            return
         metrics.started(job.arrival.token, admission.verdict)
         if admission.verdict is Verdict.PARKED:
             self._not_admitted(request, admission)
         else:
             self._finish_without_running(request, admission.verdict.value, admission.detail)
+
+    def _give_back_ahead(self, token: Token) -> None:
+        """Any thread: give back the claim taken ahead for ``token`` that no pool process will start here (outcome
+        "worker lost": a redelivered copy is admitted again, D8)."""
+        with self.lock:
+            entry = self.handoff.prebound.get(token)
+            if entry is None or not entry.ahead:
+                return
+            del self.handoff.prebound[token]
+        self.releaser.hand_over(
+            token, entry.fence, Outcome.WORKER_LOST, key=entry.key, name="", contended=False, on_loop=False
+        )
 
     # -- admission (consumer loop thread) --------------------------------------------------------------
 
@@ -678,11 +818,13 @@ class GateService:
             self.breaker.hold(request)
             raise TaskRevokedError(request.id)
         request.keyed_arrival_key = arrival.key
-        fence = self.handoff.take_fresh(arrival.token)
-        if fence is not None:
-            # A promotion this worker's own release bound to it moments ago (D4): its claim provably cannot have
-            # lapsed (``Handoff.take_fresh``), so it starts now, on the loop, with no round trip (D14).
-            self._conclude(request, arrival, fence, None)
+        fresh = self.handoff.take_fresh_entry(arrival.token)
+        if fresh is not None:
+            # A promotion this worker's own release bound to it moments ago (D4), or a claim taken ahead at receipt:
+            # its claim provably cannot have lapsed (``Handoff.take_fresh_entry``), so it starts now, on the loop,
+            # with no round trip (D14).
+            ahead = Admission(Verdict.ADMITTED, fence=fresh.fence) if fresh.ahead else None
+            self._conclude(request, arrival, fresh.fence, ahead)
             try:
                 return submit()
             except TaskRevokedError:  # Celery's own check: revoked or expired meanwhile
@@ -815,7 +957,7 @@ class GateService:
         reached the pool. A claim is tracked (renewed by the heartbeat) from the moment it is taken. Arrivals
         handed over at receipt (``receive``) are parked or left alone (``Ledger.park_at_receipt``)."""
         plain: list[Job] = []
-        self._park_received([job for job in jobs if job.extra.get("receipt")])
+        self._decide_received([job for job in jobs if job.extra.get("receipt")])
         for job in jobs:
             if job.extra.get("receipt"):
                 continue
@@ -854,6 +996,44 @@ class GateService:
             job.result = (None, admission)
             if admission.verdict is Verdict.ADMITTED and admission.fence is not None:
                 self._track(job.request, job.arrival.token, admission.fence)
+
+    def _decide_received(self, jobs: list[Job]) -> None:
+        """The receipt service's thread: the jobs handed over at receipt, in the order they were received: runs of
+        parks (``_park_received``) and of claims ahead (``_claim_ahead``); requests handed on in order
+        (``_pass_job``) need no ledger call."""
+        run: list[Job] = []
+        for job in [*jobs, None]:
+            ahead = job is not None and bool(job.extra.get("ahead"))
+            if job is not None and job.extra.get("pass"):
+                continue
+            if run and (job is None or ahead != bool(run[0].extra.get("ahead"))):
+                if run[0].extra.get("ahead"):
+                    self._claim_ahead(run)
+                else:
+                    self._park_received(run)
+                run = []
+            if job is not None:
+                run.append(job)
+
+    def _claim_ahead(self, jobs: list[Job]) -> None:
+        """The receipt service's thread: admit the arrivals whose slots are claimed ahead (``_ahead_job``) in one
+        ``admit_many``; each claim goes to ``Handoff.prebound`` at once (renewed by the heartbeat from now on, given
+        back at shutdown), with the monotonic time taken before the call (``Prebound.granted``: its lease holds until
+        ``granted + lease - self_fence_margin``)."""
+        granted = time.monotonic()
+        try:
+            admissions = self._admit_many([job.arrival for job in jobs])
+        except Exception as exc:  # unreachable (D9) or a bug: each is admitted as usual when a pool process is ready
+            for job in jobs:
+                job.error = exc
+            return
+        for job, admission in zip(jobs, admissions, strict=True):
+            job.result = (None, admission)
+            if admission.verdict is Verdict.ADMITTED and admission.fence is not None:
+                with self.lock:
+                    self.handoff.prebound[job.arrival.token] = Prebound(
+                        admission.fence, job.arrival.key, granted=granted, ahead=True
+                    )
 
     def _park_received(self, jobs: list[Job]) -> None:
         """The receipt service's thread: park the arrivals handed over at receipt, in one round trip for a batch

@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "queues": (),  # queues that carry only keyed tasks: not consumed while the ledger is unreachable (D9)
     "admission_batch": 64,  # most arrivals one ledger call admits, off the consumer loop; 0: admit on the loop
     "park_at_receipt": True,  # park an arrival of a key with a line when received, without a pool process
+    "claim_ahead": True,  # claim a received arrival's slot before a pool process is free when one will be soon
     "send_arrival_timeout": 3600.0,  # seconds a send accepted at send holds its place until it arrives
     "config_version": 0,  # version of keyed_concurrency_limits: an older worker never overwrites a newer one's
     "register_at_publish": False,  # store each keyed message in the ledger at publish; republish what never arrives
@@ -89,6 +90,7 @@ class KeyedSettings:
     queues: tuple[str, ...] = ()
     admission_batch: int = 64
     park_at_receipt: bool = True
+    claim_ahead: bool = True
     send_arrival_timeout: float = 3600.0
     config_version: int = 0
     register_at_publish: bool = False
@@ -151,6 +153,7 @@ def read_settings(conf: Any) -> KeyedSettings:
         queues=_queue_names(get("queues")),
         admission_batch=check_int(get("admission_batch"), "keyed_admission_batch", minimum=0, maximum=10_000),
         park_at_receipt=bool(get("park_at_receipt")),
+        claim_ahead=_flag(get("claim_ahead"), "keyed_claim_ahead"),
         send_arrival_timeout=_seconds(get("send_arrival_timeout"), "keyed_send_arrival_timeout"),
         config_version=check_int(get("config_version"), "keyed_config_version", minimum=0, maximum=INT_MAX),
         register_at_publish=_flag(get("register_at_publish"), "keyed_register_at_publish"),

@@ -22,12 +22,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("celery_keyed")
+
+#: A thread waits for more jobs that may wait (``Job.extra["by"]``) only while fewer than this many are queued.
+LINGER_BATCH = 16
 
 
 @dataclass
@@ -143,13 +147,36 @@ class AdmissionService:
         with self._thread_context():
             self._serve()
 
+    def lingering(self, now: float | None = None) -> float:
+        """Seconds the service's thread may still wait before deciding what is queued: while every queued job may
+        wait (``Job.extra["by"]``: a monotonic time, set for claims taken ahead of a pool process) and fewer than
+        ``LINGER_BATCH`` are queued, until the earliest of their times; else 0.0 (decide now)."""
+        moment = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._jobs or len(self._jobs) >= LINGER_BATCH:
+                return 0.0
+            earliest = None
+            for job in self._jobs:
+                by = job.extra.get("by")
+                if by is None:
+                    return 0.0
+                earliest = by if earliest is None else min(earliest, by)
+        return 0.0 if earliest is None else max(0.0, earliest - moment)
+
     def _serve(self) -> None:
         warmed = False
         if self._warm_wanted.is_set():  # a later thread (consumer restart): its own connection, warmed at once
             self._ready.set()
+        timeout: float | None = None
         while True:
-            self._ready.wait()
+            self._ready.wait(timeout)
             self._ready.clear()
+            timeout = None
+            if not self._stop.is_set():
+                delay = self.lingering()
+                if delay > 0.0:  # more arrivals may join this batch: one round trip for all of them
+                    timeout = delay
+                    continue
             if not warmed and self._warm is not None and self._warm_wanted.is_set() and not self._stop.is_set():
                 # before the next batch: its first request waits for the warm-up once, where it would otherwise
                 # pay the cold connection's first use itself

@@ -75,6 +75,9 @@ class Prebound:
     # which began after this instant: until ``granted + lease - self_fence_margin`` the claim cannot have lapsed
     # (see ``Handoff.take_fresh``).
     granted: float | None = None
+    # Claimed ahead at receipt (``GateService.receive``, ``keyed_claim_ahead``) rather than promoted: its key has
+    # no line, so starting it does not mark the key contended.
+    ahead: bool = False
 
 
 class Route(enum.Enum):
@@ -286,11 +289,38 @@ class Handoff:
         with long work that will run) it is published: another worker may be idle. A promotion bound here that no
         process took within a heartbeat goes back in line (``Heartbeat``), whatever this guess. ``exclude``: a
         received request not to count (a promotion asking whether it can start here)."""
+        counted = self._will_run(released, exclude=exclude)
+        if counted is None:
+            return True
+        will_run, size = counted
+        if will_run < size:
+            return True
+        typical = self.typical_run
+        return typical is not None and typical / size <= SOON
+
+    def start_expected(self, request: Any) -> float | None:
+        """Loop thread: seconds ``request`` (received, waiting for a pool process) is expected to wait before one
+        starts it: 0.0 when a process is free for it now; else the requests that will run before it over the pool's
+        processes, times the typical run here. None when unknown (no typical run yet, or no pool to count)."""
+        counted = self._will_run(None, exclude=request)
+        if counted is None:
+            return None
+        will_run, size = counted
+        if will_run < size:
+            return 0.0
+        typical = self.typical_run
+        if typical is None:
+            return None
+        return (will_run - size + 1) * typical / size
+
+    def _will_run(self, released: str | None, *, exclude: Any) -> tuple[int, int] | None:
+        """(requests that will run here, pool processes) as ``pool_has_room`` counts them; None without a pool of
+        known size."""
         consumer = self.gate.consumer
         pool = getattr(consumer, "pool", None)
         size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
         if not isinstance(size, int) or size <= 0:
-            return True
+            return None
         reserved = list(worker_state.reserved_requests)
         active = worker_state.active_requests
         releaser = self.gate.releaser
@@ -298,13 +328,20 @@ class Handoff:
         busy: set[str] = set() if held_mutex_keys is None else held_mutex_keys()
         if released is not None:
             busy.add(released)
+        with self.lock:
+            bound_here = {token.task_id for token in self.prebound}
         will_run = 0
         for request in reserved:
             if request is exclude:
                 continue
-            # A request admitted here (it holds its claim) starts on the next free process, even before Celery
-            # counts it active; its own key is held by that very claim, so the key rules below must not skip it.
-            if request not in active and getattr(request, "keyed_claim", None) is None:
+            # A request admitted here (it holds its claim, or a claim bound here waits for it) starts on the next
+            # free process, even before Celery counts it active; its own key is held by that very claim, so the key
+            # rules below must not skip it.
+            if (
+                request not in active
+                and getattr(request, "keyed_claim", None) is None
+                and getattr(request, "id", None) not in bound_here
+            ):
                 key = getattr(request, "keyed_arrival_key", None)
                 if key is None:
                     headers = getattr(request, "_request_dict", None) or {}
@@ -314,10 +351,7 @@ class Handoff:
                 if any(isinstance(k, str) and (k in busy or releaser.is_contended(k)) for k in keys):
                     continue
             will_run += 1
-        if will_run < size:
-            return True
-        typical = self.typical_run
-        return typical is not None and typical / size <= SOON
+        return will_run, size
 
     def consumes(self, promotion: Promotion) -> bool:
         """Whether this worker consumes the promotion's queue and knows its task."""
@@ -396,9 +430,15 @@ class Handoff:
     # -- promotions bound here (D4, D14) -----------------------------------------------------------------
 
     def take_fresh(self, token: Token, *, now: float | None = None) -> int | None:
-        """D14 without a round trip: the fence of a promotion bound to this worker by its own release (D4) whose
-        claim provably cannot have lapsed yet, taken out of ``prebound`` (the caller starts it now); else None
-        (not bound here, bound another way, or old: ``confirm_prebound`` binds it by a guarded statement).
+        """The fence of ``take_fresh_entry``'s entry, or None."""
+        entry = self.take_fresh_entry(token, now=now)
+        return None if entry is None else entry.fence
+
+    def take_fresh_entry(self, token: Token, *, now: float | None = None) -> Prebound | None:
+        """D14 without a round trip: a promotion bound to this worker by its own release (D4), or a claim taken
+        ahead at receipt (``ahead``), whose claim provably cannot have lapsed yet, taken out of ``prebound`` (the
+        caller starts it now); else None (not bound here, bound another way, or old: ``confirm_prebound`` binds it
+        by a guarded statement).
 
         Why this binds the start as surely as the guarded statement: the release's transaction inserted the
         claim as this holder's running claim with a lease of ``keyed_lease`` from the database's clock, inside a
@@ -417,7 +457,7 @@ class Handoff:
             if moment >= prebound.granted + settings.lease - settings.self_fence_margin:
                 return None
             del self.prebound[token]
-        return prebound.fence
+        return prebound
 
     def confirm_prebound(self, token: Token) -> int | None:
         """D14: a promotion bound to this worker earlier (D4) starts only if its claim is still this worker's,

@@ -36,6 +36,7 @@ def make_app(env: Mapping[str, str]) -> Any:
         keyed_statement_timeout=float(env.get("KEYED_STATEMENT_TIMEOUT", "2.0")),
         keyed_admission_batch=int(env.get("KEYED_ADMISSION_BATCH", "64")),
         keyed_park_at_receipt=env.get("KEYED_PARK_AT_RECEIPT", "1") == "1",
+        keyed_claim_ahead=env.get("KEYED_CLAIM_AHEAD", "1") == "1",
         keyed_config_version=int(env.get("KEYED_CONFIG_VERSION", "0")),
         keyed_send_arrival_timeout=float(env.get("KEYED_SEND_ARRIVAL_TIMEOUT", "3600")),
         keyed_connect_timeout=1.0,

@@ -283,6 +283,8 @@ def test_held_mutex_keys_are_the_running_keys_of_names_configured_as_mutexes() -
     def running(task_id: str, key: str) -> Running:
         return Running(SimpleNamespace(_request_dict={HEADER_KEY: key}), Token(task_id, 0), 1)
 
+    from celery_keyed.worker.handoff import Prebound
+
     gate = SimpleNamespace(
         lock=_threading.Lock(),
         running={
@@ -290,11 +292,16 @@ def test_held_mutex_keys_are_the_running_keys_of_names_configured_as_mutexes() -
             Token("b", 0): running("b", "stripe:global"),
             Token("c", 0): running("c", "solo:9"),
         },
+        handoff=SimpleNamespace(prebound={}),
         settings=SimpleNamespace(
             limits={"stripe": NameConfig("stripe", limit=100), "solo": NameConfig("solo", limit=1)}
         ),
     )
     assert GateService.held_mutex_keys(gate) == {"acct:1", "solo:9"}  # type: ignore[arg-type]
+    # A claim bound here that waits for its request (a promotion, or a claim taken ahead) holds its key too.
+    gate.handoff.prebound[Token("d", 0)] = Prebound(7, "acct:2", ahead=True)
+    gate.handoff.prebound[Token("e", 0)] = Prebound(8, "stripe:eu")
+    assert GateService.held_mutex_keys(gate) == {"acct:1", "acct:2", "solo:9"}  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("nonce", [False, True])
@@ -328,6 +335,7 @@ def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.Mo
     gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
     gate._decline_promotion = lambda request: False  # type: ignore[attr-defined]
     gate._warm_services = lambda: None  # type: ignore[attr-defined]
+    _receipt_plumbing(gate)
     answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if nonce:
         assert (answer, handled, submitted) == ("handled", [request], [])
@@ -367,6 +375,7 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
         ledger=SimpleNamespace(parks_at_receipt=lambda arrival: True),
         lock=threading.Lock(),
         running={Token("held", 0): Running(holder, Token("held", 0), 1)},
+        handoff=SimpleNamespace(prebound={}),
         _line_here=lambda request, key: False,
         generation=1,
     )
@@ -378,11 +387,22 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
     gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
     gate._decline_promotion = lambda request: False  # type: ignore[attr-defined]
     gate._warm_services = lambda: None  # type: ignore[attr-defined]
+    _receipt_plumbing(gate)
     answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if parked_at_receipt:
         assert (answer, handled, len(submitted)) == (None, [], 1)
     else:
         assert (answer, handled, submitted) == ("handled", [request], [])
+
+
+def _receipt_plumbing(gate: Any) -> None:
+    """The receipt service's bookkeeping of the real gate on a fake one (claims ahead off)."""
+    from celery_keyed.gate import GateService
+
+    gate._at_receipt = {}
+    gate._submit_receipt = GateService._submit_receipt.__get__(gate)
+    gate._pass_job = GateService._pass_job.__get__(gate)
+    gate._ahead_job = lambda request, handle: None
 
 
 def _waiting_gate(monkeypatch: pytest.MonkeyPatch, held: set[str]) -> tuple[Any, Any, list[Any]]:
@@ -419,6 +439,7 @@ def _waiting_gate(monkeypatch: pytest.MonkeyPatch, held: set[str]) -> tuple[Any,
     )
     for name in ("park_waiting", "_park_waiting", "_undecided_keys", "_back_in_line"):
         setattr(gate, name, getattr(GateService, name).__get__(gate))
+    _receipt_plumbing(gate)
     monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key=request._request_dict["keyed_key"]))
     return gate, semaphore, submitted
 
