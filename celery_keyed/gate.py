@@ -467,6 +467,7 @@ class GateService:
         if self._line_here(request, key):
             return None
         request.keyed_arrival_key = key
+        request.keyed_arrival = arrival  # its admission's arrival too (``execute``): computed once
         request.keyed_receipt = True
         # It waits for a process anyway: its claim may wait for other arrivals to share the round trip, a part of
         # that wait (``AdmissionService.lingering``).
@@ -793,7 +794,7 @@ class GateService:
         this worker's with the same fence. Whatever the message holds, nothing raises into the consumer loop
         (D16): what cannot be computed or admitted is a recorded rejection with a ``KeyedRejected`` result."""
         try:
-            arrival = intake.arrival_for(request)
+            arrival = getattr(request, "keyed_arrival", None) or intake.arrival_for(request)
         except Exception as exc:  # D16: anything computed from the message (keys, headers, integers)
             detail = f"malformed keys: {exc}" if isinstance(exc, InvalidKey) else intake.unkeyable(exc)
             self._finish_without_running(request, "rejected", detail, record_in_ledger=True)

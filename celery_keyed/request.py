@@ -26,6 +26,7 @@ class KeyedRequest(Request):
         super().__init__(*args, **kwargs)
         self.keyed_claim: Any = None  # (Token, fence) while this request holds a slot
         self.keyed_arrival_key: str | None = None  # its concurrency key, once admission computed it
+        self.keyed_arrival: Any = None  # its ledger Arrival, when computed at receipt (a claim taken ahead)
         self.keyed_started = False
         self.keyed_defer_ack = False  # inside an outcome hook: an ack waits for the release (D15)
         self.keyed_deferred_ack: Any = None  # the ack Celery asked for meanwhile
