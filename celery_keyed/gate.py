@@ -140,6 +140,15 @@ class Running:
 _Running = Running  # the name tests knew
 
 
+def _receipt_keys(job: Job) -> list[str]:
+    """The keys a job handed to the receipt service counts for (``GateService._at_receipt``)."""
+    keys = job.extra.get("keys")
+    if keys is None:
+        key = job.extra.get("key")
+        keys = [key] if isinstance(key, str) else []
+    return [key for key in keys if isinstance(key, str)]
+
+
 def _cancellable(request: Any) -> bool:
     """Whether a newer arrival can ask this attempt to stop (newest wins): its claim carries a supersede key only when
     it was sent with ``on_newer`` or with a supersede key. The heartbeat asks the ledger about those only."""
@@ -418,8 +427,7 @@ class GateService:
         service = self.receipts
         if service is None or not service.submit(job):
             return False
-        key = job.extra.get("key")
-        if isinstance(key, str):
+        for key in _receipt_keys(job):
             self._at_receipt[key] = self._at_receipt.get(key, 0) + 1
         return True
 
@@ -486,13 +494,15 @@ class GateService:
         there."""
         headers = getattr(request, "_request_dict", None) or {}
         key = headers.get(HEADER_KEY)
-        if not isinstance(key, str) or not self._at_receipt.get(key):
+        # A task of several keys carries a list; a hostile header any JSON value: only strings are keys.
+        keys = [one for one in (key if isinstance(key, list) else [key]) if isinstance(one, str)]
+        if not any(self._at_receipt.get(one) for one in keys):
             return None
         return Job(
             request,
             None,
             lambda: handle(request),
-            extra={"generation": self.generation, "receipt": True, "pass": True, "key": key},
+            extra={"generation": self.generation, "receipt": True, "pass": True, "keys": keys},
         )
 
     def _decline_promotion(self, request: Any) -> bool:
@@ -728,12 +738,11 @@ class GateService:
         too."""
         request = job.request
         request.keyed_receipt = False
-        key = job.extra.get("key")
-        if isinstance(key, str) and key in self._at_receipt:
-            if self._at_receipt[key] > 1:
+        for key in _receipt_keys(job):
+            if self._at_receipt.get(key, 0) > 1:
                 self._at_receipt[key] -= 1
             else:
-                del self._at_receipt[key]
+                self._at_receipt.pop(key, None)
         if self.stopping.is_set() or self.closed or job.extra.get("generation") != self.generation:
             # The consumer stopped since the hand-over: Celery has forgotten its requests, and the broker
             # redelivers the message (a parked one is then recognised as a duplicate, D8). A claim taken ahead goes

@@ -702,3 +702,32 @@ def test_the_first_keyed_arrival_asks_every_pinned_thread_to_warm_up_once() -> N
     GateService._warm_services(gate)  # type: ignore[arg-type]
     GateService._warm_services(gate)  # type: ignore[arg-type]
     assert asked == ["admission", "receipt", "releaser"]
+
+
+def test_a_request_of_a_key_at_the_receipt_service_is_handed_on_after_it_in_order() -> None:
+    """``GateService._pass_job``: while a request of a key is at the receipt service (a park, or a claim taken
+    ahead), a later request of that key — one key, or a list of keys that names it — goes there too, to be handed on
+    after it with no ledger call (D10); its keys count until the loop acts on it (``_received``). Any other request,
+    and a hostile key header, goes straight on."""
+    from celery_keyed.gate import GateService
+    from celery_keyed.headers import HEADER_KEY
+
+    submitted: list[Any] = []
+    gate = SimpleNamespace(
+        generation=3,
+        _at_receipt={"acct:1": 1},
+        receipts=SimpleNamespace(submit=lambda job: submitted.append(job) or True),
+        stopping=threading.Event(),
+        closed=False,
+    )
+    handed: list[str] = []
+    for header in ("acct:9", {"x": 1}, None, ["other:2"]):
+        request = SimpleNamespace(_request_dict={HEADER_KEY: header})
+        assert GateService._pass_job(gate, request, handed.append) is None  # type: ignore[arg-type]
+    several = SimpleNamespace(id="m", _request_dict={HEADER_KEY: ["acct:1", "other:2", 7]}, keyed_receipt=False)
+    job = GateService._pass_job(gate, several, lambda r: handed.append(r.id))  # type: ignore[arg-type]
+    assert job is not None and job.extra["pass"] and job.extra["keys"] == ["acct:1", "other:2"]
+    assert GateService._submit_receipt(gate, job)  # type: ignore[arg-type]
+    assert gate._at_receipt == {"acct:1": 2, "other:2": 1}
+    GateService._received(gate, job)  # type: ignore[arg-type]
+    assert handed == ["m"] and gate._at_receipt == {"acct:1": 1}
