@@ -501,9 +501,17 @@ class Handoff:
             for token, _ in taken:
                 del self.prebound[token]
         for token, p in taken:
-            logger.warning(
-                "celery-keyed: promoted %s attempt %d goes back in line: %s", token.task_id, token.attempt, why
-            )
+            if p.ahead:  # its request, if it starts here later, is admitted again (D8: finished as worker lost)
+                logger.info(
+                    "celery-keyed: the slot claimed ahead for %s attempt %d goes back: %s",
+                    token.task_id,
+                    token.attempt,
+                    why,
+                )
+            else:
+                logger.warning(
+                    "celery-keyed: promoted %s attempt %d goes back in line: %s", token.task_id, token.attempt, why
+                )
             self.gate.releaser.hand_over(
                 token, p.fence, Outcome.WORKER_LOST, key=p.key, name="", contended=True, on_loop=on_loop
             )

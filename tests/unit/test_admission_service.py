@@ -250,3 +250,50 @@ def test_the_thread_warms_up_once_when_asked_and_idle_and_never_unasked() -> Non
         service.stop()
     assert calls.count("warm") == 2 and calls.count("decide") == 3
     assert calls[:3] == ["decide", "warm", "decide"]
+
+
+def test_jobs_that_may_wait_are_decided_together_once_their_time_comes_or_enough_of_them_are_queued() -> None:
+    """``AdmissionService.lingering``: while every queued job may wait (``extra["by"]``: a claim taken ahead of a
+    pool process) and fewer than ``LINGER_BATCH`` are queued, the thread waits until the earliest ``by``; a job
+    that may not wait (a park, a request handed on in order) or a full batch ends the wait. The thread decides the
+    jobs that may wait together, once."""
+    import time
+
+    from celery_keyed.worker.admission import LINGER_BATCH
+
+    rec = Recorder()
+    service = AdmissionService(rec.decide, rec.deliver, batch=64)
+    now = 100.0
+    early, late = job(1), job(2)
+    early.extra["by"], late.extra["by"] = now + 0.004, now + 0.009
+    assert service.lingering(now) == 0.0  # nothing queued
+    service._accepting = True
+    service.submit(late)
+    service.submit(early)
+    assert service.lingering(now) == pytest.approx(0.004)
+    assert service.lingering(now + 0.01) == 0.0  # its time has come
+    service.submit(job(3))  # may not wait
+    assert service.lingering(now) == 0.0
+    full = AdmissionService(rec.decide, rec.deliver, batch=64)
+    full._accepting = True
+    for n in range(LINGER_BATCH):
+        waiting = job(n)
+        waiting.extra["by"] = now + 1
+        full.submit(waiting)
+    assert full.lingering(now) == 0.0
+
+    # The thread: three jobs that may wait 50 ms are decided in one batch, after the first one's time.
+    rec = Recorder()
+    service = AdmissionService(rec.decide, rec.deliver, batch=64)
+    service.start()
+    try:
+        handed = time.monotonic()
+        for n in range(3):
+            waiting = job(n)
+            waiting.extra["by"] = handed + 0.05
+            service.submit(waiting)
+        assert rec.done.wait(10)
+        assert rec.decided == [[0, 1, 2]]
+        assert time.monotonic() - handed >= 0.04
+    finally:
+        service.stop()
