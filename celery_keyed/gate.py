@@ -83,10 +83,6 @@ PINNED_THREADS = 3
 # here again within them, it is kept.
 DECLINE_MEMORY = 60.0
 
-#: Most seconds a received request may be expected to wait for a pool process for its slot to be claimed while it
-#: waits (``GateService._ahead_job``, ``keyed_claim_ahead``).
-AHEAD_WAIT = 0.05
-
 #: Most seconds a claim taken ahead waits for other arrivals to share its round trip (``AdmissionService.lingering``);
 #: at most half the wait expected for a pool process.
 AHEAD_LINGER = 0.005
@@ -436,7 +432,8 @@ class GateService:
         None. D3 claims a slot when a pool process is ready for the request, so that a prefetched message never holds
         a slot while another worker could run its key; but the claim's round trip then sits between a free pool
         process and the start, and claims come one or two at a time. A request that will wait for a process here
-        anyway, and not long (``Handoff.start_expected``: more than nothing, at most ``AHEAD_WAIT``), has its slot
+        anyway, and not long (``Handoff.start_expected``: more than nothing, at most ``keyed_claim_ahead`` seconds:
+        50 ms by default), has its slot
         claimed while it waits, with the other arrivals received meanwhile in one ``admit_many`` (an arrival that
         finds no room or a line is parked at once, as its admission would park it). The claim waits in
         ``Handoff.prebound`` (renewed by the heartbeat, given back if no process took it within a heartbeat interval
@@ -447,8 +444,9 @@ class GateService:
         no attempt holding its mutex here, no earlier request waiting here undecided and none at the receipt service
         (the ledger receives a key's arrivals in the order this worker received them, D10)."""
         service = self.receipts
+        limit = self.settings.claim_ahead
         if (
-            not self.settings.claim_ahead
+            not limit
             or service is None
             or not service.accepting
             or self.breaker.is_open
@@ -464,7 +462,7 @@ class GateService:
         if self.releaser.is_contended(key) or self._mutex_held_here(key):
             return None
         wait = self.handoff.start_expected(request)
-        if wait is None or wait <= 0.0 or wait > AHEAD_WAIT:
+        if wait is None or wait <= 0.0 or wait > limit:
             return None
         try:
             arrival = intake.arrival_for(request)

@@ -55,7 +55,8 @@ DEFAULTS: dict[str, Any] = {
     "queues": (),  # queues that carry only keyed tasks: not consumed while the ledger is unreachable (D9)
     "admission_batch": 64,  # most arrivals one ledger call admits, off the consumer loop; 0: admit on the loop
     "park_at_receipt": True,  # park an arrival of a key with a line when received, without a pool process
-    "claim_ahead": True,  # claim a received arrival's slot before a pool process is free when one will be soon
+    # claim a received arrival's slot while it waits for a pool process expected within this many seconds (True: 0.05)
+    "claim_ahead": True,
     "send_arrival_timeout": 3600.0,  # seconds a send accepted at send holds its place until it arrives
     "config_version": 0,  # version of keyed_concurrency_limits: an older worker never overwrites a newer one's
     "register_at_publish": False,  # store each keyed message in the ledger at publish; republish what never arrives
@@ -90,7 +91,7 @@ class KeyedSettings:
     queues: tuple[str, ...] = ()
     admission_batch: int = 64
     park_at_receipt: bool = True
-    claim_ahead: bool = True
+    claim_ahead: float = 0.05  # seconds; 0.0: off
     send_arrival_timeout: float = 3600.0
     config_version: int = 0
     register_at_publish: bool = False
@@ -153,7 +154,7 @@ def read_settings(conf: Any) -> KeyedSettings:
         queues=_queue_names(get("queues")),
         admission_batch=check_int(get("admission_batch"), "keyed_admission_batch", minimum=0, maximum=10_000),
         park_at_receipt=bool(get("park_at_receipt")),
-        claim_ahead=_flag(get("claim_ahead"), "keyed_claim_ahead"),
+        claim_ahead=_claim_ahead(get("claim_ahead")),
         send_arrival_timeout=_seconds(get("send_arrival_timeout"), "keyed_send_arrival_timeout"),
         config_version=check_int(get("config_version"), "keyed_config_version", minimum=0, maximum=INT_MAX),
         register_at_publish=_flag(get("register_at_publish"), "keyed_register_at_publish"),
@@ -223,6 +224,26 @@ def _flag(value: Any, setting: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidConfig(f"{setting} must be True or False, got {value!r}")
     return value
+
+
+#: ``keyed_claim_ahead = True``: the most seconds a request may be expected to wait for a pool process for its slot to
+#: be claimed while it waits.
+CLAIM_AHEAD_WAIT = 0.05
+
+
+def _claim_ahead(value: Any) -> float:
+    """``keyed_claim_ahead``: True (``CLAIM_AHEAD_WAIT``), False (0.0: off) or the most seconds (at most 60) a
+    request may be expected to wait for a pool process for its slot to be claimed while it waits."""
+    if value is True:
+        return CLAIM_AHEAD_WAIT
+    if value is False or (value == 0 and isinstance(value, int | float)):
+        return 0.0
+    try:
+        return _seconds(value, "keyed_claim_ahead", maximum=60.0)
+    except InvalidConfig:
+        raise InvalidConfig(
+            f"keyed_claim_ahead must be True, False or a number of seconds (at most 60), got {value!r}"
+        ) from None
 
 
 def _port(value: Any) -> int | None:

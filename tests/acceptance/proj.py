@@ -36,7 +36,7 @@ def make_app(env: Mapping[str, str]) -> Any:
         keyed_statement_timeout=float(env.get("KEYED_STATEMENT_TIMEOUT", "2.0")),
         keyed_admission_batch=int(env.get("KEYED_ADMISSION_BATCH", "64")),
         keyed_park_at_receipt=env.get("KEYED_PARK_AT_RECEIPT", "1") == "1",
-        keyed_claim_ahead=env.get("KEYED_CLAIM_AHEAD", "1") == "1",
+        keyed_claim_ahead=_claim_ahead(env.get("KEYED_CLAIM_AHEAD", "1")),
         keyed_config_version=int(env.get("KEYED_CONFIG_VERSION", "0")),
         keyed_send_arrival_timeout=float(env.get("KEYED_SEND_ARRIVAL_TIMEOUT", "3600")),
         keyed_connect_timeout=1.0,
@@ -60,6 +60,13 @@ def make_app(env: Mapping[str, str]) -> Any:
     ns = SimpleNamespace(app=app, dsn=dsn, url=env["KEYED_DATABASE_URL"])
     _define_tasks(app, ns)
     return ns
+
+
+def _claim_ahead(value: str) -> bool | float:
+    """KEYED_CLAIM_AHEAD: "1" (the default, True), "0" (off) or a number of seconds."""
+    if value in ("0", "1"):
+        return value == "1"
+    return float(value)
 
 
 def _log_signals() -> None:

@@ -200,7 +200,7 @@ def test_no_slot_is_claimed_ahead_when_it_gains_nothing_or_could_hold_a_slot_lon
     gate: GateService, engine: sa.Engine, why: str
 ) -> None:
     """D3 stays the rule outside its one exception: with a free pool process the request goes straight on (its
-    admission when the process takes it); behind long work (the expected wait above ``AHEAD_WAIT``), before any
+    admission when the process takes it); behind long work (the expected wait above ``keyed_claim_ahead``), before any
     run here was seen, with ``keyed_claim_ahead`` off, or when its key has a line here, nothing is claimed."""
     import dataclasses
 
@@ -212,7 +212,7 @@ def test_no_slot_is_claimed_ahead_when_it_gains_nothing_or_could_hold_a_slot_lon
     elif why == "no typical run yet":
         gate.handoff.typical_run = None
     elif why == "the setting is off":
-        gate.settings = dataclasses.replace(gate.settings, claim_ahead=False)
+        gate.settings = dataclasses.replace(gate.settings, claim_ahead=0.0)
     else:
         gate.releaser.mark_contended("acct:1")
     handled: list[str] = []

@@ -59,3 +59,18 @@ def test_numeric_settings_are_bounded_by_what_timestamps_timers_and_postgres_hol
 
 def test_whole_float_pool_size_is_taken() -> None:
     assert read_settings({"keyed_database_url": URL, "keyed_pool_size": 3.0}).pool_size == 3
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [(True, 0.05), (False, 0.0), (0, 0.0), (0.2, 0.2), (1, 1.0), (60, 60.0)]
+)
+def test_claim_ahead_is_a_flag_or_the_most_seconds_a_request_may_be_expected_to_wait(
+    value: object, seconds: float
+) -> None:
+    assert read_settings({"keyed_database_url": URL, "keyed_claim_ahead": value}).claim_ahead == seconds
+
+
+@pytest.mark.parametrize("value", ["yes", -1, 61, float("nan"), float("inf"), [0.1]])
+def test_claim_ahead_rejects_anything_else(value: object) -> None:
+    with pytest.raises(InvalidConfig, match="keyed_claim_ahead must be True, False or a number of seconds"):
+        read_settings({"keyed_database_url": URL, "keyed_claim_ahead": value})
