@@ -83,6 +83,13 @@ PINNED_THREADS = 3
 # here again within them, it is kept.
 DECLINE_MEMORY = 60.0
 
+#: Claims are taken ahead only while the typical run here is at most this share of ``keyed_claim_ahead`` (20 ms with
+#: the default 50 ms): a claim's round trip is then a large part of each task's cost, and a slot claimed ahead of its
+#: start is given back soon. Behind longer runs the round trip is a small part of a task, and a slot held while its
+#: request waits keeps another worker, which could run that key now, waiting (bench.gate d, 50 ms tasks on two
+#: workers: worse in three runs of three when they were claimed ahead).
+AHEAD_RUN_SHARE = 0.4
+
 #: Most seconds a claim taken ahead waits for other arrivals to share its round trip (``AdmissionService.lingering``);
 #: at most half the wait expected for a pool process.
 AHEAD_LINGER = 0.005
@@ -433,7 +440,7 @@ class GateService:
         a slot while another worker could run its key; but the claim's round trip then sits between a free pool
         process and the start, and claims come one or two at a time. A request that will wait for a process here
         anyway, and not long (``Handoff.start_expected``: more than nothing, at most ``keyed_claim_ahead`` seconds:
-        50 ms by default), has its slot
+        50 ms by default), where runs are short (the typical run at most ``AHEAD_RUN_SHARE`` of that), has its slot
         claimed while it waits, with the other arrivals received meanwhile in one ``admit_many`` (an arrival that
         finds no room or a line is parked at once, as its admission would park it). The claim waits in
         ``Handoff.prebound`` (renewed by the heartbeat, given back if no process took it within a heartbeat interval
@@ -460,6 +467,9 @@ class GateService:
         if not isinstance(key, str) or headers.get(HEADER_NONCE) is not None or self._at_receipt.get(key):
             return None
         if self.releaser.is_contended(key) or self._mutex_held_here(key):
+            return None
+        typical = self.handoff.typical_run
+        if typical is None or typical > AHEAD_RUN_SHARE * limit:
             return None
         wait = self.handoff.start_expected(request)
         if wait is None or wait <= 0.0 or wait > limit:

@@ -194,21 +194,32 @@ def test_a_claim_taken_ahead_whose_verdict_comes_back_after_a_consumer_restart_g
 
 @pytest.mark.parametrize(
     "why",
-    ["a process is free now", "the wait would be long", "no typical run yet", "the setting is off", "a line here"],
+    [
+        "a process is free now",
+        "the wait would be long",
+        "runs are long",
+        "no typical run yet",
+        "the setting is off",
+        "a line here",
+    ],
 )
 def test_no_slot_is_claimed_ahead_when_it_gains_nothing_or_could_hold_a_slot_long(
     gate: GateService, engine: sa.Engine, why: str
 ) -> None:
     """D3 stays the rule outside its one exception: with a free pool process the request goes straight on (its
-    admission when the process takes it); behind long work (the expected wait above ``keyed_claim_ahead``), before any
+    admission when the process takes it); behind long work (the expected wait above ``keyed_claim_ahead``, or runs
+    longer than ``AHEAD_RUN_SHARE`` of it: a slot held ahead would keep another worker waiting), before any
     run here was seen, with ``keyed_claim_ahead`` off, or when its key has a line here, nothing is claimed."""
     import dataclasses
 
     if why == "a process is free now":
         worker_state.active_requests.clear()
         worker_state.reserved_requests.clear()
-    elif why == "the wait would be long":
-        gate.handoff.typical_run = 1.0
+    elif why == "the wait would be long":  # five more requests before it, each a short run: 60 ms
+        queued = [_Request(id=f"queued{n}", keyed_claim=None, _request_dict={}) for n in range(5)]
+        worker_state.reserved_requests.update(queued)
+    elif why == "runs are long":  # one run ahead of it, but of 30 ms: more than 40 % of keyed_claim_ahead (50 ms)
+        gate.handoff.typical_run = 0.03
     elif why == "no typical run yet":
         gate.handoff.typical_run = None
     elif why == "the setting is off":
