@@ -1045,13 +1045,24 @@ class GateService:
             for job in jobs:
                 job.error = exc
             return
+        late: list[tuple[Arrival, int]] = []
         for job, admission in zip(jobs, admissions, strict=True):
             job.result = (None, admission)
             if admission.verdict is Verdict.ADMITTED and admission.fence is not None:
+                # Under the lock that shutdown's give-back takes: a claim decided after the consumer stopped (its
+                # thread outlived the stop's wait, under load) is given back here, never left for nobody to renew.
                 with self.lock:
-                    self.handoff.prebound[job.arrival.token] = Prebound(
-                        admission.fence, job.arrival.key, granted=granted, ahead=True
-                    )
+                    stale = self.closed or self.stopping.is_set() or job.extra.get("generation") != self.generation
+                    if not stale:
+                        self.handoff.prebound[job.arrival.token] = Prebound(
+                            admission.fence, job.arrival.key, granted=granted, ahead=True
+                        )
+                if stale:
+                    late.append((job.arrival, admission.fence))
+        for arrival, fence in late:
+            self.releaser.hand_over(
+                arrival.token, fence, Outcome.WORKER_LOST, key=arrival.key, name="", contended=False, on_loop=False
+            )
 
     def _park_received(self, jobs: list[Job]) -> None:
         """The receipt service's thread: park the arrivals handed over at receipt, in one round trip for a batch

@@ -233,3 +233,27 @@ def test_no_slot_is_claimed_ahead_when_it_gains_nothing_or_could_hold_a_slot_lon
         _loop_turn(gate, handled, 1)
     assert handled == ["plain"]
     assert _claims(engine) == {} and not gate.handoff.prebound
+
+
+def test_a_claim_decided_after_the_worker_stopped_is_given_back_by_the_thread_that_took_it(
+    gate: GateService, engine: sa.Engine
+) -> None:
+    """Under load the receipt thread can outlive the stop's wait for it: its batch is decided after shutdown gave back
+    every claim waiting here, and its verdicts go to a loop that no longer runs. A claim it takes then is given back
+    at once by that thread (under the lock shutdown's give-back takes), never left in the ledger for nobody to renew
+    until its lease lapses."""
+    handled: list[str] = []
+    request = _request("late", "acct:5")
+    gate.receipts.stop()
+    gate.receipts._accepting = True  # the thread's last batch, decided by hand below
+    _receive(gate, request, handled)
+    batch = list(gate.receipts._jobs)  # taken by the thread, which then stalls
+    gate.receipts._jobs.clear()
+    gate.shutdown()  # stops the consumer, gives back what waits here: nothing yet
+    gate._decide(batch)  # ...and now the late thread decides its batch (its verdicts reach no loop)
+    assert batch[0].result[1].verdict.value == "admitted"
+    assert Token("late", 0) not in gate.handoff.prebound
+    assert _claims(engine) == {}
+    with engine.connect() as conn:
+        open_tasks = conn.execute(sa.text("SELECT task_id FROM keyed_tasks WHERE outcome IS NULL")).scalars().all()
+    assert open_tasks == ["late"]  # worker lost: its redelivered message is admitted again
