@@ -33,7 +33,6 @@ import os
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from signal import SIGTERM
@@ -66,7 +65,7 @@ from celery_keyed.task import set_cancel_probe
 from celery_keyed.worker import intake
 from celery_keyed.worker.admission import AdmissionService, Job
 from celery_keyed.worker.breaker import UNREACHABLE, Breaker
-from celery_keyed.worker.handoff import Handoff, Prebound
+from celery_keyed.worker.handoff import Handoff, Prebound, join_line, pool_line, slot_holders_ahead
 from celery_keyed.worker.heartbeat import Heartbeat
 from celery_keyed.worker.releaser import Releaser
 from celery_keyed.worker.revokes import Revokes
@@ -82,13 +81,6 @@ PINNED_THREADS = 3
 # Seconds a worker remembers a promotion it gave back to the broker (``GateService._decline_promotion``): delivered
 # here again within them, it is kept.
 DECLINE_MEMORY = 60.0
-
-#: Claims are taken ahead only while the typical run here is at most this share of ``keyed_claim_ahead`` (20 ms with
-#: the default 50 ms): a claim's round trip is then a large part of each task's cost, and a slot claimed ahead of its
-#: start is given back soon. Behind longer runs the round trip is a small part of a task, and a slot held while its
-#: request waits keeps another worker, which could run that key now, waiting (bench.gate d, 50 ms tasks on two
-#: workers: worse in three runs of three when they were claimed ahead).
-AHEAD_RUN_SHARE = 0.4
 
 #: Most seconds a claim taken ahead waits for other arrivals to share its round trip (``AdmissionService.lingering``);
 #: at most half the wait expected for a pool process.
@@ -208,6 +200,10 @@ class GateService:
         # nonces of published promotions this worker gave back to the broker once (``_decline_promotion``), with
         # when: a promotion is declined at most once per worker (loop only)
         self._declined: dict[str, float] = {}
+        # The prefetch window's widening for claims taken ahead (``fit_prefetch``), and the QoS it was applied to
+        # (a consumer restart brings a new one, at Celery's own width). Under ``lock``.
+        self._spare = 0
+        self._spare_qos: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -332,6 +328,43 @@ class GateService:
 
         return narrow
 
+    def fit_prefetch(self) -> None:
+        """Any thread: widen the consumer's prefetch window beyond Celery's own by as many messages as this worker's
+        pool processes are expected to start within ``keyed_claim_ahead`` (``Handoff.prefetch_spare``: at most one
+        per process), or narrow it back. With ``worker_prefetch_multiplier = 1`` a worker whose processes are all busy
+        holds no message beyond them, so a request that will start on the next process to free is fetched only once
+        that process is free, and its claim's round trip comes after the fetch (peers W3-W5: 6-10 ms between one
+        task's end and the next start on a process, against 3 ms for the cookbook lock). A message fetched ahead waits
+        here for at most about that bound (a few tens of milliseconds) where another worker might have taken it.
+        No widening before a run was seen here, with ``keyed_claim_ahead`` off, without a receipt service (admission
+        on the loop), while the ledger is unreachable or the consumer stops, or while Celery restores a window it
+        narrowed after a reconnect; an unlimited window stays unlimited. Called as each run ends."""
+        qos = getattr(self.consumer, "qos", None)
+        limit = self.settings.claim_ahead
+        wanted = 0
+        if (
+            limit
+            and self.receipts is not None
+            and self.receipts.accepting
+            and not self.breaker.is_open
+            and not self.closed
+            and not self.stopping.is_set()
+            # Celery restores a window it narrowed after a broker reconnect by setting it outright: no widening
+            # until it is back at its own width.
+            and getattr(self.consumer, "_maximum_prefetch_restored", True) is not False
+        ):
+            wanted = self.handoff.prefetch_spare(limit)
+        with self.lock:
+            if qos is not self._spare_qos:  # a new consumer start: Celery's window, not widened yet
+                self._spare_qos, self._spare = qos, 0
+            delta, self._spare = wanted - self._spare, wanted
+        if qos is None or not delta:
+            return
+        if delta > 0:
+            qos.increment_eventually(delta)
+        else:
+            qos.decrement_eventually(-delta)
+
     def idle(self) -> bool:
         """No attempt runs here and no release is on its way to the ledger."""
         with self.lock:
@@ -440,12 +473,13 @@ class GateService:
         a slot while another worker could run its key; but the claim's round trip then sits between a free pool
         process and the start, and claims come one or two at a time. A request that will wait for a process here
         anyway, and not long (``Handoff.start_expected``: more than nothing, at most ``keyed_claim_ahead`` seconds:
-        50 ms by default), where runs are short (the typical run at most ``AHEAD_RUN_SHARE`` of that), has its slot
-        claimed while it waits, with the other arrivals received meanwhile in one ``admit_many`` (an arrival that
-        finds no room or a line is parked at once, as its admission would park it). The claim waits in
-        ``Handoff.prebound`` (renewed by the heartbeat, given back if no process took it within a heartbeat interval
-        or at shutdown) and the request starts with no round trip while the claim's lease provably holds
-        (``Handoff.take_fresh_entry``), else after a guarded confirmation (D14).
+        50 ms by default), has its slot claimed while it waits, with the other arrivals received meanwhile in one
+        ``admit_many`` (an arrival that finds no room or a line is parked at once, as its admission would park it).
+        The claim waits in ``Handoff.prebound`` (renewed by the heartbeat, given back if no process took it within a
+        heartbeat interval or at shutdown) among the requests in the line for a process that hold a slot, oldest
+        first (``join_line``), and the request starts with no round trip while the claim's lease provably holds
+        (``Handoff.take_fresh_entry``), else after a guarded confirmation (D14). The prefetch window is widened so
+        that such requests are here before a process frees (``fit_prefetch``).
 
         Only plain arrivals (one key, no group, no not-before, cost 1, no supersede key) of a key with no line here,
         no attempt holding its mutex here, no earlier request waiting here undecided and none at the receipt service
@@ -467,9 +501,6 @@ class GateService:
         if not isinstance(key, str) or headers.get(HEADER_NONCE) is not None or self._at_receipt.get(key):
             return None
         if self.releaser.is_contended(key) or self._mutex_held_here(key):
-            return None
-        typical = self.handoff.typical_run
-        if typical is None or typical > AHEAD_RUN_SHARE * limit:
             return None
         wait = self.handoff.start_expected(request)
         if wait is None or wait <= 0.0 or wait > limit:
@@ -660,9 +691,8 @@ class GateService:
             or self.stopping.is_set()
         ):
             return 0
-        semaphore = getattr(getattr(self.consumer, "controller", None), "semaphore", None)
-        waiting = getattr(semaphore, "_waiting", None)  # kombu's LaxBoundedSemaphore: (callback, args, kwargs)
-        if not isinstance(waiting, deque) or not waiting:
+        waiting = pool_line(self.consumer)
+        if not waiting:
             return 0
         held = self.held_mutex_keys()
         with self.lock:  # promotions bound here (D4) wait in the same line: they start, they never park
@@ -718,25 +748,22 @@ class GateService:
             )
             if not self._submit_receipt(job):
                 request.keyed_receipt = False
-                waiting.appendleft(entry)
+                waiting.insert(slot_holders_ahead(waiting), entry)
                 return taken
             taken += 1
         return taken
 
     def _back_in_line(self, request: Any) -> None:
         """Loop thread: a request taken out of the pool semaphore's line (``park_waiting``) that was not parked goes
-        back to the front of that line, behind the others sent back in the same delivery (their order kept)."""
-        semaphore = getattr(getattr(self.consumer, "controller", None), "semaphore", None)
-        waiting = getattr(semaphore, "_waiting", None)
-        before = len(waiting) if isinstance(waiting, deque) else 0
+        back to the front of the requests there that hold no slot, behind the others sent back in the same delivery
+        (their order kept; ``join_line``)."""
+        waiting = pool_line(self.consumer)
+        before = len(waiting) if waiting is not None else 0
         self.consumer.on_task_request(request)
-        if not isinstance(waiting, deque) or len(waiting) <= before:
+        if waiting is None or len(waiting) <= before:
             return  # it got a pool process at once
-        last = waiting[-1]
-        if isinstance(last, tuple) and len(last) == 3 and last[1][:1] == (request,):
-            waiting.pop()
-            waiting.insert(min(self._returned, len(waiting)), last)
-            self._returned += 1
+        join_line(self.consumer, request, behind=self._returned)
+        self._returned += 1
 
     def _received(self, job: Job) -> None:
         """Loop thread: act on the park-at-receipt decision of ``job``: parked (acked, announced) or rejected
@@ -777,7 +804,11 @@ class GateService:
             if admission.promotions:  # waiters ahead of it started with the room it found
                 self.dispatch(list(admission.promotions), local=True)
             if admission.verdict is Verdict.ADMITTED:
-                job.submit()  # its claim waits in Handoff.prebound (``_claim_ahead``) until a pool process starts it
+                # Its claim waits in Handoff.prebound (``_claim_ahead``) until a pool process starts it; it holds a
+                # slot, so it waits among the requests that do (``join_line``).
+                request.keyed_slot_held = True
+                job.submit()
+                join_line(self.consumer, request)
                 return
             metrics.started(job.arrival.token, admission.verdict)
             self._not_admitted(request, admission)
@@ -1255,6 +1286,7 @@ class GateService:
             self.releasing += 1
         if entry is not None:
             self.handoff.note_run(time.monotonic() - entry.claimed_at)
+            self.fit_prefetch()
         try:
             key = getattr(request, "keyed_arrival_key", None)
             hold = getattr(request.task, "uncertain_hold", None) if uncertain else None

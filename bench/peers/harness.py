@@ -419,6 +419,10 @@ class Bench:
         else:  # one job row per published task; neither retries nor re-inserts
             res.messages = (len(tasks) - res.refused) / len(tasks)
         rows = [entry.decode().split() for entry in self.redis.lrange(run, 0, -1)]
+        if os.environ.get("BENCH_PEERS_DUMP"):  # the raw rows, for a trace: start end key task_id pid
+            dump = Path(os.environ["BENCH_PEERS_DUMP"]) / f"{system.name}-{wl.name}-{repeat}.txt"
+            dump.parent.mkdir(parents=True, exist_ok=True)
+            dump.write_text("\n".join(" ".join(r) for r in rows) + "\n")
         analyse(res, wl, rows)
         res.load = (load0, os.getloadavg()[0])
         self.redis.delete(run, stats)

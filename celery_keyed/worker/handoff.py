@@ -53,7 +53,8 @@ logger = logging.getLogger("celery_keyed")
 
 #: A promotion starts here, though every pool process has work that will run, when the first of them is expected to
 #: be free within this many seconds: the typical run of an attempt here (``Handoff.note_run``) over the number of pool
-#: processes. It goes to the front of the line for a process (``_HandoffConsumer``); published instead, it would wait
+#: processes. It goes ahead of the requests that hold no slot in the line for a process (``join_line``); published
+#: instead, it would wait
 #: behind whatever the broker's queue holds — in a burst, the whole burst.
 SOON = 0.05
 
@@ -280,8 +281,8 @@ class Handoff:
         attempt runs here (``GateService.held_mutex_keys``), and of ``released`` (the key whose release asks: its
         room goes to its line first). A burst of arrivals on busy keys keeps the pool's processes reserved, but
         not for long. A promotion started
-        here goes ahead of every request waiting for a process (``_HandoffConsumer.on_task_request``) and starts
-        on the first process that frees; published, it would wait behind the broker's whole queue.
+        here goes ahead of every request waiting for a process that holds no slot (``join_line``) and starts soon;
+        published, it would wait behind the broker's whole queue.
 
         Also yes when every process has work that will run but the first of them is expected to be free soon: the
         typical run here over the number of processes is at most ``SOON`` (short tasks: the promotion waits one
@@ -297,6 +298,23 @@ class Handoff:
             return True
         typical = self.typical_run
         return typical is not None and typical / size <= SOON
+
+    def pool_size(self) -> int | None:
+        """The consumer's number of pool processes, or None where it has no pool of known size."""
+        pool = getattr(self.gate.consumer, "pool", None)
+        size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
+        return size if isinstance(size, int) and size > 0 else None
+
+    def prefetch_spare(self, limit: float) -> int:
+        """Messages this worker may hold beyond one per pool process (``GateService.fit_prefetch``): as many as its
+        processes are expected to start within ``limit`` seconds, by the typical run here (one process frees every
+        typical run / processes), at most one per process; 0 before a run was seen."""
+        size, typical = self.pool_size(), self.typical_run
+        if size is None or typical is None or limit <= 0:
+            return 0
+        if typical <= 0:
+            return size
+        return max(0, min(size, int(limit * size / typical)))
 
     def start_expected(self, request: Any) -> float | None:
         """Loop thread: seconds ``request`` (received, waiting for a pool process) is expected to wait before one
@@ -316,10 +334,8 @@ class Handoff:
     def _will_run(self, released: str | None, *, exclude: Any) -> tuple[int, int] | None:
         """(requests that will run here, pool processes) as ``pool_has_room`` counts them; None without a pool of
         known size."""
-        consumer = self.gate.consumer
-        pool = getattr(consumer, "pool", None)
-        size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
-        if not isinstance(size, int) or size <= 0:
+        size = self.pool_size()
+        if size is None:
             return None
         reserved = list(worker_state.reserved_requests)
         active = worker_state.active_requests
@@ -383,9 +399,9 @@ class Handoff:
             self.revoked_before_start(promotion.token, promotion.key)  # Celery's strategy discarded it
 
     def _handoff_strategy(self, task_name: str) -> Any:
-        """The consumer's strategy for ``task_name``, built once more for promotions started here: its requests
-        go to the front of the line for a pool process (``_HandoffConsumer``), and its event dispatcher leaves
-        out ``task-received`` (a promotion started here was received, and announced, when it first arrived;
+        """The consumer's strategy for ``task_name``, built once more for promotions started here: its requests go
+        ahead of those that hold no slot in the line for a pool process (``join_line``), and its event dispatcher
+        leaves out ``task-received`` (a promotion started here was received, and announced, when it first arrived;
         every later event of its request — started, succeeded… — is sent as usual). Rebuilt when Celery rebuilds
         its strategies (on every broker reconnect)."""
         consumer = self.gate.consumer
@@ -538,27 +554,65 @@ class _NoReceivedEvent:
 
 class _HandoffConsumer:
     """The consumer as Celery's strategy sees it for a promotion started here: another event dispatcher, and
-    requests that go to the front of the line for a pool process. Celery's pool semaphore (prefork) queues a
-    request for which no process is free behind every request received before it; a promotion has waited its
-    turn in the ledger already, and its claim is held while it waits, so it takes the first process that frees."""
+    requests that take their place among the requests that hold a slot in the line for a pool process
+    (``join_line``). Celery's pool semaphore (prefork) queues a request for which no process is free behind every
+    request received before it; a promotion has waited its turn in the ledger already, and its claim is held while it
+    waits, so it starts on the first process that frees after those that were holding a slot before it."""
 
     def __init__(self, consumer: Any, event_dispatcher: Any) -> None:
         self._consumer = consumer
         self.event_dispatcher = event_dispatcher
 
     def on_task_request(self, request: Any) -> Any:
+        request.keyed_slot_held = True
         result = self._consumer.on_task_request(request)
-        semaphore = getattr(getattr(self._consumer, "controller", None), "semaphore", None)
-        waiting = getattr(semaphore, "_waiting", None)  # kombu's LaxBoundedSemaphore: (callback, args, kwargs)
-        if isinstance(waiting, deque) and len(waiting) > 1:
-            last = waiting[-1]
-            if isinstance(last, tuple) and len(last) == 3 and last[1][:1] == (request,):
-                waiting.pop()
-                waiting.appendleft(last)
+        join_line(self._consumer, request)
         return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)
+
+
+def pool_line(consumer: Any) -> deque[Any] | None:
+    """The line of requests waiting for a pool process: kombu's ``LaxBoundedSemaphore._waiting`` of the consumer's
+    pool (prefork), entries ``(callback, args, kwargs)`` with the request first in ``args``; None without one."""
+    semaphore = getattr(getattr(consumer, "controller", None), "semaphore", None)
+    waiting = getattr(semaphore, "_waiting", None)
+    return waiting if isinstance(waiting, deque) else None
+
+
+def _line_request(entry: Any) -> Any:
+    return entry[1][0] if isinstance(entry, tuple) and len(entry) == 3 and entry[1] else None
+
+
+def slot_holders_ahead(waiting: deque[Any]) -> int:
+    """How many requests at the front of the line already hold a slot (``join_line``)."""
+    count = 0
+    for entry in waiting:
+        if not getattr(_line_request(entry), "keyed_slot_held", False):
+            break
+        count += 1
+    return count
+
+
+def join_line(consumer: Any, request: Any, *, behind: int | None = None) -> None:
+    """Loop thread: ``request`` has just been handed to Celery's ``on_task_request``; if it waits for a pool process
+    (the last in the line), give it its place. The requests that hold a slot (``keyed_slot_held``: promotions started
+    here, claims taken ahead) go first, in the order they joined: each keeps its key's line waiting until it starts,
+    while a request that holds nothing keeps nobody waiting. Among them the oldest goes first: the newest first kept a
+    key whose release had just bound its next attempt here running on the process that freed, release after release,
+    while the other keys' promotions and claims taken ahead waited (peers W4: the last keys ran alone at the end).
+    A request that holds nothing stays last, or goes ``behind`` that many places after those that do
+    (``GateService._back_in_line``)."""
+    waiting = pool_line(consumer)
+    if waiting is None or len(waiting) < 2 or _line_request(waiting[-1]) is not request:
+        return
+    held = getattr(request, "keyed_slot_held", False)
+    if not held and behind is None:
+        return
+    entry = waiting.pop()
+    holders = slot_holders_ahead(waiting)
+    waiting.insert(holders if held else min(holders + (behind or 0), len(waiting)), entry)
 
 
 def _already_acked(*args: Any, **kwargs: Any) -> None:

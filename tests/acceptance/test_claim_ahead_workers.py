@@ -73,6 +73,22 @@ def test_requests_waiting_for_a_busy_pool_have_their_slots_claimed_ahead_and_the
 
 
 @pytest.mark.parametrize("cluster", [{}], indirect=True)
+def test_with_a_prefetch_of_one_the_window_widens_so_that_slots_are_claimed_ahead(
+    cluster: Cluster, producer: Any
+) -> None:
+    """``worker_prefetch_multiplier = 1`` (the README's advice) with late acks: the two running bodies fill Celery's
+    window, so C and D would stay in the broker until a process frees and could not be claimed ahead. The gate widens
+    the window by what the pool is expected to start within ``keyed_claim_ahead`` (``GateService.fit_prefetch``):
+    C or D is received and has its slot while A and B still run. Fails without the widening."""
+    cluster.env["KEYED_CLAIM_AHEAD"] = "0.5"
+    cluster.start_worker("w1", concurrency=2)
+    _warm(producer)
+    assert _behind_both_busy(cluster, producer) == ["A", "B", "C", "D"]
+    assert cluster.scalar(CLAIMED_WHILE_BOTH_BUSY, notes=["C", "D"]) >= 1, cluster.rows("SELECT * FROM observed")
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 0, timeout=30)
+
+
+@pytest.mark.parametrize("cluster", [{}], indirect=True)
 def test_without_claim_ahead_no_slot_is_claimed_before_a_pool_process_is_free(
     prefetching_cluster: Cluster, producer: Any
 ) -> None:

@@ -197,7 +197,6 @@ def test_a_claim_taken_ahead_whose_verdict_comes_back_after_a_consumer_restart_g
     [
         "a process is free now",
         "the wait would be long",
-        "runs are long",
         "no typical run yet",
         "the setting is off",
         "a line here",
@@ -207,9 +206,9 @@ def test_no_slot_is_claimed_ahead_when_it_gains_nothing_or_could_hold_a_slot_lon
     gate: GateService, engine: sa.Engine, why: str
 ) -> None:
     """D3 stays the rule outside its one exception: with a free pool process the request goes straight on (its
-    admission when the process takes it); behind long work (the expected wait above ``keyed_claim_ahead``, or runs
-    longer than ``AHEAD_RUN_SHARE`` of it: a slot held ahead would keep another worker waiting), before any
-    run here was seen, with ``keyed_claim_ahead`` off, or when its key has a line here, nothing is claimed."""
+    admission when the process takes it); behind long work (the expected wait above ``keyed_claim_ahead``: a slot
+    held ahead would keep another worker waiting), before any run here was seen, with ``keyed_claim_ahead`` off, or
+    when its key has a line here, nothing is claimed."""
     import dataclasses
 
     if why == "a process is free now":
@@ -218,8 +217,6 @@ def test_no_slot_is_claimed_ahead_when_it_gains_nothing_or_could_hold_a_slot_lon
     elif why == "the wait would be long":  # five more requests before it, each a short run: 60 ms
         queued = [_Request(id=f"queued{n}", keyed_claim=None, _request_dict={}) for n in range(5)]
         worker_state.reserved_requests.update(queued)
-    elif why == "runs are long":  # one run ahead of it, but of 30 ms: more than 40 % of keyed_claim_ahead (50 ms)
-        gate.handoff.typical_run = 0.03
     elif why == "no typical run yet":
         gate.handoff.typical_run = None
     elif why == "the setting is off":
@@ -257,3 +254,48 @@ def test_a_claim_decided_after_the_worker_stopped_is_given_back_by_the_thread_th
     with engine.connect() as conn:
         open_tasks = conn.execute(sa.text("SELECT task_id FROM keyed_tasks WHERE outcome IS NULL")).scalars().all()
     assert open_tasks == ["late"]  # worker lost: its redelivered message is admitted again
+
+
+def test_the_prefetch_window_widens_by_what_the_pool_starts_within_the_bound(gate: GateService) -> None:
+    """``GateService.fit_prefetch`` on kombu's own QoS: with ``worker_prefetch_multiplier = 1`` a busy pool holds no
+    request to claim ahead, so the window is widened by as many messages as the pool is expected to start within
+    ``keyed_claim_ahead`` (50 ms): one process frees every typical run / processes; at most one per process. It
+    narrows back as runs grow long, while the ledger is unreachable and with the setting off; a consumer restart's
+    new QoS starts from Celery's own width."""
+    import dataclasses
+
+    from kombu.common import QoS
+
+    applied: list[int] = []
+    qos = QoS(lambda prefetch_count: applied.append(prefetch_count), 2)
+    gate.consumer.qos = qos
+    gate.consumer.pool.num_processes = 2
+
+    def fit(typical: float | None) -> int:
+        gate.handoff.typical_run = typical
+        gate.fit_prefetch()
+        qos.update()  # the consumer loop's next turn
+        return qos.value
+
+    assert fit(None) == 2  # no run seen yet
+    assert fit(0.002) == 4 and applied[-1] == 4  # short runs: one more message per process, no more
+    assert fit(0.05) == 4  # one process frees every 25 ms: two within 50 ms
+    assert fit(0.08) == 3  # every 40 ms: one
+    assert fit(0.2) == 2  # every 100 ms: none
+    assert fit(0.01) == 4
+    gate.breaker.is_open = True  # the ledger unreachable: nothing is claimed ahead, nothing held for it
+    assert fit(0.01) == 2
+    gate.breaker.is_open = False
+    assert fit(0.01) == 4
+
+    restarted = QoS(lambda prefetch_count: None, 2)  # a consumer restart: Celery's width again
+    gate.consumer.qos = restarted
+    gate.consumer._maximum_prefetch_restored = False  # Celery narrowed it after the reconnect and restores it
+    gate.fit_prefetch()
+    assert restarted.value == 2 and qos.value == 4
+    gate.consumer._maximum_prefetch_restored = True
+    gate.fit_prefetch()
+    assert restarted.value == 4
+    gate.settings = dataclasses.replace(gate.settings, claim_ahead=0.0)
+    gate.fit_prefetch()
+    assert restarted.value == 2

@@ -101,6 +101,7 @@ def test_a_cancel_passed_on_raises_the_flag_and_the_release_records_superseded()
     gate.releasing = 0
     gate.heartbeat = SimpleNamespace(can_terminate=lambda: False)
     gate.handoff = SimpleNamespace(note_run=lambda seconds: None)
+    gate.fit_prefetch = lambda: None
     gate.releaser = SimpleNamespace(
         hand_over=lambda token, fence, outcome, **kw: handed.append((token, outcome, kw["detail"])),
         is_contended=lambda key: False,

@@ -731,3 +731,39 @@ def test_a_request_of_a_key_at_the_receipt_service_is_handed_on_after_it_in_orde
     assert gate._at_receipt == {"acct:1": 2, "other:2": 1}
     GateService._received(gate, job)  # type: ignore[arg-type]
     assert handed == ["m"] and gate._at_receipt == {"acct:1": 1}
+
+
+def test_requests_that_hold_a_slot_wait_first_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``join_line``: in the line for a pool process, the requests that hold a slot (promotions started here, claims
+    taken ahead) wait ahead of those that hold none, in the order they joined. Newest first, a key whose release had
+    just bound its next attempt here kept the process that freed, release after release, while the slots held by the
+    other keys' promotions and claims waited (peers W4: the last keys ran alone at the end). A request sent back
+    undecided (``GateService._back_in_line``) goes behind those that hold a slot, ahead of the others."""
+    from celery_keyed.worker.handoff import _HandoffConsumer, join_line
+
+    gate, semaphore, _ = _waiting_gate(monkeypatch, held=set())
+    consumer = gate.consumer
+    promotions = _HandoffConsumer(consumer, None)
+
+    def order() -> list[str]:
+        return [entry[1][0].id for entry in semaphore._waiting]
+
+    consumer.on_task_request(_Request("plain1", "a"))  # holds nothing
+    join_line(consumer, semaphore._waiting[-1][1][0])
+    assert order() == ["plain1"]
+    ahead = _Request("ahead", "b")
+    ahead.keyed_slot_held = True  # a claim taken ahead (GateService._received)
+    consumer.on_task_request(ahead)
+    join_line(consumer, ahead)
+    promotions.on_task_request(_Request("p1", "c"))
+    promotions.on_task_request(_Request("p2", "d"))
+    plain2 = _Request("plain2", "e")
+    consumer.on_task_request(plain2)
+    join_line(consumer, plain2)
+    assert order() == ["ahead", "p1", "p2", "plain1", "plain2"]
+    gate._returned = 0
+    gate._back_in_line(_Request("back1", "f"))
+    gate._back_in_line(_Request("back2", "g"))
+    assert order() == ["ahead", "p1", "p2", "back1", "back2", "plain1", "plain2"]
+    promotions.on_task_request(_Request("p3", "h"))
+    assert order() == ["ahead", "p1", "p2", "p3", "back1", "back2", "plain1", "plain2"]
