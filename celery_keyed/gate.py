@@ -1286,7 +1286,6 @@ class GateService:
             self.releasing += 1
         if entry is not None:
             self.handoff.note_run(time.monotonic() - entry.claimed_at)
-            self.fit_prefetch()
         try:
             key = getattr(request, "keyed_arrival_key", None)
             hold = getattr(request.task, "uncertain_hold", None) if uncertain else None
@@ -1305,6 +1304,11 @@ class GateService:
         finally:
             with self.lock:
                 self.releasing -= 1
+        if entry is not None:
+            try:  # after the release is handed over: nothing here may keep a slot from going back
+                self.fit_prefetch()
+            except Exception:
+                logger.exception("celery-keyed: could not fit the prefetch window")
 
     # -- newest wins (on_newer="cancel_running", issue 14 item 1) ----------------------------------------------
 

@@ -767,3 +767,34 @@ def test_requests_that_hold_a_slot_wait_first_oldest_first(monkeypatch: pytest.M
     assert order() == ["ahead", "p1", "p2", "back1", "back2", "plain1", "plain2"]
     promotions.on_task_request(_Request("p3", "h"))
     assert order() == ["ahead", "p1", "p2", "p3", "back1", "back2", "plain1", "plain2"]
+
+
+def test_a_release_is_handed_over_even_if_fitting_the_prefetch_window_fails() -> None:
+    """``GateService.release``: the prefetch window is refitted after the release is handed to the releaser, and a
+    fault there is logged; it never keeps a slot from going back."""
+    import os
+
+    from celery_keyed.gate import GateService, Running
+
+    handed: list[Any] = []
+    gate: Any = GateService.__new__(GateService)
+    gate.lock = threading.Lock()
+    gate.pid = os.getpid()
+    gate.running = {}
+    gate.releasing = 0
+    gate.handoff = SimpleNamespace(note_run=lambda seconds: None)
+    gate.releaser = SimpleNamespace(
+        hand_over=lambda token, fence, outcome, **kw: handed.append((token, outcome)), is_contended=lambda key: False
+    )
+
+    def broken() -> None:
+        raise RuntimeError("no QoS")
+
+    gate.fit_prefetch = broken
+    request = SimpleNamespace(
+        name="t", keyed_claim=(Token("a", 0), 7), keyed_arrival_key="k", keyed_cancelled=None,
+        task=SimpleNamespace(uncertain_hold=None),
+    )
+    gate.running[Token("a", 0)] = Running(request, Token("a", 0), 7)
+    gate.release(request, Outcome.COMPLETED)
+    assert handed == [(Token("a", 0), Outcome.COMPLETED)] and gate.releasing == 0
