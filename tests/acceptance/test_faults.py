@@ -29,8 +29,16 @@ def _interval(cluster: Cluster, task_id: str) -> tuple[float, float]:
     return spans[0]
 
 
-def _books(cluster: Cluster, task_id: str) -> str | None:
-    return cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=task_id)
+def _books(cluster: Cluster, task_id: str, timeout: float = 30.0) -> str | None:
+    """The task's outcome in the books, once written: a result is stored by the pool process before the worker's
+    releaser records the outcome, so a result in hand does not mean the books are written yet (on a loaded machine
+    the gap was long enough for an immediate read to see none). None if no outcome came within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (outcome := cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=task_id)) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return outcome
 
 
 def test_warm_shutdown_mid_task_keeps_the_slot_and_hands_the_line_on(cluster: Cluster, producer) -> None:
@@ -183,7 +191,7 @@ def test_a_promotion_fetched_by_a_busy_worker_is_given_back_once_then_kept(clust
     assert "Traceback" not in log, log[-3000:]
     assert _interval(cluster, b.id)[0] >= _interval(cluster, c.id)[0]
     assert peak_overlap(cluster.intervals("acct:x")) == 1
-    assert _books(cluster, b.id) == "completed"
+    assert _books(cluster, b.id) == "completed", log[-3000:]
     cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
 
 
