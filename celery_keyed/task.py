@@ -34,7 +34,7 @@ from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names 
     NOT_INHERITED,
     OPTION_OF_HEADER,
 )
-from celery_keyed.ledger import InvalidKey, normalize_key
+from celery_keyed.ledger import MAX_KEYS_PER_CALL, InvalidKey, normalize_key
 
 logger = logging.getLogger("celery_keyed")
 
@@ -475,6 +475,10 @@ def evaluate_keys(spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[
     template, callable, tuple or string; items that come out None are left out), or None (unkeyed)."""
     if not isinstance(spec, list):
         return evaluate_key(spec, task, args, kwargs)
+    if len(spec) > MAX_KEYS_PER_CALL:
+        raise InvalidKey(
+            f"{task.name}: concurrency_key lists {len(spec)} keys; a call takes at most {MAX_KEYS_PER_CALL}"
+        )
     found = [k for k in (evaluate_key(item, task, args, kwargs) for item in spec) if k is not None]
     if len(set(found)) != len(found):
         raise InvalidKey(f"{task.name}: concurrency_key lists the same key twice: {found!r}")

@@ -93,7 +93,7 @@ from celery_keyed.ledger.key_overrides import (
     set_key_limit,
 )
 from celery_keyed.ledger.keys import keys_captured_by
-from celery_keyed.ledger.keyspec import key_name, normalize_key, validate_name
+from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_key, validate_name
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
 from celery_keyed.ledger.names import Configured, NameConfig, configure_names, names_newest_version, parse_limits
 from celery_keyed.ledger.outbox import (
@@ -136,6 +136,7 @@ __all__ = [
     "FAIR_WEIGHT_MAX",
     "FAIR_WEIGHT_MIN",
     "INT_MAX",
+    "MAX_KEYS_PER_CALL",
     "SECONDS_MAX",
     "SLOT_LIMIT_MAX",
     "STATEMENT_TIMEOUT_MAX",

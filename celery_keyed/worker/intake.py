@@ -24,7 +24,7 @@ from celery_keyed.headers import (
     HEADER_ON_NEWER,
     HEADER_SUPERSEDE,
 )
-from celery_keyed.ledger import EXCLUSIVE_COST, INT_MAX, Arrival, InvalidKey, normalize_key
+from celery_keyed.ledger import EXCLUSIVE_COST, INT_MAX, MAX_KEYS_PER_CALL, Arrival, InvalidKey, normalize_key
 from celery_keyed.messages import record_message
 from celery_keyed.task import (
     check_cost,
@@ -78,7 +78,7 @@ def arrival_for(request: Any) -> Arrival | None:
     else:
         key = header_keys(key)
         group = None if group is None else normalize_key(group)
-        supersede = None if supersede is None else str(supersede)
+        supersede = None if supersede is None else normalize_key(supersede)  # as the producer sends it (a key)
         fair = headers.get(HEADER_FAIR)
         fair = None if fair is None else normalize_key(fair)
         weight = check_fair_weight(headers.get(HEADER_FAIR_WEIGHT), task)
@@ -170,6 +170,8 @@ def header_keys(value: Any) -> str | list[str] | None:
     if value is None:
         return None
     if isinstance(value, list):
+        if len(value) > MAX_KEYS_PER_CALL:
+            raise InvalidKey(f"header {HEADER_KEY} lists {len(value)} keys; a call takes at most {MAX_KEYS_PER_CALL}")
         keys = [normalize_key(v) for v in value]
         if not keys or len(set(keys)) != len(keys):
             raise InvalidKey(f"header {HEADER_KEY} must list distinct keys, got {value!r}")

@@ -125,10 +125,18 @@ POISON = {
     "keyed_group_seq = 2**63": ("hostile.grouped", ["g", 1], {}, {"headers": {"keyed_group_seq": 2**63}}),
     "keyed_group_seq = -2**63 - 1": ("hostile.grouped", ["g2", 1], {}, {"headers": {"keyed_group_seq": -(2**63) - 1}}),
     "keyed_cost = 2**40": ("hostile.limited", ["c"], {}, {"headers": {"keyed_cost": 2**40}}),
-}
+    # a row lock each in one transaction: thousands would hold the admission thread for seconds (MAX_KEYS_PER_CALL)
+    "keyed_key lists 5,000 keys":
+        ("hostile.limited", ["m"], {}, {"headers": {"keyed_key": [f"m:{i}" for i in range(5000)]}}),
+}  # fmt: skip
 
 #: Messages whose keys cannot be computed at all: a recorded rejection with a KeyedRejected result (D16).
-MUST_REJECT = {"key callable missing its argument", "format spec on a string", "key callable raising ZeroDivisionError"}
+MUST_REJECT = {
+    "key callable missing its argument",
+    "format spec on a string",
+    "key callable raising ZeroDivisionError",
+    "keyed_key lists 5,000 keys",
+}
 
 
 def test_poison_messages_get_an_outcome_and_the_worker_survives(hostile_cluster: Cluster, foreign: Celery) -> None:
@@ -176,7 +184,9 @@ scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([math.inf, -math.inf, 1e300, -0.0]),
     st.text(max_size=12),
-    st.sampled_from(["", ":", "lim:", ":x", "a" * 300, "lim:" + "x" * 600, "\x00", "é:ü", "{n}", "fmt:{"]),
+    st.sampled_from(
+        ["", ":", "lim:", ":x", "a" * 300, "lim:" + "x" * 600, "\x00", "é:ü", "{n}", "fmt:{", "lim:\ud800"]
+    ),
 )
 values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=5), scalars, max_size=3))
 messages = st.tuples(
@@ -214,4 +224,45 @@ def test_generated_headers_and_arguments_never_kill_the_worker(hostile_cluster: 
         if got["books"] == "rejected":
             assert got["result"] == "FAILURE" and got["error"] == "KeyedRejected", (task_id, got)
         assert got["books"] != "no row" or got["ran"], (task_id, got)  # keyed: the ledger saw it
+    assert_still_serving(cluster, foreign)
+
+
+#: Text PostgreSQL cannot store, from a foreign producer's JSON: a lone UTF-16 surrogate ("\ud800" decodes to one in
+#: Python and has no UTF-8 form) and a NUL byte (refused in a text column), wherever the gate reads text: keys
+#: computed from the arguments, the key headers, the task id. Each is a recorded rejection with a KeyedRejected
+#: result, whether or not the attempt would have parked (before, a NUL in the supersede header ran, because it
+#: reached the database only when the attempt parked).
+UNSTORABLE = {
+    "lone surrogate in a key from the arguments": ("hostile.echo", ["acct:\ud800"], {}, {}),
+    "lone surrogate in the key header": ("hostile.limited", ["s"], {}, {"headers": {"keyed_key": "lim:\ud800"}}),
+    "lone surrogate in the group header": ("hostile.grouped", ["g"], {}, {"headers": {"keyed_group": "grp:\udfff"}}),
+    "lone surrogate in a group from the arguments": ("hostile.grouped", ["\ud834"], {}, {}),
+    "NUL in the supersede header":
+        ("hostile.limited", ["u"], {}, {"headers": {"keyed_key": "lim:u", "keyed_supersede": "a:\x00b"}}),
+    "lone surrogate in the supersede header":
+        ("hostile.limited", ["v"], {}, {"headers": {"keyed_key": "lim:v", "keyed_supersede": "a:\ud800"}}),
+    "lone surrogate in the fair header":
+        ("hostile.limited", ["w"], {}, {"headers": {"keyed_key": "lim:w", "keyed_fair": "t:\ud800"}}),
+}  # fmt: skip
+
+
+def test_text_postgres_cannot_store_is_a_rejection_and_the_worker_serves_on(
+    hostile_cluster: Cluster, foreign: Celery
+) -> None:
+    cluster = hostile_cluster
+    start_worker(cluster)
+    ids = {label: send(foreign, name, args=a, kwargs=k, **o) for label, (name, a, k, o) in UNSTORABLE.items()}
+    state = settle(cluster, foreign, list(ids.values()))
+    for label, task_id in ids.items():
+        got = state[task_id]
+        assert got["books"] == "rejected" and got["error"] == "KeyedRejected" and not got["ran"], (label, got)
+    # A task id with a NUL cannot be booked at all: its result is still a KeyedRejected failure, and it never runs.
+    nul_id = send(foreign, "hostile.limited", args=["i"], task_id="h-nul\x00id")
+    result = foreign.AsyncResult(nul_id)
+    deadline = time.monotonic() + WAIT
+    while result.state not in ("SUCCESS", "FAILURE"):
+        assert time.monotonic() < deadline and cluster.workers["w1"].poll() is None, _log(cluster)
+        time.sleep(0.1)
+    assert result.state == "FAILURE" and type(result.result).__name__ == "KeyedRejected", result.state
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE key = 'lim:i'") == 0
     assert_still_serving(cluster, foreign)

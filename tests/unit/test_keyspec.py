@@ -19,6 +19,7 @@ from celery_keyed.ledger.keyspec import MAX_KEY_LENGTH, key_name, normalize_key,
         (("account", 7), "account:7"),
         ("s3:bucket:path/to", "s3:bucket:path/to"),
         ("a.b-c_d:x", "a.b-c_d:x"),
+        ("account:é😀", "account:é😀"),
     ],
 )
 def test_normalize_accepts(key: object, expected: str) -> None:
@@ -44,6 +45,9 @@ def test_normalize_accepts(key: object, expected: str) -> None:
         ("acc ount:1", "must start with a letter"),
         ("account:a b", "whitespace or control"),
         ("account:a\nb", "whitespace or control"),
+        ("account:a\x00b", "whitespace or control"),
+        ("account:\ud800", "lone surrogate"),  # JSON's "\ud800": no UTF-8 form, so PostgreSQL cannot store it
+        (("account", "x\udfff"), "lone surrogate"),
         ("x" * (MAX_KEY_LENGTH + 1), "at most"),
     ],
 )
@@ -67,3 +71,26 @@ def test_key_name_is_the_part_before_the_first_colon() -> None:
 def test_validate_name_rejects(name: object) -> None:
     with pytest.raises(InvalidKey):
         validate_name(name)
+
+
+def test_a_call_takes_at_most_max_keys_per_call_keys_from_the_producer_and_from_a_header() -> None:
+    """Each key is a row lock in the admission's transaction: a foreign header listing thousands of keys would hold the
+    worker's admission thread for seconds (5,000 took 7.7 s), so both the producer and the worker refuse more."""
+    from celery import Celery
+
+    from celery_keyed import keyed_task
+    from celery_keyed.ledger import MAX_KEYS_PER_CALL
+    from celery_keyed.worker.intake import header_keys
+
+    app = Celery("keys-unit", set_as_current=False)
+
+    @keyed_task(app=app, concurrency_key="acct:{acct}")
+    def one(acct: int) -> None: ...
+
+    most = [f"k:{i}" for i in range(MAX_KEYS_PER_CALL)]
+    assert one.keyed_headers((1,), {}, {"concurrency_key": most})["keyed_key"] == most
+    with pytest.raises(InvalidKey, match=f"lists {MAX_KEYS_PER_CALL + 1} keys; a call takes at most"):
+        one.keyed_headers((1,), {}, {"concurrency_key": [*most, "k:x"]})
+    assert header_keys(most) == most
+    with pytest.raises(InvalidKey, match=f"lists 5000 keys; a call takes at most {MAX_KEYS_PER_CALL}"):
+        header_keys([f"k:{i}" for i in range(5000)])
