@@ -60,7 +60,16 @@ from celery_keyed.ledger.bounds import (
     check_seconds,
 )
 from celery_keyed.ledger.claims import HeldClaim, claims_cancel_requested, claims_renew
-from celery_keyed.ledger.errors import InvalidConfig, InvalidKey, LedgerError, SchemaMissing, WrongState, translate
+from celery_keyed.ledger.errors import (
+    MAX_TASK_ID_LENGTH,
+    InvalidConfig,
+    InvalidKey,
+    LedgerError,
+    SchemaMissing,
+    WrongState,
+    on_handle_error,
+    translate,
+)
 from celery_keyed.ledger.explain import Explanation, explain
 from celery_keyed.ledger.fair_weights import (
     FAIR_WEIGHT_MAX,
@@ -137,6 +146,7 @@ __all__ = [
     "FAIR_WEIGHT_MIN",
     "INT_MAX",
     "MAX_KEYS_PER_CALL",
+    "MAX_TASK_ID_LENGTH",
     "SECONDS_MAX",
     "SLOT_LIMIT_MAX",
     "STATEMENT_TIMEOUT_MAX",
@@ -277,6 +287,8 @@ class Ledger:
         dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
     ) -> None:
         self.engine = engine
+        if not sa.event.contains(engine, "handle_error", on_handle_error):
+            sa.event.listen(engine, "handle_error", on_handle_error)  # PostgreSQL's own limits are data errors
         #: The same pool in autocommit: the single-statement fast paths need no BEGIN / COMMIT round trips.
         self.autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.holder = holder or new_holder()

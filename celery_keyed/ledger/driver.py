@@ -29,6 +29,8 @@ import psycopg
 import sqlalchemy as sa
 from psycopg.rows import namedtuple_row
 
+from celery_keyed.ledger.errors import as_data_error, data_refused
+
 _PLACEHOLDER = re.compile(r"(?<![:\w\\]):([A-Za-z_]\w*)")
 _converted: dict[int, tuple[sa.TextClause, str]] = {}
 
@@ -63,6 +65,8 @@ def run(conn: sa.Connection, statement: sa.TextClause, params: Mapping[str, Any]
         except psycopg.Error as exc:
             if driver.closed or driver.broken:
                 conn.invalidate(exc)
+            if data_refused(exc):
+                raise as_data_error(sql, dict(params), exc) from exc
             raise sa.exc.DBAPIError.instance(
                 sql, dict(params), exc, psycopg.Error, connection_invalidated=conn.invalidated
             ) from exc

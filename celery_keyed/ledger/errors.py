@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import sqlalchemy as sa
+
+#: Longest task id the ledger takes, in characters. Task ids are primary keys: PostgreSQL's B-tree refuses an index
+#: row over 2,704 bytes, and 255 characters (at most 1,020 bytes in UTF-8) leave room for a key beside one in a
+#: composite index. Celery's ids are 36; its database result backend stores 155.
+MAX_TASK_ID_LENGTH = 255
+
 
 class LedgerError(Exception):
     """Base class of every error the ledger raises on purpose."""
@@ -68,3 +77,25 @@ def translate(exc: BaseException) -> BaseException:
     if name in STATE_RULES:
         return WrongState(f"{STATE_RULES[name]} ({name})")
     return exc
+
+
+def data_refused(orig: BaseException) -> bool:
+    """Whether a driver error is PostgreSQL refusing the values of a statement by a limit of its own (SQLSTATE class
+    54, "program limit exceeded": an index row over the B-tree's maximum, a statement too complex…). psycopg raises
+    these as ``OperationalError``, which the worker's breaker reads as an unreachable database; they are data
+    errors of one message, like class 22."""
+    return str(getattr(orig, "sqlstate", "") or "").startswith("54")
+
+
+def as_data_error(statement: Any, params: Any, orig: BaseException) -> sa.exc.DataError:
+    """``orig`` (see ``data_refused``) as the ``sqlalchemy.exc.DataError`` a class-22 error would be."""
+    return sa.exc.DataError(statement, params, orig)
+
+
+def on_handle_error(context: Any) -> BaseException | None:
+    """The ledger engine's ``handle_error`` listener: a statement PostgreSQL refused by a limit of its own raises a
+    ``DataError`` instead of an ``OperationalError`` (``data_refused``)."""
+    orig = context.original_exception
+    if data_refused(orig):
+        return as_data_error(context.statement, context.parameters, orig)
+    return None

@@ -106,3 +106,24 @@ def test_the_hot_path_runs_on_the_driver(ledger: Ledger, engine: sa.Engine) -> N
     claims = {driver.driver_sql(fast_paths.CLAIM_NEW), driver.driver_sql(fast_paths.CLAIM_NEW_WAITING)}
     assert len(seen) == 2 and seen[0] in claims, seen
     assert seen[1] == driver.driver_sql(fast_paths.RELEASE_AND_PROMOTE)
+
+
+def test_a_value_over_postgresqls_own_limits_is_a_data_error_not_an_unreachable_database(
+    ledger: Ledger, engine: sa.Engine
+) -> None:
+    """An index row over the B-tree's 2,704 bytes is SQLSTATE 54000, which psycopg raises as an OperationalError: the
+    breaker would read one message's task id as the database being down (found: a foreign message with an 8,000
+    character id stalled a worker's keyed intake). On both paths — the driver's and SQLAlchemy's — it is a
+    ``DataError``, like any other refused value."""
+    import secrets
+
+    import pytest
+
+    huge = "t-" + secrets.token_hex(4000)  # incompressible: TOAST cannot bring it under the limit
+    with pytest.raises(sa.exc.DataError, match="index row size"):
+        ledger.admit(Arrival(huge, key="acct:huge", message={"id": huge}))  # the driver (autocommit fast path)
+    statement = sa.text("INSERT INTO keyed_tasks (task_id, task_name, arrived_at) VALUES (:task_id, 't', now())")
+    # SQLAlchemy's own path (a transaction), on any engine a Ledger was made with (its handle_error listener)
+    with pytest.raises(sa.exc.DataError, match="index row size"), engine.begin() as conn:
+        conn.execute(statement, {"task_id": huge})
+    assert ledger.admit(Arrival("t-fine", key="acct:huge", message={"id": "t-fine"})).verdict.value == "admitted"

@@ -94,3 +94,27 @@ def test_a_call_takes_at_most_max_keys_per_call_keys_from_the_producer_and_from_
     assert header_keys(most) == most
     with pytest.raises(InvalidKey, match=f"lists 5000 keys; a call takes at most {MAX_KEYS_PER_CALL}"):
         header_keys([f"k:{i}" for i in range(5000)])
+
+
+@pytest.mark.parametrize(
+    ("task_id", "message"),
+    [
+        ("x" * 256, "256 characters; the ledger takes at most 255"),
+        ("a\x00b", "NUL"),
+        ("a\ud800", "lone surrogate"),
+        ("", "non-empty str"),
+        (7, "non-empty str"),
+    ],
+)
+def test_a_task_id_the_ledger_cannot_store_is_refused(task_id: object, message: str) -> None:
+    from celery_keyed.worker.intake import check_task_id
+
+    with pytest.raises(InvalidKey, match=re.escape(message)):
+        check_task_id(task_id)
+
+
+def test_task_ids_celery_and_users_make_are_accepted() -> None:
+    from celery_keyed.worker.intake import check_task_id
+
+    for task_id in ("d3b07384-d9a7-4f3c-8d2b-1f0e2a3b4c5d", "report:user-7:2026-12-03", "é" * 255):
+        check_task_id(task_id)
