@@ -10,6 +10,7 @@ request is handed to admission.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from celery_keyed.headers import (
@@ -29,6 +30,7 @@ from celery_keyed.ledger import (
     INT_MAX,
     MAX_KEYS_PER_CALL,
     MAX_TASK_ID_LENGTH,
+    SECONDS_MAX,
     Arrival,
     InvalidKey,
     normalize_key,
@@ -69,6 +71,7 @@ def arrival_for(request: Any) -> Arrival | None:
     """The ledger's view of a request: its token, keys (from headers, else computed from the arguments:
     ``send_task`` sends none), deadline and stored message. None: the call carries no key after all (Celery's own
     path). Malformed keys, and integers out of the ledger's range, raise ``InvalidKey``."""
+    check_time_limits(request)
     # A gate header that is present but null is treated as absent (a foreign producer's ``None``): the keys
     # are then computed from the arguments, never skipped.
     headers = {k: v for k, v in request._request_dict.items() if v is not None}
@@ -126,6 +129,26 @@ def arrival_for(request: Any) -> Arrival | None:
         on_newer=on_newer_of(request, keys),
         **debounce_of(request, keys, group, retries),
     )
+
+
+def check_time_limits(request: Any) -> None:
+    """Celery's ``timelimit`` header as Celery's pool will use it: empty, or [hard, soft] with each null or a finite
+    number of seconds, at least 0. Else ``InvalidKey``: a foreign ``["x", "y"]`` reached kombu's timer on the consumer
+    loop and killed the worker ("Unrecoverable error"), with the message's slot claimed."""
+    value = request._request_dict.get("timelimit")
+    if not value:
+        return
+    if isinstance(value, list | tuple) and len(value) == 2 and all(_seconds_or_none(v) for v in value):
+        return
+    raise InvalidKey(f"header timelimit must be [hard, soft], each null or a number of seconds, got {value!r}")
+
+
+def _seconds_or_none(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return 0 <= value <= SECONDS_MAX and math.isfinite(value)  # an int past a float's range compares first
 
 
 def check_task_id(task_id: Any) -> None:

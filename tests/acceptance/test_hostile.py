@@ -126,6 +126,10 @@ POISON = {
     "keyed_group_seq = -2**63 - 1": ("hostile.grouped", ["g2", 1], {}, {"headers": {"keyed_group_seq": -(2**63) - 1}}),
     "keyed_cost = 2**40": ("hostile.limited", ["c"], {}, {"headers": {"keyed_cost": 2**40}}),
     # a row lock each in one transaction: thousands would hold the admission thread for seconds (MAX_KEYS_PER_CALL)
+    # Celery's own header, read by its pool on the consumer loop: ["x", "y"] reached kombu's timer and killed the worker
+    "timelimit = ['x', 'y']": ("hostile.limited", ["t1"], {}, {"headers": {"timelimit": ["x", "y"]}}),
+    "timelimit = 'ab'": ("hostile.limited", ["t2"], {}, {"headers": {"timelimit": "ab"}}),
+    "timelimit = [1, 2, 3]": ("hostile.echo", ["acct:t3"], {}, {"headers": {"timelimit": [1, 2, 3]}}),
     "keyed_key lists 5,000 keys":
         ("hostile.limited", ["m"], {}, {"headers": {"keyed_key": [f"m:{i}" for i in range(5000)]}}),
 }  # fmt: skip
@@ -136,6 +140,9 @@ MUST_REJECT = {
     "format spec on a string",
     "key callable raising ZeroDivisionError",
     "keyed_key lists 5,000 keys",
+    "timelimit = ['x', 'y']",
+    "timelimit = 'ab'",
+    "timelimit = [1, 2, 3]",
 }
 
 

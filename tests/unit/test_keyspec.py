@@ -118,3 +118,25 @@ def test_task_ids_celery_and_users_make_are_accepted() -> None:
 
     for task_id in ("d3b07384-d9a7-4f3c-8d2b-1f0e2a3b4c5d", "report:user-7:2026-12-03", "é" * 255):
         check_task_id(task_id)
+
+
+@pytest.mark.parametrize(
+    "timelimit",
+    [["x", "y"], "ab", [1, 2, 3], [1], [-1, None], [float("nan"), None], [None, float("inf")], [2**2000, 1], [True, 1]],
+)
+def test_a_timelimit_header_celerys_pool_cannot_use_is_refused(timelimit: object) -> None:
+    from types import SimpleNamespace
+
+    from celery_keyed.worker.intake import check_time_limits
+
+    with pytest.raises(InvalidKey, match="header timelimit must be"):
+        check_time_limits(SimpleNamespace(_request_dict={"timelimit": timelimit}))
+
+
+@pytest.mark.parametrize("timelimit", [None, [], [None, None], [30, 20], [0, 1.5], (10, None)])
+def test_timelimit_headers_celery_sends_are_accepted(timelimit: object) -> None:
+    from types import SimpleNamespace
+
+    from celery_keyed.worker.intake import check_time_limits
+
+    check_time_limits(SimpleNamespace(_request_dict={"timelimit": timelimit}))
