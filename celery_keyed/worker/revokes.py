@@ -13,14 +13,19 @@ appended by the loop and popped by the heartbeat (a deque: thread-safe ends). No
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
+from celery_keyed.ledger import LedgerError
+
 if TYPE_CHECKING:
     from celery_keyed.gate import GateService
+
+logger = logging.getLogger("celery_keyed")
 
 
 class Revokes:
@@ -49,9 +54,17 @@ class Revokes:
             self.pending.extend(ids)
 
     def _store(self, task_ids: list[str], *, local: bool) -> None:
+        """Store each revoke; one the ledger refuses for its value (a foreign task id it cannot hold: over 255
+        characters' index row, a NUL) is logged and dropped, and never keeps the others from being stored. Celery's
+        own in-memory revoke still applies to it. An unreachable ledger raises (the caller keeps the rest)."""
         gate = self.gate
         for task_id in task_ids:  # a revoked group member: its group moves on (its promotions)
-            gate.handoff.dispatch(gate.ledger.revoke(task_id), local=local)
+            try:
+                promotions = gate.ledger.revoke(task_id)
+            except (sa.exc.DataError, sa.exc.IntegrityError, sa.exc.ProgrammingError, LedgerError) as exc:
+                logger.error("celery-keyed: the ledger refused the revoke of %r: %s", task_id[:300], exc)
+                continue
+            gate.handoff.dispatch(promotions, local=local)
         gate.sweeper.notify_never_ran()
 
     def flush_pending(self) -> None:

@@ -310,3 +310,22 @@ def test_newest_wins_a_cancel_request_reaches_the_attempt_at_the_next_heartbeat(
     report = gate.ledger.release(token, old.fence, Outcome.SUPERSEDED, detail=request.keyed_cancelled)
     assert [p.task_id for p in report.promotions] == ["new"]
     assert gate.ledger.books() == {"superseded": 1, "open": 1, "arrivals": 2}
+
+
+def test_a_revoke_the_ledger_cannot_store_is_dropped_and_the_others_are_stored(
+    gate: GateService, engine: sa.Engine
+) -> None:
+    """A foreign revoke broadcast naming an id the ledger cannot hold (over PostgreSQL's index row size: it used to
+    read as the database being down, opening the breaker; a NUL) is logged and dropped: the revokes listed with it
+    are stored, the breaker stays closed, nothing is left pending to be retried for ever."""
+    import secrets
+
+    gate.ledger.admit(Arrival("running", key="rv:1"))
+    gate.ledger.admit(Arrival("parked", key="rv:1", message={"id": "parked"}))
+    gate.record_revokes(["t-" + secrets.token_hex(4000), "nul\x00id", "parked", "unseen"])
+    assert not gate.breaker.is_open and not gate.revokes.pending
+    with engine.connect() as conn:
+        outcomes = dict(conn.execute(sa.text("SELECT task_id, outcome FROM keyed_tasks")).all())
+        waiting = conn.execute(sa.text("SELECT count(*) FROM keyed_waiting")).scalar()
+    assert outcomes == {"running": None, "parked": "revoked", "unseen": "revoked"}
+    assert waiting == 0
