@@ -974,6 +974,23 @@ class GateService:
         else:
             self._finish_without_running(request, admission.verdict.value, admission.detail)
 
+    def refuse_malformed(self, task_id: str, task_name: str, detail: str, task: Any) -> None:
+        """A keyed message Celery could not even build a request from (``KeyedRequest``): recorded as rejected, its
+        ``KeyedRejected`` result stored, announced. Celery's consumer then rejects the message. Never raises."""
+        logger.error("celery-keyed: %s[%s] rejected: %s", task_name, task_id[:300], detail)
+        with contextlib.suppress(sa.exc.SQLAlchemyError, LedgerError):
+            self.ledger.reject_unkeyable(task_id, task_name=task_name, detail=detail)
+        try:
+            backend = task.backend if task is not None else self.app.backend
+            backend.mark_as_failure(task_id, exceptions.KeyedRejected(detail), store_result=True)
+        except Exception:
+            logger.exception("celery-keyed: could not store the rejected result of %s", task_id[:300])
+            return
+        with contextlib.suppress(Exception):
+            self.announce_never_ran(task_id, "rejected", detail, task_name, None)
+        with contextlib.suppress(sa.exc.SQLAlchemyError, LedgerError):
+            self.ledger.mark_notified([task_id])
+
     def _finish_without_running(
         self, request: Any, outcome: str, detail: str, *, record_in_ledger: bool = False
     ) -> None:

@@ -9,21 +9,37 @@ A request whose call carries no key is left completely alone: Celery's own path,
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
-from celery.exceptions import Ignore, Reject, Retry, Terminated, TimeLimitExceeded
+from celery.exceptions import Ignore, InvalidTaskError, Reject, Retry, Terminated, TimeLimitExceeded
 from celery.worker.request import Request
 
 from celery_keyed.ledger import Outcome
+
+logger = logging.getLogger("celery_keyed")
 
 
 class KeyedRequest(Request):
     """Request of a :class:`~celery_keyed.task.KeyedTask`. Its keyed state lives in ``keyed_claim``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except MALFORMED as exc:
+            # Celery's own constructor unpacks the body ([args, kwargs, embed]) and reads the headers: a foreign
+            # message shaped otherwise raised out of the strategy, killing the worker ("Unrecoverable error"), and
+            # the message, restored unacked, then killed the next worker too. As Celery does for an ETA it cannot
+            # parse: an invalid task message, which its consumer logs and rejects (dropped); first its result is
+            # a KeyedRejected failure and the books record the rejection (D16), so no caller waits for ever.
+            refuse_malformed(args, kwargs, exc)
+            raise InvalidTaskError(f"malformed task message: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(self.id, str) or not self.id:  # the strategy looks it up in a set next (a list: TypeError)
+            bad_id = TypeError(f"the task id must be a non-empty str, got {self.id!r}"[:300])
+            refuse_malformed(args, kwargs, bad_id)
+            raise InvalidTaskError(f"malformed task message: {bad_id}")
         self.keyed_claim: Any = None  # (Token, fence) while this request holds a slot
         self.keyed_arrival_key: str | None = None  # its concurrency key, once admission computed it
         self.keyed_arrival: Any = None  # its ledger Arrival, when computed at receipt (a claim taken ahead)
@@ -125,6 +141,28 @@ class KeyedRequest(Request):
         """The ack an outcome hook deferred until the release commits (D15), once; None when there is none."""
         ack, self.keyed_deferred_ack = self.keyed_deferred_ack, None
         return ack
+
+
+#: What Celery's ``Request.__init__`` raises for a message not shaped as a task message (a body that is not
+#: ``[args, kwargs, embed]``, headers of the wrong types). Its own ``InvalidTaskError`` (a bad ETA) passes through.
+MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+
+def refuse_malformed(args: tuple[Any, ...], kwargs: dict[str, Any], exc: BaseException) -> None:
+    """Record a malformed keyed message as rejected and store its ``KeyedRejected`` result, when it carries a task
+    id (a str) to store them under. Never raises: it runs in Celery's strategy, on the consumer loop."""
+    from celery_keyed.gate import current_gate
+
+    message = args[0] if args else kwargs.get("message")
+    headers = kwargs.get("headers") or getattr(message, "headers", None) or {}
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    task = kwargs.get("task")
+    gate = current_gate()
+    detail = f"malformed task message: {type(exc).__name__}: {str(exc)[:300]}"
+    if gate is None or not isinstance(task_id, str) or not task_id:
+        logger.error("celery-keyed: %s (no task id to record it under)", detail)
+        return
+    gate.refuse_malformed(task_id, getattr(task, "name", "") or str(headers.get("task") or ""), detail, task)
 
 
 def superseded_info(detail: str, exc_info: Any) -> Any:

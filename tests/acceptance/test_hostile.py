@@ -279,3 +279,61 @@ def test_text_postgres_cannot_store_is_a_rejection_and_the_worker_serves_on(
         assert cluster.scalar("SELECT count(*) FROM observed WHERE key = :k", k=f"lim:i{n}") == 0
     assert "unreachable" not in _log(cluster)
     assert_still_serving(cluster, foreign)
+
+
+def _publish_raw(url: str, headers: dict[str, Any], body: Any) -> None:
+    """A message as a foreign client could put it on the broker: any headers, any body, no Celery in between."""
+    import json
+
+    from kombu import Connection, Exchange, Producer
+
+    with Connection(url) as conn:
+        producer = Producer(conn.default_channel, exchange=Exchange("celery", type="direct"), routing_key="celery")
+        producer.publish(
+            json.dumps(body), headers=headers, content_type="application/json", content_encoding="utf-8",
+            routing_key="celery",
+        )  # fmt: skip
+
+
+def _task_headers(task_id: Any, **extra: Any) -> dict[str, Any]:
+    headers = {
+        "lang": "py", "task": "hostile.limited", "id": task_id, "root_id": None, "parent_id": None, "group": None,
+        "retries": 0, "timelimit": [None, None], "eta": None, "expires": None, "argsrepr": "", "kwargsrepr": "",
+    }  # fmt: skip
+    headers.update(extra)
+    return {k: v for k, v in headers.items() if v is not _ABSENT}
+
+
+_ABSENT = object()
+
+
+def test_messages_not_shaped_as_task_messages_are_rejected_and_kill_no_worker(
+    hostile_cluster: Cluster, foreign: Celery
+) -> None:
+    """A body that is not [args, kwargs, embed], or a task id that is not a string, raised out of Celery's own
+    request constructor (or its revoked-set lookup) on the consumer loop: the worker died ("Unrecoverable error"),
+    and the message, restored unacked, killed the next worker too. Now it is an invalid task message, logged and
+    rejected as Celery rejects one; with a task id to record it under, its result is a KeyedRejected failure and the
+    books say rejected. A protocol-1 message of a keyed task is still gated and runs."""
+    cluster = hostile_cluster
+    start_worker(cluster)
+    with_ids = {
+        "a body that is a dict": ("r-dict", {"which": "d"}),
+        "a body of [args] only": ("r-args-only", [["o"]]),
+        "a body of [args, kwargs]": ("r-two", [["t"], {}]),
+    }
+    for task_id, body in with_ids.values():
+        _publish_raw(cluster.broker_url, _task_headers(task_id), body)
+    without = {"no id": _ABSENT, "an int id": 12345, "a list id": ["a"], "an empty id": ""}
+    for n, task_id in enumerate(without.values()):
+        _publish_raw(cluster.broker_url, _task_headers(task_id), [[f"x{n}"], {}, {}])
+    _publish_raw(cluster.broker_url, {}, {"task": "hostile.limited", "id": "r-proto1", "args": ["p1"], "kwargs": {}})
+    state = settle(cluster, foreign, [*(i for i, _ in with_ids.values()), "r-proto1"])
+    for label, (task_id, _) in with_ids.items():
+        got = state[task_id]
+        assert got["books"] == "rejected" and got["error"] == "KeyedRejected" and not got["ran"], (label, got)
+    assert state["r-proto1"]["books"] == "completed" and state["r-proto1"]["ran"], state["r-proto1"]
+    assert_still_serving(cluster, foreign)
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE key LIKE 'lim:x%'") == 0  # none without an id ran
+    assert cluster.workers["w1"].poll() is None
+    assert _log(cluster).count("malformed task message") >= len(with_ids) + len(without)
