@@ -19,6 +19,8 @@ from celery.worker.control import Panel, control_command, inspect_command
 
 from celery_keyed.gate import GateService, current_gate
 from celery_keyed.settings import read_settings
+from celery_keyed.task import KeyedTask
+from celery_keyed.worker import intake
 
 logger = logging.getLogger("celery_keyed")
 
@@ -39,10 +41,28 @@ class KeyedGate(bootsteps.StartStopStep):
 
     def start(self, c: Any) -> None:
         wrap_revoke_commands()
+        # Every task's strategy (Celery rebuilt them on this consumer start, in the same dict its task handler reads):
+        # a message Celery's own strategy cannot take is rejected as invalid instead of killing the worker.
+        for name, strategy in list(c.strategies.items()):
+            task = c.app.tasks.get(name)
+            c.strategies[name] = intake.guarded(strategy, self._refuser(task) if isinstance(task, KeyedTask) else None)
         if self.gate is None:
             self.gate = GateService(c.app, c, read_settings(c.app.conf))
         self.gate.consumer = c
         self.gate.start()
+
+    def _refuser(self, task: Any) -> Callable[[str | None, str], None]:
+        """For a keyed task: a message refused as malformed ends like any keyed message that never runs: recorded as
+        rejected in the books, with a ``KeyedRejected`` result (when it has a task id to keep them under)."""
+
+        def refuse(task_id: str | None, detail: str) -> None:
+            gate = self.gate
+            if gate is None or task_id is None:
+                logger.error("celery-keyed: %s: %s (no task id to record it under)", task.name, detail)
+                return
+            gate.refuse_malformed(task_id, task.name, detail, task)
+
+        return refuse
 
     def stop(self, c: Any) -> None:
         if self.gate is not None:

@@ -11,7 +11,11 @@ request is handed to admission.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
+
+from celery.exceptions import InvalidTaskError
 
 from celery_keyed.headers import (
     HEADER_COST,
@@ -129,6 +133,76 @@ def arrival_for(request: Any) -> Arrival | None:
         on_newer=on_newer_of(request, keys),
         **debounce_of(request, keys, group, retries),
     )
+
+
+def check_message(message: Any, body: Any) -> None:
+    """What Celery's strategy and request constructor assume of a task message, checked before they run: a task id
+    that is a non-empty str, a usable ``timelimit``, and (protocol 2) a body ``[args, kwargs, embed]``. A foreign
+    message shaped otherwise raised out of them on the consumer loop and killed the worker ("Unrecoverable error");
+    restored unacked, it then killed the next worker too. Raises Celery's ``InvalidTaskError`` instead, which the
+    consumer logs and rejects, as it does for an ETA it cannot parse. Any task's message, keyed or not."""
+    headers = message.headers or {}
+    payload = message.payload if body is None else body  # decoded once: kombu caches it for the strategy
+    if isinstance(payload, dict):  # protocol 1, or Celery's "hybrid" (v2 headers, a v1 body): fields in the body
+        fields = {**payload, **headers} if body is None else payload
+        if body is None and "args" not in payload:
+            raise InvalidTaskError(f"malformed task message: the body is not [args, kwargs, embed]: {payload!r:.200}")
+        args, kwargs = payload.get("args", ()), payload.get("kwargs", {})
+        if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
+            raise InvalidTaskError(f"malformed task message: args must be a list, kwargs a mapping: {payload!r:.200}")
+    elif (
+        body is None
+        and isinstance(payload, list | tuple)
+        and len(payload) == 3
+        and isinstance(payload[0], list | tuple)
+        and isinstance(payload[1], dict)
+        and (payload[2] is None or isinstance(payload[2], dict))
+    ):  # protocol 2: the id and options in the headers
+        fields = headers
+    else:
+        raise InvalidTaskError(f"malformed task message: the body is not [args, kwargs, embed]: {payload!r:.200}")
+    task_id = fields.get("id")
+    if not isinstance(task_id, str) or not task_id:
+        raise InvalidTaskError(f"malformed task message: the task id must be a non-empty str, got {task_id!r:.200}")
+    try:
+        check_time_limits(SimpleNamespace(_request_dict=fields))
+    except InvalidKey as exc:
+        raise InvalidTaskError(f"malformed task message: {exc}") from None
+
+
+def guarded(
+    strategy: Callable[..., Any], on_invalid: Callable[[str | None, str], None] | None = None
+) -> Callable[..., Any]:
+    """``strategy`` (a task's, as Celery's consumer calls it) behind ``check_message``. ``on_invalid(task_id,
+    detail)`` is told of a message refused (the task id when it is a str a ledger can hold, else None) before Celery's
+    consumer rejects it; it must not raise."""
+    if getattr(strategy, "keyed_guarded", False):
+        return strategy
+
+    def guarded_strategy(message: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            check_message(message, body)
+        except InvalidTaskError as exc:
+            if on_invalid is not None:
+                on_invalid(_message_id(message, body), str(exc))
+            raise
+        return strategy(message, body, *args, **kwargs)
+
+    guarded_strategy.keyed_guarded = True  # type: ignore[attr-defined]
+    return guarded_strategy
+
+
+def _message_id(message: Any, body: Any) -> str | None:
+    """A refused message's task id, if it has one the books can hold."""
+    try:
+        headers = message.headers or {}
+        task_id = headers.get("id") if "id" in headers else (body if isinstance(body, dict) else {}).get("id")
+        if task_id is None and body is None and isinstance(message.payload, dict):
+            task_id = message.payload.get("id")
+        check_task_id(task_id)
+    except Exception:
+        return None
+    return task_id
 
 
 def check_time_limits(request: Any) -> None:

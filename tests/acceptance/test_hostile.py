@@ -310,23 +310,31 @@ _ABSENT = object()
 def test_messages_not_shaped_as_task_messages_are_rejected_and_kill_no_worker(
     hostile_cluster: Cluster, foreign: Celery
 ) -> None:
-    """A body that is not [args, kwargs, embed], or a task id that is not a string, raised out of Celery's own
-    request constructor (or its revoked-set lookup) on the consumer loop: the worker died ("Unrecoverable error"),
-    and the message, restored unacked, killed the next worker too. Now it is an invalid task message, logged and
-    rejected as Celery rejects one; with a task id to record it under, its result is a KeyedRejected failure and the
-    books say rejected. A protocol-1 message of a keyed task is still gated and runs."""
+    """A body that is not [args, kwargs, embed], a task id that is not a string, a timelimit of strings: each raised
+    out of Celery's own strategy or request constructor on the consumer loop, and the worker died ("Unrecoverable
+    error"); the message, restored unacked, killed the next worker too. Now each is an invalid task message, logged
+    and rejected as Celery rejects one, for any task; a keyed task's with a task id to record it under has a
+    KeyedRejected result and the books say rejected. A protocol-1 message of a keyed task is still gated and runs."""
     cluster = hostile_cluster
     start_worker(cluster)
     with_ids = {
         "a body that is a dict": ("r-dict", {"which": "d"}),
         "a body of [args] only": ("r-args-only", [["o"]]),
         "a body of [args, kwargs]": ("r-two", [["t"], {}]),
+        "a body that is a number": ("r-number", 5),
+        "a body that is a string with 'args' in it": ("r-str", "my args"),
+        "a body listing 'args'": ("r-list", ["args", {}, {}]),
+        "a hybrid body whose kwargs is a list": ("r-hybrid", {"args": ["h"], "kwargs": [1]}),
+        "a timelimit of strings": ("r-limit", [["l"], {}, {}]),
     }
     for task_id, body in with_ids.values():
-        _publish_raw(cluster.broker_url, _task_headers(task_id), body)
+        extra = {"timelimit": ["x", "y"]} if task_id == "r-limit" else {}
+        _publish_raw(cluster.broker_url, _task_headers(task_id, **extra), body)
     without = {"no id": _ABSENT, "an int id": 12345, "a list id": ["a"], "an empty id": ""}
     for n, task_id in enumerate(without.values()):
         _publish_raw(cluster.broker_url, _task_headers(task_id), [[f"x{n}"], {}, {}])
+    # a plain task's too: Celery's own strategy would die on it the same way
+    _publish_raw(cluster.broker_url, _task_headers("r-plain", task="acceptance.ping"), [["p"]])
     _publish_raw(cluster.broker_url, {}, {"task": "hostile.limited", "id": "r-proto1", "args": ["p1"], "kwargs": {}})
     state = settle(cluster, foreign, [*(i for i, _ in with_ids.values()), "r-proto1"])
     for label, (task_id, _) in with_ids.items():
@@ -336,4 +344,7 @@ def test_messages_not_shaped_as_task_messages_are_rejected_and_kill_no_worker(
     assert_still_serving(cluster, foreign)
     assert cluster.scalar("SELECT count(*) FROM observed WHERE key LIKE 'lim:x%'") == 0  # none without an id ran
     assert cluster.workers["w1"].poll() is None
-    assert _log(cluster).count("malformed task message") >= len(with_ids) + len(without)
+    assert foreign.AsyncResult("r-plain").state == "PENDING"  # rejected as Celery rejects an invalid message
+    log = cluster.logs["w1"].read_text(errors="replace")
+    assert log.count("malformed task message") >= len(with_ids) + len(without) + 1, _log(cluster)
+    assert "Unrecoverable error" not in log

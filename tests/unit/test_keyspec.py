@@ -140,3 +140,60 @@ def test_timelimit_headers_celery_sends_are_accepted(timelimit: object) -> None:
     from celery_keyed.worker.intake import check_time_limits
 
     check_time_limits(SimpleNamespace(_request_dict={"timelimit": timelimit}))
+
+
+def _celery_message(protocol: int) -> tuple[object, object]:
+    """A message as Celery's own producer builds it (``app.amqp.as_task_v1`` / ``as_task_v2``), and the body the
+    consumer hands the strategy (None for protocol 2, whose body the strategy decodes itself)."""
+    from types import SimpleNamespace
+
+    from celery import Celery
+
+    app = Celery("guard-unit", set_as_current=False)
+    build = app.amqp.as_task_v2 if protocol == 2 else app.amqp.as_task_v1
+    msg = build("t-1", "proj.add", args=(1, 2), kwargs={"z": 3}, countdown=5, time_limit=30, soft_time_limit=20)
+    if protocol == 2:
+        return SimpleNamespace(headers=msg.headers, payload=msg.body), None
+    return SimpleNamespace(headers=msg.headers, payload=msg.body), msg.body
+
+
+@pytest.mark.parametrize("protocol", [1, 2])
+def test_the_message_guard_passes_what_celery_sends(protocol: int) -> None:
+    from celery_keyed.worker.intake import check_message
+
+    message, body = _celery_message(protocol)
+    check_message(message, body)
+
+
+def test_the_message_guard_passes_celerys_hybrid_messages() -> None:
+    """Protocol 2 headers with a protocol 1 body: Celery's strategy takes it (``hybrid_to_proto2``)."""
+    from types import SimpleNamespace
+
+    from celery_keyed.worker.intake import check_message
+
+    check_message(SimpleNamespace(headers={"task": "proj.add", "id": "t-1"}, payload={"args": [1], "kwargs": {}}), None)
+
+
+@pytest.mark.parametrize(
+    ("headers", "payload"),
+    [
+        ({"task": "t", "id": "t-1"}, [[1]]),
+        ({"task": "t", "id": "t-1"}, 5),
+        ({"task": "t", "id": "t-1"}, "my args"),
+        ({"task": "t", "id": "t-1"}, ["args", {}, {}]),
+        ({"task": "t", "id": "t-1"}, {"which": 1}),
+        ({"task": "t", "id": "t-1"}, {"args": [1], "kwargs": [2]}),
+        ({"task": "t", "id": ["a"]}, [[1], {}, {}]),
+        ({"task": "t"}, [[1], {}, {}]),
+        ({"task": "t", "id": "t-1", "timelimit": ["x", "y"]}, [[1], {}, {}]),
+    ],
+)
+def test_the_message_guard_refuses_what_celerys_strategy_would_die_on(headers: dict, payload: object) -> None:
+    from types import SimpleNamespace
+
+    from celery.exceptions import InvalidTaskError
+
+    from celery_keyed.worker.intake import check_message
+
+    with pytest.raises(InvalidTaskError, match="malformed task message"):
+        check_message(SimpleNamespace(headers=headers, payload=payload), None)
