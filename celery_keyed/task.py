@@ -34,7 +34,7 @@ from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names 
     NOT_INHERITED,
     OPTION_OF_HEADER,
 )
-from celery_keyed.ledger import MAX_KEYS_PER_CALL, InvalidKey, normalize_key
+from celery_keyed.ledger import MAX_KEYS_PER_CALL, InvalidKey, normalize_key, validate_task_id
 
 logger = logging.getLogger("celery_keyed")
 
@@ -113,6 +113,8 @@ class KeyedTask(Task):
     Request = "celery_keyed.request:KeyedRequest"
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any) -> Any:
+        if task_id is not None:
+            validate_task_id(task_id)  # the ledger keys its books by it: refused here, not rejected by the worker
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         explicit: dict[str, Any] = {

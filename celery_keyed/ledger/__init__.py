@@ -102,7 +102,7 @@ from celery_keyed.ledger.key_overrides import (
     set_key_limit,
 )
 from celery_keyed.ledger.keys import keys_captured_by
-from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_key, validate_name
+from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_key, validate_name, validate_task_id
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
 from celery_keyed.ledger.names import Configured, NameConfig, configure_names, names_newest_version, parse_limits
 from celery_keyed.ledger.outbox import (
@@ -233,6 +233,7 @@ __all__ = [
     "status_prepare",
     "sweep_once",
     "validate_name",
+    "validate_task_id",
 ]
 
 T = TypeVar("T")

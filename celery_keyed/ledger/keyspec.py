@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from celery_keyed.ledger.errors import InvalidKey
+from celery_keyed.ledger.errors import MAX_TASK_ID_LENGTH, InvalidKey
 
 #: Longest key accepted, in characters. Keys are primary-key columns; 200 leaves room for index tuples.
 MAX_KEY_LENGTH = 200
@@ -93,3 +93,21 @@ def validate_name(name: Any) -> str:
             f"(at most 64 characters), got {name!r}"
         )
     return name
+
+
+def validate_task_id(task_id: Any) -> None:
+    """A task id the ledger can store: a non-empty str of at most ``MAX_TASK_ID_LENGTH`` characters with no NUL and
+    no lone surrogate. Else :class:`InvalidKey`: at the producer for a keyed call's ``task_id=``, at the worker for a
+    foreign producer's (one over PostgreSQL's index row size made every admission of it fail as if the database
+    were down)."""
+    if not isinstance(task_id, str) or not task_id:
+        raise InvalidKey(f"the task id must be a non-empty str, got {task_id!r:.100}")
+    if len(task_id) > MAX_TASK_ID_LENGTH:
+        raise InvalidKey(f"the task id has {len(task_id)} characters; the ledger takes at most {MAX_TASK_ID_LENGTH}")
+    if "\x00" in task_id:
+        raise InvalidKey("the task id contains a NUL character")
+    if not task_id.isascii():
+        try:
+            task_id.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKey("the task id is not valid Unicode (a lone surrogate)") from None

@@ -33,11 +33,11 @@ from celery_keyed.ledger import (
     EXCLUSIVE_COST,
     INT_MAX,
     MAX_KEYS_PER_CALL,
-    MAX_TASK_ID_LENGTH,
     SECONDS_MAX,
     Arrival,
     InvalidKey,
     normalize_key,
+    validate_task_id,
 )
 from celery_keyed.messages import record_message
 from celery_keyed.task import (
@@ -99,7 +99,7 @@ def arrival_for(request: Any) -> Arrival | None:
         weight = check_fair_weight(headers.get(HEADER_FAIR_WEIGHT), task)
     if key is None and group is None:
         return None
-    check_task_id(request.id)
+    validate_task_id(request.id)
     keys = [key] if isinstance(key, str) else list(key or [])
     cost = check_cost(headers.get(HEADER_COST, getattr(task, "concurrency_cost", 1)), task)
     mode = headers.get(HEADER_MODE, getattr(task, "concurrency_mode", "shared"))
@@ -199,7 +199,7 @@ def _message_id(message: Any, body: Any) -> str | None:
         task_id = headers.get("id") if "id" in headers else (body if isinstance(body, dict) else {}).get("id")
         if task_id is None and body is None and isinstance(message.payload, dict):
             task_id = message.payload.get("id")
-        check_task_id(task_id)
+        validate_task_id(task_id)
     except Exception:
         return None
     return task_id
@@ -223,23 +223,6 @@ def _seconds_or_none(value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     return 0 <= value <= SECONDS_MAX and math.isfinite(value)  # an int past a float's range compares first
-
-
-def check_task_id(task_id: Any) -> None:
-    """A task id the ledger can store: a str of at most ``MAX_TASK_ID_LENGTH`` characters with no NUL and no lone
-    surrogate (a foreign producer's id; one over PostgreSQL's index row size made every admission of it fail as if
-    the database were down). Else ``InvalidKey``."""
-    if not isinstance(task_id, str) or not task_id:
-        raise InvalidKey(f"the task id must be a non-empty str, got {task_id!r}")
-    if len(task_id) > MAX_TASK_ID_LENGTH:
-        raise InvalidKey(f"the task id has {len(task_id)} characters; the ledger takes at most {MAX_TASK_ID_LENGTH}")
-    if "\x00" in task_id:
-        raise InvalidKey("the task id contains a NUL character")
-    if not task_id.isascii():
-        try:
-            task_id.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidKey("the task id is not valid Unicode (a lone surrogate)") from None
 
 
 def on_newer_of(request: Any, keys: list[str]) -> str | None:

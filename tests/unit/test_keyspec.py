@@ -107,17 +107,17 @@ def test_a_call_takes_at_most_max_keys_per_call_keys_from_the_producer_and_from_
     ],
 )
 def test_a_task_id_the_ledger_cannot_store_is_refused(task_id: object, message: str) -> None:
-    from celery_keyed.worker.intake import check_task_id
+    from celery_keyed.ledger import validate_task_id
 
     with pytest.raises(InvalidKey, match=re.escape(message)):
-        check_task_id(task_id)
+        validate_task_id(task_id)
 
 
 def test_task_ids_celery_and_users_make_are_accepted() -> None:
-    from celery_keyed.worker.intake import check_task_id
+    from celery_keyed.ledger import validate_task_id
 
     for task_id in ("d3b07384-d9a7-4f3c-8d2b-1f0e2a3b4c5d", "report:user-7:2026-12-03", "é" * 255):
-        check_task_id(task_id)
+        validate_task_id(task_id)
 
 
 @pytest.mark.parametrize(
@@ -197,3 +197,19 @@ def test_the_message_guard_refuses_what_celerys_strategy_would_die_on(headers: d
 
     with pytest.raises(InvalidTaskError, match="malformed task message"):
         check_message(SimpleNamespace(headers=headers, payload=payload), None)
+
+
+def test_a_keyed_call_with_a_task_id_the_ledger_cannot_store_is_refused_at_the_producer() -> None:
+    from celery import Celery
+
+    from celery_keyed import keyed_task
+
+    app = Celery("task-id-unit", broker="memory://", set_as_current=False)
+
+    @keyed_task(app=app, concurrency_key="acct:{acct}")
+    def one(acct: int) -> None: ...
+
+    with pytest.raises(InvalidKey, match="the ledger takes at most 255"):
+        one.apply_async((1,), task_id="x" * 256)
+    with pytest.raises(InvalidKey, match="NUL"):
+        one.s(1).apply_async(task_id="a\x00b")
