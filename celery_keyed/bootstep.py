@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, signals
 from celery.utils.functional import maybe_list
 from celery.worker.control import Panel, control_command, inspect_command
 
@@ -71,7 +71,27 @@ class KeyedGate(bootsteps.StartStopStep):
     def shutdown(self, c: Any) -> None:
         if self.gate is not None:
             self.gate.shutdown()
+            _stopped_gates.append(self.gate)  # for the give-back once the pool has stopped (worker_shutdown)
             self.gate = None
+
+
+#: Gates shut down in this process whose unstarted claims go back at ``worker_shutdown``.
+_stopped_gates: list[GateService] = []
+
+
+@signals.worker_shutdown.connect
+def _release_unstarted(sender: Any = None, **kwargs: Any) -> None:
+    """Celery sends ``worker_shutdown`` after a warm shutdown has stopped and joined the pool (and at once when it
+    could not stop it from a signal handler: then the pool may still start work, and nothing is released here)."""
+    pool = getattr(sender, "pool", None)
+    if pool is not None and getattr(pool, "active", False):
+        return
+    while _stopped_gates:
+        gate = _stopped_gates.pop()
+        try:
+            gate.release_unstarted("the worker stopped its pool before a process took it")
+        except Exception:
+            logger.exception("celery-keyed: could not release the claims of requests that never started")
 
 
 def wrap_revoke_commands() -> None:

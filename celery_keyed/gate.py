@@ -365,6 +365,32 @@ class GateService:
         else:
             qos.decrement_eventually(-delta)
 
+    def release_unstarted(self, why: str) -> int:
+        """The worker has stopped its pool (Celery's ``worker_shutdown``, sent after the warm shutdown's pool join): a
+        request still in the running table that no pool process ever accepted will never start here. Its message went
+        back to the broker unacked; its claim goes back now, as "worker lost" (its redelivery is admitted again, D8),
+        instead of being held by a worker that is gone until its lease lapses (found under load: a claim taken ahead
+        whose request was handed to the pool just before the warm shutdown, the job dropped unstarted). Returns how
+        many; in the caller's thread (the releaser is stopped)."""
+        with self.lock:
+            unstarted = [r for r in self.running.values() if not getattr(r.request, "keyed_started", False)]
+            for r in unstarted:
+                self.running.pop(r.token, None)
+        for r in unstarted:
+            request = r.request
+            claim, request.keyed_claim = request.keyed_claim, None
+            if claim is None:
+                continue
+            logger.warning(
+                "celery-keyed: %s[%s] never started: %s; releasing its slot", request.name, r.token.task_id, why
+            )
+            self.releaser.hand_over(
+                claim[0], claim[1], Outcome.WORKER_LOST, key=request.keyed_arrival_key, name=request.name,
+                contended=True, on_loop=False,
+            )  # fmt: skip
+        self.releaser.flush_pending()
+        return len(unstarted)
+
     def idle(self) -> bool:
         """No attempt runs here and no release is on its way to the ledger."""
         with self.lock:

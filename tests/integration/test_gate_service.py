@@ -329,3 +329,34 @@ def test_a_revoke_the_ledger_cannot_store_is_dropped_and_the_others_are_stored(
         waiting = conn.execute(sa.text("SELECT count(*) FROM keyed_waiting")).scalar()
     assert outcomes == {"running": None, "parked": "revoked", "unseen": "revoked"}
     assert waiting == 0
+
+
+def test_at_worker_shutdown_claims_of_requests_no_pool_process_took_go_back(
+    gate: GateService, engine: sa.Engine
+) -> None:
+    """A warm shutdown that drops a job handed to the pool before any process took it (its message goes back to the
+    broker unacked): Celery sends ``worker_shutdown`` once the pool has stopped, and the claim goes back then, as
+    "worker lost", instead of being held by a worker that is gone until its lease lapses. A started attempt keeps
+    its claim (its outcome hook releases it). While the pool still runs, nothing is released."""
+    from celery import signals
+
+    from celery_keyed import bootstep
+
+    unstarted = _track(gate, "unstarted", "k:1", started=False, age=0.0)
+    started = _track(gate, "started", "k:2", started=True, age=0.0)
+    gate.shutdown()
+    bootstep._stopped_gates.append(gate)
+    class Worker:  # Celery's WorkController, as the handler reads it (a signal's sender must be hashable)
+        def __init__(self, active: bool) -> None:
+            self.pool = SimpleNamespace(active=active)
+
+    signals.worker_shutdown.send(sender=Worker(active=True))  # the pool not stopped yet
+    assert unstarted.keyed_claim is not None and bootstep._stopped_gates == [gate]
+    signals.worker_shutdown.send(sender=Worker(active=False))
+    assert not bootstep._stopped_gates
+    with engine.connect() as conn:
+        held = set(conn.execute(sa.text("SELECT task_id FROM keyed_claims")).scalars())
+        outcome = conn.execute(sa.text("SELECT outcome FROM keyed_tasks WHERE task_id = 'unstarted'")).scalar()
+    assert held == {"started"} and unstarted.keyed_claim is None and started.keyed_claim is not None
+    assert outcome is None  # worker lost, not finished: its redelivery is admitted again
+    assert Token("unstarted", 0) not in gate.running and Token("started", 0) in gate.running
