@@ -13,6 +13,7 @@ appended by the loop and popped by the heartbeat (a deque: thread-safe ends). No
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -26,6 +27,11 @@ if TYPE_CHECKING:
     from celery_keyed.gate import GateService
 
 logger = logging.getLogger("celery_keyed")
+
+#: Revokes of one broadcast stored on the consumer loop; the rest go to ``pending``.
+ON_LOOP = 32
+#: Pending revokes the heartbeat stores per beat.
+FLUSH_BUDGET = 128
 
 
 class Revokes:
@@ -44,9 +50,19 @@ class Revokes:
         if not ids:
             return
         gate = self.gate
+        # A transaction each: a broadcast of thousands would hold the loop for seconds. The first ON_LOOP are stored
+        # now; the rest by the heartbeat, FLUSH_BUDGET per beat (meanwhile every worker's own revoked list, which
+        # Celery's handler fills next, keeps them from starting).
+        ids, later = ids[:ON_LOOP], ids[ON_LOOP:]
+        if later:
+            logger.warning(
+                "celery-keyed: a revoke of %d tasks: %d are stored in the ledger by the heartbeat",
+                len(ids) + len(later), len(later),
+            )  # fmt: skip
         if gate.breaker.is_open:
-            self.pending.extend(ids)
+            self.pending.extend([*ids, *later])
             return
+        self.pending.extend(later)
         try:
             self._store(ids, local=True)
         except sa.exc.OperationalError as exc:
@@ -67,12 +83,16 @@ class Revokes:
             gate.handoff.dispatch(promotions, local=local)
         gate.sweeper.notify_never_ran()
 
-    def flush_pending(self) -> None:
-        """Heartbeat thread: store the revokes received while the ledger was unreachable."""
-        while self.pending:
-            task_id = self.pending[0]
-            try:
-                self._store([task_id], local=False)
-            except sa.exc.DBAPIError:
-                return
+    def flush_pending(self, budget: int | None = None) -> None:
+        """Heartbeat thread: store the revokes received while the ledger was unreachable, or beyond what one
+        broadcast stores on the loop; at most ``budget`` (``FLUSH_BUDGET``) per call, so that a long list never
+        delays the renewal of leases for long. (The loop only appends to ``pending``; this thread pops.)"""
+        chunk = list(itertools.islice(self.pending, FLUSH_BUDGET if budget is None else budget))
+        if not chunk:
+            return
+        try:
+            self._store(chunk, local=False)
+        except sa.exc.DBAPIError:
+            return  # unreachable: all of them again next time (storing a revoke twice changes nothing)
+        for _ in chunk:
             self.pending.popleft()

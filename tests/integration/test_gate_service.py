@@ -360,3 +360,27 @@ def test_at_worker_shutdown_claims_of_requests_no_pool_process_took_go_back(
     assert held == {"started"} and unstarted.keyed_claim is None and started.keyed_claim is not None
     assert outcome is None  # worker lost, not finished: its redelivery is admitted again
     assert Token("unstarted", 0) not in gate.running and Token("started", 0) in gate.running
+
+
+def test_a_revoke_of_many_tasks_stores_a_few_on_the_loop_and_the_rest_from_the_heartbeat_in_budgets(
+    gate: GateService, engine: sa.Engine
+) -> None:
+    """One transaction per revoke: a broadcast of thousands would hold the consumer loop for seconds. The first
+    ``ON_LOOP`` are stored at once; the heartbeat stores the rest, at most a budget per beat."""
+    from celery_keyed.worker import revokes
+
+    gate.ledger.admit(Arrival("running", key="rv:many"))
+    ids = [f"p{i}" for i in range(revokes.ON_LOOP + 50)]
+    for task_id in ids:
+        gate.ledger.admit(Arrival(task_id, key="rv:many", message={"id": task_id}))
+
+    def revoked() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM keyed_tasks WHERE outcome = 'revoked'")).scalar())
+
+    gate.record_revokes(ids)
+    assert revoked() == revokes.ON_LOOP and len(gate.revokes.pending) == 50
+    gate.revokes.flush_pending(budget=30)
+    assert revoked() == revokes.ON_LOOP + 30 and list(gate.revokes.pending) == ids[revokes.ON_LOOP + 30 :]
+    gate.heartbeat_once()  # the heartbeat's own flush
+    assert revoked() == len(ids) and not gate.revokes.pending
