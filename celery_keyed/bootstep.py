@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -71,12 +72,14 @@ class KeyedGate(bootsteps.StartStopStep):
     def shutdown(self, c: Any) -> None:
         if self.gate is not None:
             self.gate.shutdown()
-            _stopped_gates.append(self.gate)  # for the give-back once the pool has stopped (worker_shutdown)
+            controller = getattr(c, "controller", None)  # Celery's WorkController: worker_shutdown's sender
+            if controller is not None:  # for the give-back once its pool has stopped
+                _stopped_gates.setdefault(controller, []).append(self.gate)
             self.gate = None
 
 
-#: Gates shut down in this process whose unstarted claims go back at ``worker_shutdown``.
-_stopped_gates: list[GateService] = []
+#: Per worker (Celery's WorkController), its gates shut down, whose unstarted claims go back at ``worker_shutdown``.
+_stopped_gates: weakref.WeakKeyDictionary[Any, list[GateService]] = weakref.WeakKeyDictionary()
 
 
 @signals.worker_shutdown.connect
@@ -84,10 +87,9 @@ def _release_unstarted(sender: Any = None, **kwargs: Any) -> None:
     """Celery sends ``worker_shutdown`` after a warm shutdown has stopped and joined the pool (and at once when it
     could not stop it from a signal handler: then the pool may still start work, and nothing is released here)."""
     pool = getattr(sender, "pool", None)
-    if pool is not None and getattr(pool, "active", False):
+    if sender is None or (pool is not None and getattr(pool, "active", False)):
         return
-    while _stopped_gates:
-        gate = _stopped_gates.pop()
+    for gate in _stopped_gates.pop(sender, []):
         try:
             gate.release_unstarted("the worker stopped its pool before a process took it")
         except Exception:

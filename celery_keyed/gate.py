@@ -175,6 +175,7 @@ class GateService:
         self.closed = False  # shutdown began: no local handoff; the heartbeat ends with the last tracked claim
         self.stopping = threading.Event()  # the consumer is stopped (a decision handed back now is stale)
         self.generation = 0  # consumer starts: a decision handed back after a restart is stale
+        self.started_at = 0.0  # monotonic time of the last consumer start
         self.timers: list[Any] = []  # the consumer loop's timers of this consumer start
         self._loop_thread: int | None = None  # the consumer loop's thread (events are sent from it only)
         self.breaker = Breaker(self)
@@ -230,6 +231,7 @@ class GateService:
             self.dispatch(gone.promotions, local=False)
         self.stopping.clear()
         self.closed = False
+        self.started_at = time.monotonic()  # the heartbeat's never-started check waits a beat after a (re)start
         # D13: the heartbeat belongs to the process, not to the consumer: it goes on through consumer restarts
         # (broker reconnects) and warm shutdown, as long as a body it tracks may run.
         self.heartbeat.start()

@@ -137,6 +137,15 @@ class Heartbeat:
         claim renewed for ever. Such claims are released as "worker lost" once they are older than half a
         lease and their request is neither started nor reserved any more."""
         gate = self.gate
+        # Only while the consumer runs, and a beat after it (re)started: its loop reads the pool's "accepted"
+        # messages (``keyed_started``). Stopped — a broker reconnect, a warm shutdown — a job a pool process took
+        # just before looks never started, and its body may run for as long as it likes: releasing its claim then
+        # would let another worker start the key's next task beside it. At shutdown such claims go back once the
+        # pool has stopped (``GateService.release_unstarted``, at Celery's ``worker_shutdown``).
+        if gate.closed or gate.stopping.is_set():
+            return
+        if time.monotonic() - gate.started_at < gate.settings.heartbeat_interval:
+            return
         reserved = worker_state.reserved_requests
         for r in running:
             request = r.request

@@ -342,18 +342,25 @@ def test_at_worker_shutdown_claims_of_requests_no_pool_process_took_go_back(
 
     from celery_keyed import bootstep
 
-    unstarted = _track(gate, "unstarted", "k:1", started=False, age=0.0)
-    started = _track(gate, "started", "k:2", started=True, age=0.0)
-    gate.shutdown()
-    bootstep._stopped_gates.append(gate)
     class Worker:  # Celery's WorkController, as the handler reads it (a signal's sender must be hashable)
         def __init__(self, active: bool) -> None:
             self.pool = SimpleNamespace(active=active)
 
-    signals.worker_shutdown.send(sender=Worker(active=True))  # the pool not stopped yet
-    assert unstarted.keyed_claim is not None and bootstep._stopped_gates == [gate]
-    signals.worker_shutdown.send(sender=Worker(active=False))
-    assert not bootstep._stopped_gates
+    unstarted = _track(gate, "unstarted", "k:1", started=False, age=5.0)  # older than half a lease
+    started = _track(gate, "started", "k:2", started=True, age=0.0)
+    worker, other = Worker(active=True), Worker(active=False)
+    gate.shutdown()
+    # Stopped, the loop reads no "accepted" message of the pool: a job a process took looks never started, so the
+    # heartbeat must not release it (its body may be running); the pool's stop decides.
+    gate.heartbeat_once()
+    assert unstarted.keyed_claim is not None and Token("unstarted", 0) in gate.running
+    bootstep._stopped_gates[worker] = [gate]
+    signals.worker_shutdown.send(sender=worker)  # its pool not stopped yet
+    signals.worker_shutdown.send(sender=other)  # another worker of this process: not its gate
+    assert unstarted.keyed_claim is not None and bootstep._stopped_gates[worker] == [gate]
+    worker.pool.active = False
+    signals.worker_shutdown.send(sender=worker)
+    assert worker not in bootstep._stopped_gates
     with engine.connect() as conn:
         held = set(conn.execute(sa.text("SELECT task_id FROM keyed_claims")).scalars())
         outcome = conn.execute(sa.text("SELECT outcome FROM keyed_tasks WHERE task_id = 'unstarted'")).scalar()
