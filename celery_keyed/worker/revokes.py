@@ -13,7 +13,6 @@ appended by the loop and popped by the heartbeat (a deque: thread-safe ends). No
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -87,12 +86,15 @@ class Revokes:
         """Heartbeat thread: store the revokes received while the ledger was unreachable, or beyond what one
         broadcast stores on the loop; at most ``budget`` (``FLUSH_BUDGET``) per call, so that a long list never
         delays the renewal of leases for long. (The loop only appends to ``pending``; this thread pops.)"""
-        chunk = list(itertools.islice(self.pending, FLUSH_BUDGET if budget is None else budget))
+        chunk: list[str] = []
+        for _ in range(FLUSH_BUDGET if budget is None else budget):
+            try:
+                chunk.append(self.pending.popleft())  # atomic; the loop may append meanwhile (never iterate it)
+            except IndexError:
+                break
         if not chunk:
             return
         try:
             self._store(chunk, local=False)
         except sa.exc.DBAPIError:
-            return  # unreachable: all of them again next time (storing a revoke twice changes nothing)
-        for _ in chunk:
-            self.pending.popleft()
+            self.pending.extendleft(reversed(chunk))  # unreachable: all of them again next time, first in line
