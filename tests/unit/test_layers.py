@@ -43,6 +43,14 @@ IMPORTERS = ("celery_keyed", "django_app", "example_project", "bench")
 SQL_EXCEPTIONS = {
     # The throwaway server's readiness probe (psycopg, before any ledger exists): not a ledger statement.
     ("celery_keyed/testbed.py", "SELECT 1"): 1,
+    # The test bed's standby (failover tests): replication state and controls of the server, not ledger statements.
+    ("celery_keyed/testbed_replica.py", "SELECT pg_reload_conf()"): 2,
+    ("celery_keyed/testbed_replica.py", "SELECT sync_state FROM pg_stat_replication"): 1,
+    ("celery_keyed/testbed_replica.py", "SELECT pg_current_wal_lsn()::text"): 1,
+    ("celery_keyed/testbed_replica.py", "SELECT count(*) FROM pg_stat_wal_receiver"): 1,
+    ("celery_keyed/testbed_replica.py", "SELECT pg_is_in_recovery()"): 1,
+    ("celery_keyed/testbed_replica.py", "SELECT pg_last_wal_replay_lsn() >= '"): 1,
+    ("celery_keyed/testbed_replica.py", "SELECT pg_promote(true,"): 1,
 }
 
 #: Ledger modules imported directly from outside it, each with why (to be routed through celery_keyed.ledger).
