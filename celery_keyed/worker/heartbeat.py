@@ -5,7 +5,8 @@ process runs and of the promotions bound to it that wait for a pool process (nev
 hostname", D6); move each renewed attempt's ``lease_from`` to the time the renewal was *sent*; notice a slot
 that was reclaimed (its attempt is no longer tracked, and is self-fenced); pass on newest-wins cancel requests of
 newer arrivals to the attempts they concern (the broadcast ``keyed_cancel`` may have been lost); give back
-promotions bound here that no pool process took within a heartbeat, and claims of requests admitted but never started (D6); retry the releases and revokes that failed; probe the breaker.
+promotions bound here that no pool process took within a heartbeat, and claims of requests admitted but never
+started (D6); retry the releases and revokes that failed; probe the breaker.
 
 Self-fencing is not the heartbeat's to decide (D19): a renewal can fail with any error or block for as long as a
 silent server keeps it waiting, so the deadline is kept by ``worker.fence.SelfFence``, a thread of its own started
