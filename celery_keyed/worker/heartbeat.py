@@ -138,7 +138,7 @@ class Heartbeat:
             r.request.keyed_claim = None
         for r in lost:
             if not r.fenced:
-                self._terminate(r, "its slot was reclaimed (lease expired)")
+                self.fence.terminate(r, "its slot was reclaimed (lease expired)")
         # Newest wins: a newer arrival of an attempt's key and supersede key asked it to stop (the broadcast may have
         # been lost, or its claim was a promotion not yet bound here).
         with contextlib.suppress(sa.exc.SQLAlchemyError):
