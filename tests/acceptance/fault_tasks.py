@@ -28,14 +28,6 @@ def define(app: Any, ns: Any) -> None:
         time.sleep(seconds)
         return "napped"
 
-    @keyed_task(
-        app=app,
-        name="acceptance.long_once",
-        bind=True,
-        concurrency_key="{key}",
-        acks_late=False,  # Celery's defaults: the message is acked when the body starts
-        reject_on_worker_lost=False,
-    )
     def long_once(self: Any, key: str, seconds: float, log: str) -> str:
         """Writes its start, a stamp every 20 ms and its end to the file ``log`` (one JSON line each: an observer
         that needs no database). Long only the first time: a run that finds an earlier start of its own task id
@@ -61,7 +53,25 @@ def define(app: Any, ns: Any) -> None:
         write("end")
         return f"{key} run {run}"
 
-    ns.fmt, ns.divide, ns.nap, ns.long_once = fmt, divide, nap, long_once
+    ns.fmt, ns.divide, ns.nap = fmt, divide, nap
+    # Celery's defaults: the message is acked when the body starts, and a lost worker is not a reason to requeue.
+    ns.long_once = keyed_task(
+        app=app,
+        name="acceptance.long_once",
+        bind=True,
+        concurrency_key="{key}",
+        acks_late=False,
+        reject_on_worker_lost=False,
+    )(long_once)
+    # acks_late, but not reject_on_worker_lost: Celery acks the message when the worker is lost.
+    ns.long_once_late = keyed_task(
+        app=app,
+        name="acceptance.long_once_late",
+        bind=True,
+        concurrency_key="{key}",
+        acks_late=True,
+        reject_on_worker_lost=False,
+    )(long_once)
 
 
 def _running(pid: int) -> bool:
