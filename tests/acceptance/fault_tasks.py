@@ -41,7 +41,8 @@ def define(app: Any, ns: Any) -> None:
         alive = [r["pid"] for r in starts if (r["id"], r["run"]) not in ended and _running(r["pid"])]
 
         def write(kind: str, **extra: Any) -> None:
-            record = {"kind": kind, "id": self.request.id, "key": key, "run": run, "pid": os.getpid(), "at": time.time()}
+            record = {"kind": kind, "id": self.request.id, "key": key, "run": run, "pid": os.getpid()}
+            record["at"] = time.time()
             with open(log, "a") as out:
                 out.write(json.dumps({**record, **extra}) + "\n")
 
