@@ -217,3 +217,26 @@ def test_an_attempt_without_a_pool_process_yet_is_fenced_once_it_has_one() -> No
 def test_the_margin_must_be_below_the_lease() -> None:
     with pytest.raises(ValueError, match="below the lease"):
         SelfFence(lease=1.0, margin=1.0, interval=0.1, running=list, terminate=lambda e, w: True)
+
+
+def test_a_margin_as_long_as_the_lease_is_a_configuration_error() -> None:
+    from celery_keyed.ledger.errors import InvalidConfig
+    from celery_keyed.settings import read_settings
+
+    with pytest.raises(InvalidConfig, match=r"keyed_self_fence_margin .* must be below keyed_lease"):
+        read_settings({"keyed_database_url": "postgresql://u@h/db", "keyed_lease": 6, "keyed_self_fence_margin": 6})
+
+
+def test_ledger_connections_declare_a_silent_server_dead_within_the_margin() -> None:
+    """TCP keepalives and a user timeout on every ledger connection (libpq parameters), derived from the margin:
+    a partition without a reset is found by the kernel before the leases could lapse (D19)."""
+    from celery_keyed.engine import tcp_keepalive_args
+    from celery_keyed.settings import read_settings
+
+    for lease in (60.0, 120.0, 600.0):
+        settings = read_settings({"keyed_database_url": "postgresql://u@h/db", "keyed_lease": lease})
+        args = tcp_keepalive_args(settings)
+        assert args["keepalives"] == 1
+        probing = args["keepalives_idle"] + args["keepalives_count"] * args["keepalives_interval"]
+        assert probing < settings.self_fence_margin
+        assert args["tcp_user_timeout"] < settings.self_fence_margin * 1000
