@@ -103,6 +103,7 @@ class KeyedRequest(Request):
             return result
 
         def on_failure(exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+            uncertain = is_uncertain(exc_info)  # read before a substitution: a killed body's call may still run
             if self.keyed_cancelled is not None:  # newest wins: the attempt ended because a newer call cancelled it
                 exc_info = superseded_info(self.keyed_cancelled, exc_info)
             elif self.keyed_fenced is not None:  # killed to keep the bound: back to the broker, admitted again
@@ -112,7 +113,7 @@ class KeyedRequest(Request):
                     lambda: original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
                 )
             finally:
-                gate.release(self, failure_outcome(self, exc_info), uncertain=is_uncertain(exc_info))
+                gate.release(self, failure_outcome(self, exc_info), uncertain=uncertain)
 
         def on_timeout(soft: bool, timeout: float) -> Any:
             result = deferring_acks(lambda: original_timeout(self, soft, timeout))
