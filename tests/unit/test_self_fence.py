@@ -240,3 +240,87 @@ def test_ledger_connections_declare_a_silent_server_dead_within_the_margin() -> 
         probing = args["keepalives_idle"] + args["keepalives_count"] * args["keepalives_interval"]
         assert probing < settings.self_fence_margin
         assert args["tcp_user_timeout"] < settings.self_fence_margin * 1000
+
+
+def _killed() -> Any:
+    from billiard.einfo import ExceptionInfo
+    from billiard.exceptions import WorkerLostError
+
+    try:
+        raise WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL) Job: 0.")
+    except WorkerLostError:
+        return ExceptionInfo()
+
+
+def _unwrapped(info: Any) -> Any:
+    exc = info.exception
+    return getattr(exc, "exc", exc)  # billiard wraps it as Celery receives it; Celery unwraps it
+
+
+def _received(*, acknowledged: bool) -> Any:
+    from kombu.message import Message
+
+    message = Message(
+        body=b'[["acct:1"], {}, {}]',
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers={"id": "t-1", "task": "t", "retries": 0, "keyed_nonce": "stale"},
+        properties={"priority": 3},
+        delivery_info={"exchange": "", "routing_key": "fenced"},
+    )
+    return SimpleNamespace(name="t", id="t-1", acknowledged=acknowledged, _message=message, keyed_fenced="why")
+
+
+def test_a_killed_body_acked_at_its_start_is_published_again_as_received() -> None:
+    """Item 5: acks_late off, the message was acked when the body started; the failure Celery sees is a requeueing
+    Reject (no failure result, no requeue of its own: the message is acked) and the copy is in the broker."""
+    from celery import Celery
+    from celery.exceptions import Reject
+
+    from celery_keyed.headers import HEADER_NONCE
+    from celery_keyed.request import failure_outcome
+    from celery_keyed.worker.fence import readmit_fenced
+
+    app = Celery("fence-test", broker="memory://", set_as_current=False)
+    request = _received(acknowledged=True)
+    info = readmit_fenced(app, request, _killed())
+    assert isinstance(_unwrapped(info), Reject) and _unwrapped(info).requeue
+    request.task = SimpleNamespace(acks_late=False, reject_on_worker_lost=False)
+    assert failure_outcome(request, info).value == "worker_lost"  # the task stays open; its copy is admitted again
+    with app.connection_for_read() as conn:
+        copy = conn.SimpleQueue("fenced").get(timeout=5)
+        assert copy.headers["id"] == "t-1" and HEADER_NONCE not in copy.headers
+        assert copy.body == b'[["acct:1"], {}, {}]' and copy.properties.get("priority") == 3
+
+
+def test_a_killed_body_still_unacked_is_left_to_celerys_requeue() -> None:
+    from celery.exceptions import Reject
+
+    from celery_keyed.worker.fence import readmit_fenced
+
+    app = SimpleNamespace(producer_pool=None)  # not used: nothing is published
+    info = readmit_fenced(app, _received(acknowledged=False), _killed())
+    assert isinstance(_unwrapped(info), Reject) and _unwrapped(info).requeue
+
+
+def test_a_copy_that_cannot_be_published_leaves_the_failure() -> None:
+    from celery_keyed.worker.fence import readmit_fenced
+
+    class Broken:
+        def acquire(self, **_: Any) -> Any:
+            raise ConnectionError("the broker is down")
+
+    killed = _killed()
+    assert readmit_fenced(SimpleNamespace(producer_pool=Broken()), _received(acknowledged=True), killed) is killed
+
+
+def test_a_body_that_ended_on_its_own_keeps_its_outcome() -> None:
+    from billiard.einfo import ExceptionInfo
+
+    from celery_keyed.worker.fence import readmit_fenced
+
+    try:
+        raise ValueError("its own failure, just before the kill")
+    except ValueError:
+        own = ExceptionInfo()
+    assert readmit_fenced(SimpleNamespace(producer_pool=None), _received(acknowledged=True), own) is own
