@@ -44,6 +44,7 @@ def create_ledger_engine(settings: KeyedSettings, *, pinned: int = 0) -> sa.Engi
                 "connect_timeout": max(1, math.ceil(settings.connect_timeout)),
                 "options": f"-c statement_timeout={max(1, round(settings.statement_timeout * 1000))}",
                 "application_name": "celery-keyed",
+                **tcp_keepalive_args(settings),
             },
         )
     except (ImportError, sa.exc.NoSuchModuleError) as exc:
@@ -51,3 +52,20 @@ def create_ledger_engine(settings: KeyedSettings, *, pinned: int = 0) -> sa.Engi
             f"keyed_database_url names a PostgreSQL driver that is not installed ({exc}): use "
             "postgresql+psycopg:// (psycopg 3, installed with celery-keyed)"
         ) from None
+
+
+def tcp_keepalive_args(settings: KeyedSettings) -> dict[str, int]:
+    """libpq's TCP keepalives and user timeout for the ledger's connections, derived from the self-fence margin
+    (D19): a connection whose server went silent (a partition: no answer, no reset) is declared dead by the kernel
+    within about half the margin — idle ``margin / 4`` then 3 probes ``margin / 8`` apart, and data left unacknowledged
+    for ``margin / 2`` — so a worker finds the ledger unreachable before its leases could lapse. (libpq counts
+    keepalives in whole seconds, at least 1: for a margin under ~8 s they take longer; the self-fence's own timer
+    never depends on them.)"""
+    margin = settings.self_fence_margin
+    return {
+        "keepalives": 1,
+        "keepalives_idle": max(1, int(margin / 4)),
+        "keepalives_interval": max(1, int(margin / 8)),
+        "keepalives_count": 3,
+        "tcp_user_timeout": max(1000, int(margin * 1000 / 2)),
+    }

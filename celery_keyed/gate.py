@@ -130,6 +130,10 @@ class Running:
     fenced: bool = False  # self-fencing already acted on it
     cancelled: str | None = None  # newest wins: a newer arrival asked it to stop (its detail), passed on here
     claimed_at: float = field(default_factory=time.monotonic)
+    # Monotonic time taken before the ledger call that last set its lease was sent (the claim, then each renewal
+    # that succeeded): the database counts the lease from that transaction's clock, which began after it, so the
+    # lease cannot lapse before ``lease_from + keyed_lease`` (the self-fence's deadline, worker/fence.py, D19).
+    lease_from: float = field(default_factory=time.monotonic)
 
 
 _Running = Running  # the name tests knew
@@ -901,7 +905,7 @@ class GateService:
             # its claim provably cannot have lapsed (``Handoff.take_fresh_entry``), so it starts now, on the loop,
             # with no round trip (D14).
             ahead = Admission(Verdict.ADMITTED, fence=fresh.fence) if fresh.ahead else None
-            self._conclude(request, arrival, fresh.fence, ahead)
+            self._conclude(request, arrival, fresh.fence, ahead, since=fresh.granted)
             try:
                 return submit()
             except TaskRevokedError:  # Celery's own check: revoked or expired meanwhile
@@ -912,6 +916,7 @@ class GateService:
             Job(request, arrival, submit, extra={"generation": self.generation})
         ):
             return None  # decided off the loop; the pool semaphore stays taken for it until then
+        sent = time.monotonic()
         try:
             fence, admission = self._claim(request, arrival)
         except UNREACHABLE as exc:
@@ -921,7 +926,7 @@ class GateService:
         except Exception as exc:  # D16: the ledger refused the message's data (a value out of range...)
             self._refused(request, exc)
             raise TaskRevokedError(request.id) from None
-        if not self._conclude(request, arrival, fence, admission):
+        if not self._conclude(request, arrival, fence, admission, since=sent):
             raise TaskRevokedError(request.id)
         return submit()
 
@@ -941,9 +946,18 @@ class GateService:
         self._finish_without_running(request, "rejected", intake.unkeyable(exc), record_in_ledger=True)
         metrics.admission("rejected")
 
-    def _conclude(self, request: Any, arrival: Arrival, fence: int | None, admission: Admission | None) -> bool:
+    def _conclude(
+        self,
+        request: Any,
+        arrival: Arrival,
+        fence: int | None,
+        admission: Admission | None,
+        *,
+        since: float | None = None,
+    ) -> bool:
         """Loop thread: act on a decided admission. True: the request holds a slot (``fence``) and is tracked;
-        the caller starts it. False: parked, dropped or refused (acked and announced here)."""
+        the caller starts it. False: parked, dropped or refused (acked and announced here). ``since``: the monotonic
+        time taken before the ledger call that gave the claim its lease (``Running.lease_from``)."""
         metrics.started(arrival.token, None if admission is None else admission.verdict)
         if admission is not None and admission.cancels:  # newest wins: older attempts were asked to stop
             self.pass_on_cancels(admission.cancels, f"superseded by {arrival.task_id} (newest wins)")
@@ -958,17 +972,19 @@ class GateService:
                 self._not_admitted(request, admission)
                 return False
         assert fence is not None
-        self._track(request, arrival.token, fence)
+        self._track(request, arrival.token, fence, since=since)
         request._request_dict[HEADER_FENCE] = fence  # the task reads it (self.request.keyed_fence, D7)
         return True
 
-    def _track(self, request: Any, token: Token, fence: int) -> None:
-        """Any thread: ``request`` holds the claim (token, fence); the heartbeat renews it from now on."""
+    def _track(self, request: Any, token: Token, fence: int, *, since: float | None = None) -> None:
+        """Any thread: ``request`` holds the claim (token, fence); the heartbeat renews it from now on. ``since``:
+        the monotonic time taken before the call that gave it its lease (unknown: now, which is later)."""
         if request.keyed_claim == (token, fence):
             return
         request.keyed_claim = (token, fence)
+        entry = Running(request, token, fence) if since is None else Running(request, token, fence, lease_from=since)
         with self.lock:
-            self.running[token] = Running(request, token, fence)
+            self.running[token] = entry
 
     def _bind_promoted(self, request: Any, arrival: Arrival) -> int | None:
         nonce = request._request_dict.get(HEADER_NONCE)
@@ -1051,6 +1067,7 @@ class GateService:
         reached the pool. A claim is tracked (renewed by the heartbeat) from the moment it is taken. Arrivals
         handed over at receipt (``receive``) are parked or left alone (``Ledger.park_at_receipt``)."""
         plain: list[Job] = []
+        sent = time.monotonic()  # before any call of this batch: a lower bound of every claim's lease start
         self._decide_received([job for job in jobs if job.extra.get("receipt")])
         for job in jobs:
             if job.extra.get("receipt"):
@@ -1064,7 +1081,7 @@ class GateService:
                 continue
             if fence is not None:
                 job.result = (fence, None)
-                self._track(job.request, job.arrival.token, fence)
+                self._track(job.request, job.arrival.token, fence, since=sent)
             else:
                 plain.append(job)
         if not plain:
@@ -1089,7 +1106,7 @@ class GateService:
                 continue
             job.result = (None, admission)
             if admission.verdict is Verdict.ADMITTED and admission.fence is not None:
-                self._track(job.request, job.arrival.token, admission.fence)
+                self._track(job.request, job.arrival.token, admission.fence, since=sent)
 
     def _decide_received(self, jobs: list[Job]) -> None:
         """The receipt service's thread: the jobs handed over at receipt, in the order they were received: runs of

@@ -18,6 +18,7 @@ from celery.exceptions import Ignore, InvalidTaskError, Reject, Retry, Terminate
 from celery.worker.request import Request
 
 from celery_keyed.ledger import Outcome
+from celery_keyed.worker.fence import readmit_fenced
 
 logger = logging.getLogger("celery_keyed")
 
@@ -48,6 +49,7 @@ class KeyedRequest(Request):
         self.keyed_deferred_ack: Any = None  # the ack Celery asked for meanwhile
         self.keyed_receipt = False  # handed to the admission service at receipt (park at receipt), not back yet
         self.keyed_cancelled: str | None = None  # newest wins: a newer arrival's cancel reached it (its detail)
+        self.keyed_fenced: str | None = None  # the self-fence killed its body (why): it is admitted again (D19)
         from celery_keyed.gate import current_gate
 
         gate = current_gate()
@@ -101,14 +103,17 @@ class KeyedRequest(Request):
             return result
 
         def on_failure(exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+            uncertain = is_uncertain(exc_info)  # read before a substitution: a killed body's call may still run
             if self.keyed_cancelled is not None:  # newest wins: the attempt ended because a newer call cancelled it
                 exc_info = superseded_info(self.keyed_cancelled, exc_info)
+            elif self.keyed_fenced is not None:  # killed to keep the bound: back to the broker, admitted again
+                exc_info = readmit_fenced(gate.app, self, exc_info)
             try:
                 return deferring_acks(
                     lambda: original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
                 )
             finally:
-                gate.release(self, failure_outcome(self, exc_info), uncertain=is_uncertain(exc_info))
+                gate.release(self, failure_outcome(self, exc_info), uncertain=uncertain)
 
         def on_timeout(soft: bool, timeout: float) -> Any:
             result = deferring_acks(lambda: original_timeout(self, soft, timeout))

@@ -124,6 +124,8 @@ def read_settings(conf: Any) -> KeyedSettings:
         raise InvalidConfig(f"keyed_heartbeat_interval ({heartbeat}) must be well below keyed_lease ({lease})")
     margin = get("self_fence_margin")
     margin = lease / 6 if margin is None else _seconds(margin, "keyed_self_fence_margin")
+    if margin >= lease:  # the self-fence would stop every attempt at once (D19)
+        raise InvalidConfig(f"keyed_self_fence_margin ({margin}) must be below keyed_lease ({lease})")
     statement_timeout = _seconds(get("statement_timeout"), "keyed_statement_timeout", maximum=STATEMENT_TIMEOUT_MAX)
     if statement_timeout < 0.001:  # Postgres counts it in whole milliseconds, and 0 would mean "no timeout"
         raise InvalidConfig(f"keyed_statement_timeout must be at least 0.001 seconds, got {statement_timeout!r}")

@@ -6,7 +6,9 @@ says at its top which thread owns which field; docs/worker.md draws them.
 - ``admission``: keyed requests admitted off the consumer loop, in batches (``admit_once``);
 - ``releaser``: slots given back off the loop, in batches, and the releases kept while the ledger is down
   (``release_once``, ``flush_pending``);
-- ``heartbeat``: lease renewal and self-fencing, a thread of the process (``heartbeat_once``, D7, D13);
+- ``heartbeat``: lease renewal, a thread of the process (``heartbeat_once``, D7, D13);
+- ``fence``: self-fencing by a timer that never waits on the ledger, and re-admission of a body it killed
+  (``fence_once``, ``readmit_fenced``, D19);
 - ``sweeper``: due-time sweep, reaper, gone predecessors, results of tasks that never ran (``sweep_once``, D2);
 - ``handoff``: the dispatch policy of promotions (``route``) and the loop-calls pipe (``drain``, D4, D5);
 - ``breaker``: the circuit breaker (``probe_once``, D9);

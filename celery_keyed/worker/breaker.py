@@ -97,7 +97,7 @@ class Breaker:
         if self.is_open:
             try:
                 self.gate.ledger.ping()
-            except sa.exc.OperationalError:
+            except UNREACHABLE:  # an InterfaceError or a pool checkout timeout is unreachable too
                 self.sync_keyed_queues()
                 return
             self.close()

@@ -2,19 +2,25 @@
 
 Every ``keyed_heartbeat_interval`` its thread runs ``heartbeat_once``: renew the claims of the attempts this
 process runs and of the promotions bound to it that wait for a pool process (never "all claims of this
-hostname", D6); notice a slot that was reclaimed (its attempt is no longer tracked, and is self-fenced); when the
-ledger has been unreachable until the last success + lease - margin (monotonic clock), self-fence: on the
-prefork pool kill the pool process of every keyed attempt, which may have lost its slot (``keyed_self_fence``, on
-by default); pass on newest-wins cancel requests of newer arrivals to the attempts they concern (the broadcast
-``keyed_cancel`` may have been lost); give back promotions bound here that no pool process took within a heartbeat,
-and claims of requests admitted but never started (D6); retry the releases and revokes that failed; probe the breaker.
+hostname", D6); move each renewed attempt's ``lease_from`` to the time the renewal was *sent*; notice a slot
+that was reclaimed (its attempt is no longer tracked, and is self-fenced); pass on newest-wins cancel requests of
+newer arrivals to the attempts they concern (the broadcast ``keyed_cancel`` may have been lost); give back
+promotions bound here that no pool process took within a heartbeat, and claims of requests admitted but never
+started (D6); retry the releases and revokes that failed; probe the breaker.
+
+Self-fencing is not the heartbeat's to decide (D19): a renewal can fail with any error or block for as long as a
+silent server keeps it waiting, so the deadline is kept by ``worker.fence.SelfFence``, a thread of its own started
+and stopped with the heartbeat's, which reads ``lease_from`` and stops, on the prefork pool, the pool process of
+every keyed attempt that may have lost its slot (``keyed_self_fence``, on by default). The heartbeat only moves
+``lease_from`` when a renewal succeeded.
 
 Threads and fields: the heartbeat's thread belongs to the **process**, not to the consumer (D13): it starts at
 the first consumer start and goes on through consumer restarts (broker reconnects), warm shutdown and broker
 outages, until shutdown has begun and nothing it tracks is left (running attempts, promotions bound here,
-releases not yet committed), or ``stop`` ends it now. ``last_renewal`` and ``pids`` are its thread's (``pids``
-also set once by the gate's start, before the thread runs; ``last_renewal`` read by the gate's snapshot). The
-running table and the promotions bound here it reads under the gate's lock.
+releases not yet committed), or ``stop`` ends it now. ``last_renewal`` (the send time of the last renewal or probe
+that succeeded) and ``pids`` are its thread's (``pids`` also set once by the gate's start, before the thread runs;
+``last_renewal`` read by the gate's snapshot). The running table and the promotions bound here it reads under the
+gate's lock; ``Running.lease_from`` it writes for the fence to read.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import sqlalchemy as sa
 from celery.worker import state as worker_state
 
 from celery_keyed.ledger import HeldClaim, Outcome
+from celery_keyed.worker.breaker import UNREACHABLE
+from celery_keyed.worker.fence import SelfFence
 
 if TYPE_CHECKING:
     from celery_keyed.gate import GateService, Running
@@ -48,18 +56,29 @@ class Heartbeat:
         self.pids: list[int] = []  # this process and its pool processes, as last recorded in the ledger
         self._exit = threading.Event()  # end the heartbeat now (tests, interpreter exit)
         self._thread: threading.Thread | None = None
+        settings = gate.settings
+        self.fence = SelfFence(
+            lease=settings.lease,
+            margin=settings.self_fence_margin,
+            interval=settings.heartbeat_interval,
+            running=self._running,
+            terminate=self._terminate,
+        )
 
     def start(self) -> None:
-        """Start the thread unless it runs (a consumer restart finds it running, D13)."""
+        """Start the thread unless it runs (a consumer restart finds it running, D13); the self-fence with it."""
         if self._thread is None or not self._thread.is_alive():
             self.last_renewal = time.monotonic()
             self._exit.clear()
             self._thread = threading.Thread(target=self._run, name="keyed-heartbeat", daemon=True)
             self._thread.start()
+        self.fence.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """End the thread now, whatever it still tracks."""
+        """End the thread now, whatever it still tracks; the self-fence with it. (The heartbeat may be blocked on
+        the ledger: the join is bounded.)"""
         self._exit.set()
+        self.fence.stop(timeout)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=timeout)
@@ -68,13 +87,16 @@ class Heartbeat:
         """D13: runs from the first consumer start until the worker has shut down and no claim it tracks is
         left (running attempts, promotions bound here, releases not yet committed)."""
         gate = self.gate
-        while not self._exit.wait(gate.settings.heartbeat_interval):
-            if gate.closed and not (gate.running or gate.handoff.prebound or gate.releaser.pending):
-                return
-            try:
-                self.heartbeat_once()
-            except Exception:
-                logger.exception("celery-keyed: heartbeat failed")
+        try:
+            while not self._exit.wait(gate.settings.heartbeat_interval):
+                if gate.closed and not (gate.running or gate.handoff.prebound or gate.releaser.pending):
+                    return
+                try:
+                    self.heartbeat_once()
+                except Exception:  # it counts as a renewal that failed: the self-fence keeps the deadline
+                    logger.exception("celery-keyed: heartbeat failed")
+        finally:
+            self.fence.stop(timeout=0)  # nothing left to renew, or stopped: nothing left to fence
 
     def heartbeat_once(self) -> None:
         """Renew the leases of the attempts this process runs and of the promotions bound to it that wait for
@@ -87,19 +109,22 @@ class Heartbeat:
             prebound = dict(handoff.prebound)
         held = {HeldClaim(r.token.task_id, r.token.attempt, r.fence): r for r in running}
         waiting = {HeldClaim(t.task_id, t.attempt, p.fence): (t, p) for t, p in prebound.items()}
+        # D19: the lease a renewal sets is counted from its transaction's clock, which starts after this instant;
+        # the time it returned would be later by however long the call took.
+        sent = time.monotonic()
         try:
             if held or waiting:
                 renewed = ledger.renew([*held, *waiting])
             else:  # nothing to renew: still find out whether the ledger is reachable (the breaker's probe)
                 renewed = set()
                 ledger.ping()
-        except sa.exc.OperationalError as exc:
+        except UNREACHABLE as exc:  # any other error goes up to _run's log; either way lease_from stays put
             gate.breaker.open(exc)
-            deadline = self.last_renewal + settings.lease - settings.self_fence_margin
-            if time.monotonic() > deadline:
-                self._self_fence([r for r in running if not r.fenced], "the ledger has been unreachable for a lease")
             return
-        self.last_renewal = time.monotonic()
+        self.last_renewal = sent
+        for claim, r in held.items():
+            if claim in renewed and sent > r.lease_from:
+                r.lease_from = sent
         gate.breaker.close()
         pids = self.process_ids()
         if pids != self.pids:  # a pool process was replaced: a successor must know every pid to check (item 8)
@@ -111,8 +136,9 @@ class Heartbeat:
             with gate.lock:
                 gate.running.pop(r.token, None)
             r.request.keyed_claim = None
-        if lost:
-            self._self_fence(lost, "its slot was reclaimed (lease expired)")
+        for r in lost:
+            if not r.fenced:
+                self.fence.terminate(r, "its slot was reclaimed (lease expired)")
         # Newest wins: a newer arrival of an attempt's key and supersede key asked it to stop (the broadcast may have
         # been lost, or its claim was a promotion not yet bound here).
         with contextlib.suppress(sa.exc.SQLAlchemyError):
@@ -172,26 +198,37 @@ class Heartbeat:
                 on_loop=False,
             )
 
-    def _self_fence(self, running: list[Running], why: str) -> None:
-        """D7: an attempt that may have lost its slot must not go on running. On the prefork pool it is
-        terminated (``keyed_self_fence``, on by default); elsewhere the bound is best-effort, and we say so."""
-        for r in running:
+    def _running(self) -> list[Running]:
+        """The self-fence's view: the attempts this process runs (a snapshot under the gate's lock)."""
+        gate = self.gate
+        with gate.lock:
+            return list(gate.running.values())
+
+    def _terminate(self, r: Running, why: str) -> bool:
+        """D7, D19: an attempt that may have lost its slot must not go on running (the self-fence's thread, or the
+        heartbeat's for a slot found reclaimed). On the prefork pool its pool process is killed
+        (``keyed_self_fence``, on by default) and the attempt is admitted again (``fence.readmit_fenced``);
+        elsewhere the bound is best-effort, and we say so. False: a pool process has not taken it yet (asked again
+        at the fence's next look)."""
+        if self.gate.settings.self_fence and self.can_terminate():
+            pid = getattr(r.request, "worker_pid", None)
+            if not pid:
+                return False
             r.fenced = True
-            if self.gate.settings.self_fence and self.can_terminate():
-                logger.error("celery-keyed: terminating %s[%s]: %s", r.request.name, r.token.task_id, why)
-                # Kill the pool child rather than revoke: the attempt ends as "worker lost", so with acks_late
-                # its message is redelivered and it runs again once it holds a slot (a revoke would be final).
-                pid = getattr(r.request, "worker_pid", None)
-                if pid:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            else:
-                logger.error(
-                    "celery-keyed: %s[%s] keeps running although %s; the bound is best-effort until it ends",
-                    r.request.name,
-                    r.token.task_id,
-                    why,
-                )
+            # Marked before the kill: its failure hook (the loop) sends it back to be admitted again (D19).
+            r.request.keyed_fenced = why
+            logger.error("celery-keyed: terminating %s[%s]: %s", r.request.name, r.token.task_id, why)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            return True
+        r.fenced = True
+        logger.error(
+            "celery-keyed: %s[%s] keeps running although %s; the bound is best-effort until it ends",
+            r.request.name,
+            r.token.task_id,
+            why,
+        )
+        return True
 
     def process_ids(self) -> list[int]:
         """This process and the pool processes that may run its keyed bodies (prefork), sorted."""

@@ -39,7 +39,7 @@ def make_app(env: Mapping[str, str]) -> Any:
         keyed_claim_ahead=_claim_ahead(env.get("KEYED_CLAIM_AHEAD", "1")),
         keyed_config_version=int(env.get("KEYED_CONFIG_VERSION", "0")),
         keyed_send_arrival_timeout=float(env.get("KEYED_SEND_ARRIVAL_TIMEOUT", "3600")),
-        keyed_connect_timeout=1.0,
+        keyed_connect_timeout=float(env.get("KEYED_CONNECT_TIMEOUT", "1.0")),
         keyed_queues=json.loads(env.get("KEYED_QUEUES", "[]")),
         worker_prefetch_multiplier=int(env.get("KEYED_PREFETCH", "1")),
         task_acks_late=True,

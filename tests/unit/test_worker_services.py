@@ -178,7 +178,7 @@ def test_a_release_that_cannot_commit_is_kept_with_its_ack_and_retried() -> None
 
 def test_the_heartbeat_and_the_sweeper_start_and_stop_twice() -> None:
     gate = SimpleNamespace(
-        settings=SimpleNamespace(heartbeat_interval=60.0, sweep_interval=60.0),
+        settings=SimpleNamespace(heartbeat_interval=60.0, sweep_interval=60.0, lease=360.0, self_fence_margin=60.0),
         consumer=SimpleNamespace(pool=None),
     )
     heartbeat, sweeper = Heartbeat(gate), Sweeper(gate)  # type: ignore[arg-type]
