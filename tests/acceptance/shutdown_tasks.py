@@ -32,7 +32,12 @@ def define(app: Any, ns: Any) -> None:
                 (kind, task_id, key, what, os.getpid()),
             )
 
+        cleaning: list[bool] = []
+
         def cleaned_up(signum: int, frame: Any) -> None:
+            if cleaning:  # a second SIGTERM: the cleanup already runs (the connection is not reentrant)
+                return
+            cleaning.append(True)
             observe("term")
             deadline = time.monotonic() + cleanup
             while time.monotonic() < deadline:

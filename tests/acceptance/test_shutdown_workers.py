@@ -20,12 +20,24 @@ from celery.exceptions import TimeLimitExceeded
 from celery_keyed import KeyedCancelled
 from tests.acceptance.conftest import Cluster, peak_overlap
 
+DEBUG = ["-l", "DEBUG"] if os.environ.get("SHUTDOWN_DEBUG") else []
 CLEANUP = 3.0  # seconds a body's SIGTERM handler cleans up for
 
 
 def _last_sign_of_life(cluster: Cluster, task_id: str) -> float:
     """When the body last wrote anything (its end, or the last tick of a cleanup cut short by SIGKILL)."""
     return float(cluster.scalar("SELECT extract(epoch FROM max(at)) FROM observed WHERE task_id = :id", id=task_id))
+
+
+def _record(cluster: Cluster, task_id: str, since: float) -> str:
+    rows = cluster.rows(
+        "SELECT kind, note, extract(epoch FROM at) AS at FROM observed WHERE task_id = :id ORDER BY at", id=task_id
+    )
+    ticks = [r for r in rows if r.kind == "tick"]
+    shown = [f"{r.kind} {r.note} {float(r.at) - since:+.3f}" for r in rows if r.kind != "tick"]
+    if ticks:
+        shown.append(f"{len(ticks)} ticks {float(ticks[0].at) - since:+.3f}..{float(ticks[-1].at) - since:+.3f}")
+    return "; ".join(shown) + " (seconds after the second's start)"
 
 
 def _first_start(cluster: Cluster, task_id: str) -> float:
@@ -45,7 +57,7 @@ def _books(cluster: Cluster, task_id: str, expected: str, timeout: float = 60.0)
 def _one_running_one_parked(cluster: Cluster, producer: Any, task: Any, key: str, **options: Any) -> tuple[Any, Any]:
     """W1 runs ``task`` on ``key`` (its body handles SIGTERM with a cleanup of CLEANUP seconds); a plain task of the
     same key waits in the ledger behind it, received by W2 (the only consumer of its queue)."""
-    cluster.start_worker("w1", concurrency=2, extra=["-Q", "only-w1"])
+    cluster.start_worker("w1", concurrency=2, extra=["-Q", "only-w1", *DEBUG])
     cluster.start_worker("w2", concurrency=2, extra=["-Q", "only-w2"])
     first = task.apply_async((key, 60.0, CLEANUP), {"note": "first"}, queue="only-w1", **options)
     cluster.wait_for("SELECT count(*) FROM observed WHERE task_id = :id AND kind = 'start'", 1, id=first.id)
@@ -54,11 +66,29 @@ def _one_running_one_parked(cluster: Cluster, producer: Any, task: Any, key: str
     return first, second
 
 
+def _body_gone(cluster: Cluster, task_id: str, timeout: float = 60.0) -> None:
+    """Wait until the pool process that ran the task's body is gone (exited; a zombie runs nothing either): only then
+    is its record complete."""
+    pid = cluster.scalar("SELECT pid FROM observed WHERE task_id = :id AND kind = 'start' ORDER BY at LIMIT 1", id=task_id)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"the pool process {pid} of {task_id} still runs"
+        time.sleep(0.05)
+
+
 def _second_waited_for_the_first(cluster: Cluster, first: Any, second: Any, key: str) -> None:
     assert second.get(timeout=90) == "second"
+    _body_gone(cluster, first.id)
     first_end, second_start = _last_sign_of_life(cluster, first.id), _first_start(cluster, second.id)
     assert second_start >= first_end, (
-        f"the second started {first_end - second_start:.3f} s before the first body's last sign of life"
+        f"the second started {first_end - second_start:.3f} s before the first body's last sign of life: "
+        f"{_record(cluster, first.id, second_start)}"
     )
     assert peak_overlap(cluster.intervals(key)) == 1
 
