@@ -65,6 +65,7 @@ from celery_keyed.task import set_cancel_probe
 from celery_keyed.worker import intake
 from celery_keyed.worker.admission import AdmissionService, Job
 from celery_keyed.worker.breaker import UNREACHABLE, Breaker
+from celery_keyed.worker.exits import ExitWatch, pool_processes
 from celery_keyed.worker.handoff import Handoff, Prebound, join_line, pool_line, slot_holders_ahead
 from celery_keyed.worker.heartbeat import Heartbeat
 from celery_keyed.worker.releaser import Releaser
@@ -181,6 +182,7 @@ class GateService:
         self.breaker = Breaker(self)
         self.handoff = Handoff(self, self.lock)
         self.releaser = Releaser(self)
+        self.exits = ExitWatch(lambda: pool_processes(self.consumer))  # releases held until a body stopped (D17)
         self.heartbeat = Heartbeat(self)
         self.sweeper = Sweeper(self)
         self.revokes = Revokes(self)
@@ -1304,9 +1306,14 @@ class GateService:
 
     # -- release (the outcome hooks, on the consumer loop; then the releaser) ---------------------------
 
-    def release(self, request: Any, outcome: Outcome, *, uncertain: bool = False) -> None:
-        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice).
-        ``uncertain``: a hard time limit or a lost worker ended it; an uncertain hold may keep its slots.
+    def release(
+        self, request: Any, outcome: Outcome, *, uncertain: bool = False, on_loop: bool = True, detail: str = ""
+    ) -> None:
+        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice). Only once its
+        body has provably stopped (D17): a hard time limit's release waits for the pool process's exit
+        (``ExitWatch``, worker/exits.py). ``uncertain``: a hard time limit or a lost worker ended it; an uncertain
+        hold may keep its slots. ``on_loop=False``: the caller is not the consumer loop's thread (the exit watch).
+        ``detail``: recorded with a final outcome.
 
         The loop only forgets the claim and hands the release to the releaser (worker/releaser.py), whose
         thread runs the ledger's transaction on a connection of its own. Its promotions to run here come back
@@ -1320,11 +1327,11 @@ class GateService:
             return
         request.keyed_claim = None
         token, fence = claim
-        detail = getattr(request, "keyed_cancelled", None)
-        if detail is not None:
+        superseded_by = getattr(request, "keyed_cancelled", None)
+        if superseded_by is not None:
             # Newest wins: the cancel a newer arrival asked for reached this attempt (its pool process was terminated,
             # or its keyed_cancelled() flag raised) before its outcome: it is recorded superseded however it ended.
-            outcome, uncertain = Outcome.SUPERSEDED, False
+            outcome, uncertain, detail = Outcome.SUPERSEDED, False, superseded_by
             metrics.newest_wins("superseded")
         with self.lock:
             entry = self.running.pop(token, None)
@@ -1344,7 +1351,8 @@ class GateService:
                 uncertain=uncertain,
                 hold=hold,
                 after=ack,
-                detail=detail or "",
+                on_loop=on_loop,
+                detail=detail,
             )
         finally:
             with self.lock:

@@ -9,6 +9,7 @@ A request whose call carries no key is left completely alone: Celery's own path,
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -48,6 +49,7 @@ class KeyedRequest(Request):
         self.keyed_deferred_ack: Any = None  # the ack Celery asked for meanwhile
         self.keyed_receipt = False  # handed to the admission service at receipt (park at receipt), not back yet
         self.keyed_cancelled: str | None = None  # newest wins: a newer arrival's cancel reached it (its detail)
+        self.keyed_exit_held = False  # its release waits for its pool process's exit (a hard time limit, D17)
         from celery_keyed.gate import current_gate
 
         gate = current_gate()
@@ -108,12 +110,17 @@ class KeyedRequest(Request):
                     lambda: original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
                 )
             finally:
-                gate.release(self, failure_outcome(self, exc_info), uncertain=is_uncertain(exc_info))
+                outcome = failure_outcome(self, exc_info)
+                if is_hard_time_limit(exc_info):  # failed before its pool process is killed: wait for the exit
+                    release_after_exit(gate, self, outcome)
+                else:
+                    detail = store_cancelled(self) if cancelled_for_good(self, exc_info) else ""
+                    gate.release(self, outcome, uncertain=is_uncertain(exc_info), detail=detail)
 
         def on_timeout(soft: bool, timeout: float) -> Any:
             result = deferring_acks(lambda: original_timeout(self, soft, timeout))
-            if not soft:  # a hard limit killed the attempt (on_failure fires too: release is idempotent)
-                gate.release(self, hard_timeout_outcome(self), uncertain=True)
+            if not soft:  # a hard limit (on_failure fires too, first: the release is held once, idempotent)
+                release_after_exit(gate, self, hard_timeout_outcome(self))
             return result
 
         def on_accepted(pid: int, time_accepted: float) -> Any:
@@ -121,9 +128,13 @@ class KeyedRequest(Request):
             return original_accepted(self, pid, time_accepted)
 
         def cancel(pool: Any, signal: Any = None, emit_retry: bool = True) -> Any:
-            result = original_cancel(self, pool, signal=signal, emit_retry=emit_retry)
-            gate.release(self, Outcome.WORKER_LOST)  # cancelled on connection loss: it will be redelivered
-            return result
+            # Cold shutdown, or a lost broker connection (worker_cancel_long_running_tasks_on_connection_loss): Celery
+            # only *sends* SIGTERM to the pool process here, and a body that handles it runs on. The slot stays held
+            # (D17): billiard reports the job when the process has exited (``Terminated``) or when the body has
+            # returned its result, and that outcome hook releases. If the worker's main process ends before that
+            # (a second SIGQUIT: hard shutdown; SIGKILL), the claim stays until its lease lapses and the reaper frees
+            # it — later, never early.
+            return original_cancel(self, pool, signal=signal, emit_retry=emit_retry)
 
         # Instance attributes shadow the generated class's methods (which Celery looks up at call time).
         for name, wrapper in (
@@ -192,8 +203,12 @@ def failure_outcome(request: Any, exc_info: Any) -> Outcome:
     if isinstance(exc, Retry):
         return Outcome.RETRY
     if isinstance(exc, Terminated):
-        return Outcome.WORKER_LOST if getattr(request, "_already_cancelled", False) else Outcome.REVOKED
+        if not getattr(request, "_already_cancelled", False):
+            return Outcome.REVOKED
+        return Outcome.WORKER_LOST if comes_back(request) else Outcome.FAILED
     if isinstance(exc, SystemExit | KeyboardInterrupt):
+        if getattr(request, "_already_cancelled", False) and not comes_back(request):
+            return Outcome.FAILED
         return Outcome.WORKER_LOST
     if isinstance(exc, Reject):
         return Outcome.WORKER_LOST if exc.requeue else Outcome.FAILED
@@ -208,6 +223,67 @@ def failure_outcome(request: Any, exc_info: Any) -> Outcome:
     if isinstance(exc, TimeLimitExceeded):
         return hard_timeout_outcome(request)
     return Outcome.FAILED
+
+
+def comes_back(request: Any) -> bool:
+    """Whether the message of a request Celery cancelled comes back to a worker: an ``acks_late`` task not acked yet
+    stays unacked (Celery neither acks nor rejects a cancelled task), and the broker delivers it again once the
+    connection is gone. A task acked when it started (``acks_late`` off) is gone for good."""
+    return bool(request.task.acks_late) and not getattr(request, "acknowledged", False)
+
+
+def _exception(exc_info: Any) -> Any:
+    exc = getattr(exc_info, "exception", None)
+    return exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+
+
+def cancelled_for_good(request: Any, exc_info: Any) -> bool:
+    """Celery cancelled the task (cold shutdown, connection loss), its body has stopped without a result of its own,
+    and its message does not come back. Celery leaves its result at RETRY ("cancelled by Celery") for ever."""
+    return (
+        getattr(request, "_already_cancelled", False)
+        and isinstance(_exception(exc_info), Terminated | SystemExit | KeyboardInterrupt)
+        and not comes_back(request)
+    )
+
+
+def store_cancelled(request: Any) -> str:
+    """Store the ``KeyedCancelled`` failure of a task cancelled for good (``cancelled_for_good``) through its result
+    backend, before its release books it failed (D15: a result stored first is what reconcile settles from if the
+    worker dies in between), so ``AsyncResult.get()``, chords and errbacks complete. Returns the detail to book with
+    it. Never raises."""
+    from celery_keyed.exceptions import KeyedCancelled
+
+    detail = (
+        "cancelled by the worker (cold shutdown or a lost broker connection) while it ran; acked when it started, "
+        "its message does not come back"
+    )
+    logger.warning("celery-keyed: %s[%s] %s", request.name, request.id, detail)
+    try:
+        request.task.backend.mark_as_failure(
+            request.id, KeyedCancelled(detail), request=request._context, store_result=request.store_errors
+        )
+    except Exception:
+        logger.exception("celery-keyed: could not store the cancelled result of %s", request.id)
+    return detail
+
+
+def is_hard_time_limit(exc_info: Any) -> bool:
+    """billiard reports a hard time limit as the job's ``TimeLimitExceeded`` failure *before* it kills the pool
+    process (SIGTERM, then SIGKILL 0.1 s later): the body may still run."""
+    return isinstance(_exception(exc_info), TimeLimitExceeded)
+
+
+def release_after_exit(gate: Any, request: Any, outcome: Outcome) -> None:
+    """Release ``request`` (uncertain: a hard time limit) once its pool process has exited (D17; the gate's
+    ``ExitWatch``), or at once when there is none to wait for. Held once, however many hooks ask (a hard limit fires
+    ``on_failure`` and ``on_timeout``)."""
+    if request.keyed_claim is None or request.keyed_exit_held:
+        return
+    request.keyed_exit_held = True
+    release = functools.partial(gate.release, request, outcome, uncertain=True, on_loop=False)
+    if not gate.exits.hold(getattr(request, "worker_pid", None), release):
+        gate.release(request, outcome, uncertain=True)
 
 
 def is_uncertain(exc_info: Any) -> bool:

@@ -28,7 +28,8 @@ def define(app: Any, ns: Any) -> None:
 
         def observe(kind: str, what: str = note) -> None:
             conn.execute(
-                "INSERT INTO observed (kind, task_id, key, note, pid, at) VALUES (%s, %s, %s, %s, %s, clock_timestamp())",
+                "INSERT INTO observed (kind, task_id, key, note, pid, at)"
+                " VALUES (%s, %s, %s, %s, %s, clock_timestamp())",
                 (kind, task_id, key, what, os.getpid()),
             )
 
