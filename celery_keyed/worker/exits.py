@@ -58,9 +58,10 @@ def pool_processes(consumer: Any) -> list[Any]:
 
 
 def has_exited(pid: int, process: Any) -> bool:
-    """Whether the pool process ``pid`` has provably exited: billiard has reaped it (its exit status is known), or no
-    process of that pid exists any more. A zombie (exited, not reaped yet) counts as running until it is reaped, and a
-    pid reused by another process counts as running: both only hold a slot longer."""
+    """Whether the pool process ``pid`` has provably exited: billiard has reaped it (its exit status is known), no
+    process of that pid exists any more, or (Linux) it is a zombie — it has exited and runs nothing, but billiard has
+    not collected it yet (it does so when it next maintains the pool, which after a SIGKILL took seconds). A pid
+    reused by another process counts as running: that only holds a slot longer."""
     popen = getattr(process, "_popen", None)
     if popen is not None and getattr(popen, "returncode", None) is not None:
         return True
@@ -70,7 +71,18 @@ def has_exited(pid: int, process: Any) -> bool:
         return True
     except PermissionError:  # the pid belongs to someone else now: it was reaped, but we cannot be sure; wait on
         return False
-    return False
+    return _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Linux: the process has exited and waits to be reaped (state Z, or X while it is being reaped). A pid cannot be
+    reused before its zombie is reaped, so this is the process we were asked about. False where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
 
 
 class ExitWatch:
