@@ -281,9 +281,33 @@ def release_after_exit(gate: Any, request: Any, outcome: Outcome) -> None:
     if request.keyed_claim is None or request.keyed_exit_held:
         return
     request.keyed_exit_held = True
-    release = functools.partial(gate.release, request, outcome, uncertain=True, on_loop=False)
-    if not gate.exits.hold(getattr(request, "worker_pid", None), release):
-        gate.release(request, outcome, uncertain=True)
+    if not gate.exits.hold(
+        getattr(request, "worker_pid", None), functools.partial(release_stopped, gate, request, outcome, on_loop=False)
+    ):
+        release_stopped(gate, request, outcome)
+
+
+def release_stopped(gate: Any, request: Any, outcome: Outcome, *, on_loop: bool = True) -> None:
+    """The release of an attempt cut off by a hard time limit, now that its pool process has exited. The body may
+    have run to its end after all — billiard kills the process only after the job's failure was handled, and that
+    handling can take long (a result backend being retried): then it stored its SUCCESS result after Celery's
+    failure, and the books say completed too (nothing runs it again). Otherwise ``outcome``, uncertain (an
+    uncertain hold may keep the slots)."""
+    if success_stored(request):
+        logger.warning("celery-keyed: %s[%s] ran to its end after its hard time limit", request.name, request.id)
+        gate.release(request, Outcome.COMPLETED, on_loop=on_loop)
+        return
+    gate.release(request, outcome, uncertain=True, on_loop=on_loop)
+
+
+def success_stored(request: Any) -> bool:
+    """Whether the task's result backend holds its SUCCESS (read afresh; False when it cannot be read)."""
+    try:
+        meta = request.task.backend.get_task_meta(request.id, cache=False)
+    except Exception:
+        logger.warning("celery-keyed: could not read the result of %s", request.id, exc_info=True)
+        return False
+    return isinstance(meta, dict) and meta.get("status") == "SUCCESS"
 
 
 def is_uncertain(exc_info: Any) -> bool:
