@@ -375,7 +375,9 @@ class GateService:
         back to the broker unacked; its claim goes back now, as "worker lost" (its redelivery is admitted again, D8),
         instead of being held by a worker that is gone until its lease lapses (found under load: a claim taken ahead
         whose request was handed to the pool just before the warm shutdown, the job dropped unstarted). Returns how
-        many; in the caller's thread (the releaser is stopped)."""
+        many; in the caller's thread (the releaser is stopped). First the releases held for a pool process's exit
+        (a hard time limit) whose process is gone now, without waiting for the exit watch's next look."""
+        self.exits.watch_once()
         with self.lock:
             unstarted = [r for r in self.running.values() if not getattr(r.request, "keyed_started", False)]
             for r in unstarted:
