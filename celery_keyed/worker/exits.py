@@ -126,9 +126,8 @@ class ExitWatch:
         with self._lock:
             candidates = list(self._held.values())
         gone = [held for held in candidates if has_exited(held.pid, held.process)]
-        with self._lock:
-            for held in gone:
-                self._held.pop(held.pid, None)
+        with self._lock:  # each runs once: in the thread that takes it off (the watch thread, or worker_shutdown's)
+            gone = [held for held in gone if self._held.get(held.pid) is held and self._held.pop(held.pid)]
             waiting = len(self._held)
         released = 0
         for held in gone:
