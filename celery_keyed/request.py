@@ -301,7 +301,10 @@ def release_stopped(gate: Any, request: Any, outcome: Outcome, *, on_loop: bool 
 
 
 def success_stored(request: Any) -> bool:
-    """Whether the task's result backend holds its SUCCESS (read afresh; False when it cannot be read)."""
+    """Whether the task's result backend holds its SUCCESS (read afresh; False when it cannot be read, or when the
+    task stores no result)."""
+    if getattr(request.task, "ignore_result", False):
+        return False
     try:
         meta = request.task.backend.get_task_meta(request.id, cache=False)
     except Exception:
