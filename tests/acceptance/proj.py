@@ -44,6 +44,7 @@ def make_app(env: Mapping[str, str]) -> Any:
         worker_prefetch_multiplier=int(env.get("KEYED_PREFETCH", "1")),
         task_acks_late=True,
         task_reject_on_worker_lost=True,
+        worker_cancel_long_running_tasks_on_connection_loss=env.get("CANCEL_ON_CONNECTION_LOSS") == "1",
         broker_transport_options={
             "visibility_timeout": float(env.get("VISIBILITY_TIMEOUT", "3600")),
             "unacked_restore_interval": 1,  # scan for messages of dead workers every second (kombu: 100 s)

@@ -12,13 +12,16 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from celery.exceptions import TimeLimitExceeded
 
 from celery_keyed import KeyedCancelled
-from tests.acceptance.conftest import Cluster, peak_overlap
+from celery_keyed.testbed import RedisServer, start_redis
+from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
 
 DEBUG = ["-l", "DEBUG"] if os.environ.get("SHUTDOWN_DEBUG") else []
 CLEANUP = 3.0  # seconds a body's SIGTERM handler cleans up for
@@ -157,3 +160,56 @@ def test_a_cold_shutdown_of_a_task_acked_at_start_books_a_final_outcome(cluster:
     while cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE outcome IS NULL") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE outcome IS NULL") == 0
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis of this test's own, so it can be stopped."""
+    server = start_redis(use_env=False, persistent=True)
+    assert isinstance(server, RedisServer)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def outage_cluster(database_url: str, own_redis: RedisServer, redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    """The broker on ``own_redis``; the results on the session's Redis, which stays up (so Celery's cancel, which
+    stores a RETRY result, goes through while the broker is away)."""
+    for cluster in make_cluster(database_url, own_redis.url_for(0), tmp_path, {}):
+        cluster.env.update(CELERY_RESULT_BACKEND=redis_url)
+        yield cluster
+
+
+@pytest.fixture
+def outage_producer(outage_cluster: Cluster) -> Iterator[Any]:
+    from celery_keyed.publisher import close_publisher
+    from tests.acceptance.proj import make_app
+
+    ns = make_app(outage_cluster.env)
+    yield ns
+    close_publisher(ns.app)
+    ns.app.close()
+
+
+# Stopping Redis under the test process's own clients leaves their sockets to be collected later: not a finding.
+@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_cancel_on_connection_loss_releases_only_after_the_body_has_cleaned_up(
+    outage_cluster: Cluster, own_redis: RedisServer, outage_producer: Any
+) -> None:
+    """``worker_cancel_long_running_tasks_on_connection_loss``: the broker goes away for a second, Celery cancels the
+    running acks_late task (SIGTERM to its pool process), whose body cleans up for 3 s. The parked task starts once
+    the broker is back and the first body has ended, not when the signal went out."""
+    cluster, producer = outage_cluster, outage_producer
+    cluster.env.update(CANCEL_ON_CONNECTION_LOSS="1")
+    key = "shut:connection-loss"
+    first, second = _one_running_one_parked(cluster, producer, producer.cleanup, key)
+
+    own_redis.suspend()
+    deadline = time.monotonic() + 30
+    while not cluster.scalar("SELECT count(*) FROM observed WHERE task_id = :id AND kind = 'term'", id=first.id):
+        assert time.monotonic() < deadline, "the connection loss did not cancel the running task"
+        time.sleep(0.05)
+    own_redis.resume()
+    _second_waited_for_the_first(cluster, first, second, key)
