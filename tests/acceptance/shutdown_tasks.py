@@ -3,7 +3,8 @@ them to stop. Each handles SIGTERM with a cleanup of its own length, and writes 
 independent observer) on one connection opened before the handler can fire: ``start``; then, once SIGTERM came,
 ``term`` and a ``tick`` every few milliseconds for as long as the cleanup runs (a body SIGKILLed in its cleanup, as a
 hard time limit does 0.1 s after its SIGTERM, leaves its last tick as the latest moment it is known to have run); and
-``end`` when it is done (its note ``cleaned up`` after a cleanup, then the process exits)."""
+``end`` when it is done (its note ``cleaned up`` after a cleanup, then the process exits). Each row carries the body's
+own clock, read before the row is sent."""
 
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ def define(app: Any, ns: Any) -> None:
         conn = psycopg.connect(ns.dsn, autocommit=True)
 
         def observe(kind: str, what: str = note) -> None:
+            # The body's own clock, read before the row is sent: the body was running then (a row the server
+            # writes later, after a SIGKILL cut the body, would otherwise carry a time the body never saw).
             conn.execute(
                 "INSERT INTO observed (kind, task_id, key, note, pid, at)"
-                " VALUES (%s, %s, %s, %s, %s, clock_timestamp())",
-                (kind, task_id, key, what, os.getpid()),
+                " VALUES (%s, %s, %s, %s, %s, to_timestamp(%s))",
+                (kind, task_id, key, what, os.getpid(), time.time()),
             )
 
         cleaning: list[bool] = []

