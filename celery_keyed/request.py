@@ -74,6 +74,8 @@ class KeyedRequest(Request):
             # the release has committed, so a worker that dies in between leaves the message to be redelivered
             # (and dropped by the ledger as finished) instead of an acked task whose outcome was never booked.
             if self.keyed_defer_ack and self.keyed_claim is not None:
+                if self.keyed_deferred_ack is not None:  # one waits already (a hard time limit acks in two hooks,
+                    return None  # and its release waits for the pool process's exit)
                 # Meanwhile the pool process is free: the unacked message must not keep the next one away, so
                 # the prefetch window opens by one until this ack is sent (as Celery does for an ETA task).
                 narrow = gate.widen_prefetch()
