@@ -161,6 +161,18 @@ def test_a_cold_shutdown_of_a_task_acked_at_start_books_a_final_outcome(cluster:
     assert cluster.scalar("SELECT count(*) FROM keyed_tasks WHERE outcome IS NULL") == 0
 
 
+def test_a_terminate_releases_only_after_the_body_has_cleaned_up(cluster: Cluster, producer: Any) -> None:
+    """``revoke(terminate=True)``: Celery signals the pool process and records the revoke at once; the slot goes back
+    when the pool reports the process's exit (a guard: this was already so)."""
+    key = "shut:terminate"
+    first, second = _one_running_one_parked(cluster, producer, producer.cleanup, key)
+
+    producer.app.control.revoke(first.id, terminate=True)
+    _second_waited_for_the_first(cluster, first, second, key)
+    assert _books(cluster, first.id, "revoked")[0] == "revoked"
+    cluster.wait_for("SELECT count(*) FROM keyed_claims", 0)
+
+
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A Redis of this test's own, so it can be stopped."""
