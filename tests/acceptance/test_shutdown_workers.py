@@ -24,7 +24,6 @@ from celery_keyed import KeyedCancelled
 from celery_keyed.testbed import RedisServer, start_redis
 from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
 
-DEBUG = ["-l", "DEBUG"] if os.environ.get("SHUTDOWN_DEBUG") else []
 CLEANUP = 3.0  # seconds a body's SIGTERM handler cleans up for
 
 
@@ -61,7 +60,7 @@ def _books(cluster: Cluster, task_id: str, expected: str, timeout: float = 60.0)
 def _one_running_one_parked(cluster: Cluster, producer: Any, task: Any, key: str, **options: Any) -> tuple[Any, Any]:
     """W1 runs ``task`` on ``key`` (its body handles SIGTERM with a cleanup of CLEANUP seconds); a plain task of the
     same key waits in the ledger behind it, received by W2 (the only consumer of its queue)."""
-    cluster.start_worker("w1", concurrency=2, extra=["-Q", "only-w1", *DEBUG])
+    cluster.start_worker("w1", concurrency=2, extra=["-Q", "only-w1"])
     cluster.start_worker("w2", concurrency=2, extra=["-Q", "only-w2"])
     first = task.apply_async((key, 60.0, CLEANUP), {"note": "first"}, queue="only-w1", **options)
     cluster.wait_for("SELECT count(*) FROM observed WHERE task_id = :id AND kind = 'start'", 1, id=first.id)
