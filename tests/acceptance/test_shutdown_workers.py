@@ -1,5 +1,5 @@
 """Bodies that outlive the signal that asks them to stop, with real prefork workers, real Redis and real PostgreSQL:
-a cold shutdown (SIGQUIT) and a hard time limit. A slot goes back only once the body has provably stopped — the pool
+a cold shutdown (SIGQUIT), a cancel on a lost broker connection, a hard time limit, a terminate. A slot goes back only once the body has provably stopped — the pool
 reported its process's exit or its job's result — never when a signal was merely sent.
 
 The tasks (tests/acceptance/shutdown_tasks.py) handle SIGTERM with a cleanup and write their own start, ticks and end
