@@ -1311,11 +1311,11 @@ class GateService:
     def release(
         self, request: Any, outcome: Outcome, *, uncertain: bool = False, on_loop: bool = True, detail: str = ""
     ) -> None:
-        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice). Only once its
-        body has provably stopped (D17): a hard time limit's release waits for the pool process's exit
-        (``ExitWatch``, worker/exits.py). ``uncertain``: a hard time limit or a lost worker ended it; an uncertain
-        hold may keep its slots. ``on_loop=False``: the caller is not the consumer loop's thread (the exit watch).
-        ``detail``: recorded with a final outcome.
+        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice). Called only
+        once its body has provably stopped (D17): the pool reported the job's result or the process's exit; a hard
+        time limit's release waits for that exit (``ExitWatch``, worker/exits.py). ``uncertain``: a hard time limit
+        or a lost worker ended it; an uncertain hold may keep its slots. ``on_loop=False``: the caller is not the
+        consumer loop's thread (the exit watch). ``detail``: recorded with a final outcome.
 
         The loop only forgets the claim and hands the release to the releaser (worker/releaser.py), whose
         thread runs the ledger's transaction on a connection of its own. Its promotions to run here come back
