@@ -1,6 +1,7 @@
 """Bodies that outlive the signal that asks them to stop, with real prefork workers, real Redis and real PostgreSQL:
-a cold shutdown (SIGQUIT), a cancel on a lost broker connection, a hard time limit, a terminate. A slot goes back only once the body has provably stopped — the pool
-reported its process's exit or its job's result — never when a signal was merely sent.
+a cold shutdown (SIGQUIT), a cancel on a lost broker connection, a hard time limit, a terminate. A slot goes back
+only once the body has provably stopped — the pool reported its process's exit or its job's result — never when a
+signal was merely sent.
 
 The tasks (tests/acceptance/shutdown_tasks.py) handle SIGTERM with a cleanup and write their own start, ticks and end
 into ``observed`` (the independent observer). Two workers consume different queues, so the task parked behind the
@@ -107,9 +108,12 @@ def test_a_cold_shutdown_releases_only_after_the_body_has_cleaned_up(cluster: Cl
 
     os.kill(cluster.workers["w1"].pid, signal.SIGQUIT)  # the main process only; Celery signals its pool processes
     _second_waited_for_the_first(cluster, first, second, key)
-    assert cluster.scalar(
-        "SELECT note FROM observed WHERE task_id = :id AND kind = 'end' ORDER BY at LIMIT 1", id=first.id
-    ) == "cleaned up"
+    assert (
+        cluster.scalar(
+            "SELECT note FROM observed WHERE task_id = :id AND kind = 'end' ORDER BY at LIMIT 1", id=first.id
+        )
+        == "cleaned up"
+    )
     cluster.workers["w1"].wait(timeout=60)
 
     # Worker lost: its message was never acked, so the broker has it again, and a worker of its queue runs it.
