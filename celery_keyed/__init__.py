@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from celery_keyed.exceptions import (
+    KeyedCancelled,
     KeyedDeadLettered,
     KeyedExpired,
     KeyedLost,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "KeyedCancelled",
     "KeyedDeadLettered",
     "KeyedExpired",
     "KeyedLost",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 class KeyedOutcome(Exception):
-    """Base class: the task never ran; ``outcome`` says why."""
+    """Base class: the task never ran, or was stopped for good before its end; ``outcome`` says why."""
 
     outcome = "unknown"
 
@@ -47,6 +47,15 @@ class KeyedDeadLettered(KeyedOutcome):
     outcome = "dead_lettered"
 
 
+class KeyedCancelled(KeyedOutcome):
+    """The worker stopped the body (Celery cancels the running tasks in a cold shutdown, and on a lost broker
+    connection with ``worker_cancel_long_running_tasks_on_connection_loss``), and its message does not come back: it
+    was acknowledged when the task started (``acks_late`` off). The task does not run again; booked failed."""
+
+    outcome = "failed"
+
+
+#: The never-ran outcomes' exceptions (a stopped body's ``KeyedCancelled`` is booked ``failed``: not in here).
 BY_OUTCOME: dict[str, type[KeyedOutcome]] = {
     cls.outcome: cls
     for cls in (KeyedRejected, KeyedExpired, KeyedSuperseded, KeyedRevoked, KeyedLost, KeyedDeadLettered)

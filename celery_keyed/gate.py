@@ -65,6 +65,7 @@ from celery_keyed.task import set_cancel_probe
 from celery_keyed.worker import intake
 from celery_keyed.worker.admission import AdmissionService, Job
 from celery_keyed.worker.breaker import UNREACHABLE, Breaker
+from celery_keyed.worker.exits import ExitWatch, pool_processes
 from celery_keyed.worker.handoff import Handoff, Prebound, join_line, pool_line, slot_holders_ahead
 from celery_keyed.worker.heartbeat import Heartbeat
 from celery_keyed.worker.releaser import Releaser
@@ -185,6 +186,7 @@ class GateService:
         self.breaker = Breaker(self)
         self.handoff = Handoff(self, self.lock)
         self.releaser = Releaser(self)
+        self.exits = ExitWatch(lambda: pool_processes(self.consumer))  # releases held until a body stopped (D17)
         self.heartbeat = Heartbeat(self)
         self.sweeper = Sweeper(self)
         self.revokes = Revokes(self)
@@ -377,7 +379,9 @@ class GateService:
         back to the broker unacked; its claim goes back now, as "worker lost" (its redelivery is admitted again, D8),
         instead of being held by a worker that is gone until its lease lapses (found under load: a claim taken ahead
         whose request was handed to the pool just before the warm shutdown, the job dropped unstarted). Returns how
-        many; in the caller's thread (the releaser is stopped)."""
+        many; in the caller's thread (the releaser is stopped). First the releases held for a pool process's exit
+        (a hard time limit) whose process is gone now, without waiting for the exit watch's next look."""
+        self.exits.watch_once()
         with self.lock:
             unstarted = [r for r in self.running.values() if not getattr(r.request, "keyed_started", False)]
             for r in unstarted:
@@ -1321,9 +1325,14 @@ class GateService:
 
     # -- release (the outcome hooks, on the consumer loop; then the releaser) ---------------------------
 
-    def release(self, request: Any, outcome: Outcome, *, uncertain: bool = False) -> None:
-        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice).
-        ``uncertain``: a hard time limit or a lost worker ended it; an uncertain hold may keep its slots.
+    def release(
+        self, request: Any, outcome: Outcome, *, uncertain: bool = False, on_loop: bool = True, detail: str = ""
+    ) -> None:
+        """Give back the slot of ``request`` after ``outcome``; idempotent (the hooks may fire twice). Called only
+        once its body has provably stopped (D17): the pool reported the job's result or the process's exit; a hard
+        time limit's release waits for that exit (``ExitWatch``, worker/exits.py). ``uncertain``: a hard time limit
+        or a lost worker ended it; an uncertain hold may keep its slots. ``on_loop=False``: the caller is not the
+        consumer loop's thread (the exit watch). ``detail``: recorded with a final outcome.
 
         The loop only forgets the claim and hands the release to the releaser (worker/releaser.py), whose
         thread runs the ledger's transaction on a connection of its own. Its promotions to run here come back
@@ -1337,11 +1346,11 @@ class GateService:
             return
         request.keyed_claim = None
         token, fence = claim
-        detail = getattr(request, "keyed_cancelled", None)
-        if detail is not None:
+        superseded_by = getattr(request, "keyed_cancelled", None)
+        if superseded_by is not None:
             # Newest wins: the cancel a newer arrival asked for reached this attempt (its pool process was terminated,
             # or its keyed_cancelled() flag raised) before its outcome: it is recorded superseded however it ended.
-            outcome, uncertain = Outcome.SUPERSEDED, False
+            outcome, uncertain, detail = Outcome.SUPERSEDED, False, superseded_by
             metrics.newest_wins("superseded")
         with self.lock:
             entry = self.running.pop(token, None)
@@ -1361,7 +1370,8 @@ class GateService:
                 uncertain=uncertain,
                 hold=hold,
                 after=ack,
-                detail=detail or "",
+                on_loop=on_loop,
+                detail=detail,
             )
         finally:
             with self.lock:

@@ -9,6 +9,7 @@ A request whose call carries no key is left completely alone: Celery's own path,
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -50,6 +51,7 @@ class KeyedRequest(Request):
         self.keyed_receipt = False  # handed to the admission service at receipt (park at receipt), not back yet
         self.keyed_cancelled: str | None = None  # newest wins: a newer arrival's cancel reached it (its detail)
         self.keyed_fenced: str | None = None  # the self-fence killed its body (why): it is admitted again (D19)
+        self.keyed_exit_held = False  # its release waits for its pool process's exit (a hard time limit, D17)
         from celery_keyed.gate import current_gate
 
         gate = current_gate()
@@ -74,6 +76,8 @@ class KeyedRequest(Request):
             # the release has committed, so a worker that dies in between leaves the message to be redelivered
             # (and dropped by the ledger as finished) instead of an acked task whose outcome was never booked.
             if self.keyed_defer_ack and self.keyed_claim is not None:
+                if self.keyed_deferred_ack is not None:  # one waits already (a hard time limit acks in two hooks,
+                    return None  # and its release waits for the pool process's exit)
                 # Meanwhile the pool process is free: the unacked message must not keep the next one away, so
                 # the prefetch window opens by one until this ack is sent (as Celery does for an ETA task).
                 narrow = gate.widen_prefetch()
@@ -113,12 +117,17 @@ class KeyedRequest(Request):
                     lambda: original_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
                 )
             finally:
-                gate.release(self, failure_outcome(self, exc_info), uncertain=uncertain)
+                outcome = failure_outcome(self, exc_info)
+                if is_hard_time_limit(exc_info):  # failed before its pool process is killed: wait for the exit
+                    release_after_exit(gate, self, outcome)
+                else:
+                    detail = store_cancelled(self) if cancelled_for_good(self, exc_info) else ""
+                    gate.release(self, outcome, uncertain=uncertain, detail=detail)
 
         def on_timeout(soft: bool, timeout: float) -> Any:
             result = deferring_acks(lambda: original_timeout(self, soft, timeout))
-            if not soft:  # a hard limit killed the attempt (on_failure fires too: release is idempotent)
-                gate.release(self, hard_timeout_outcome(self), uncertain=True)
+            if not soft:  # a hard limit (on_failure fires too, first: the release is held once, idempotent)
+                release_after_exit(gate, self, hard_timeout_outcome(self))
             return result
 
         def on_accepted(pid: int, time_accepted: float) -> Any:
@@ -126,9 +135,13 @@ class KeyedRequest(Request):
             return original_accepted(self, pid, time_accepted)
 
         def cancel(pool: Any, signal: Any = None, emit_retry: bool = True) -> Any:
-            result = original_cancel(self, pool, signal=signal, emit_retry=emit_retry)
-            gate.release(self, Outcome.WORKER_LOST)  # cancelled on connection loss: it will be redelivered
-            return result
+            # Cold shutdown, or a lost broker connection (worker_cancel_long_running_tasks_on_connection_loss): Celery
+            # only *sends* SIGTERM to the pool process here, and a body that handles it runs on. The slot stays held
+            # (D17): billiard reports the job when the process has exited (``Terminated``) or when the body has
+            # returned its result, and that outcome hook releases. If the worker's main process ends before that
+            # (a second SIGQUIT: hard shutdown; SIGKILL), the claim stays until its lease lapses and the reaper frees
+            # it — later, never early.
+            return original_cancel(self, pool, signal=signal, emit_retry=emit_retry)
 
         # Instance attributes shadow the generated class's methods (which Celery looks up at call time).
         for name, wrapper in (
@@ -197,8 +210,12 @@ def failure_outcome(request: Any, exc_info: Any) -> Outcome:
     if isinstance(exc, Retry):
         return Outcome.RETRY
     if isinstance(exc, Terminated):
-        return Outcome.WORKER_LOST if getattr(request, "_already_cancelled", False) else Outcome.REVOKED
+        if not getattr(request, "_already_cancelled", False):
+            return Outcome.REVOKED
+        return Outcome.WORKER_LOST if comes_back(request) else Outcome.FAILED
     if isinstance(exc, SystemExit | KeyboardInterrupt):
+        if getattr(request, "_already_cancelled", False) and not comes_back(request):
+            return Outcome.FAILED
         return Outcome.WORKER_LOST
     if isinstance(exc, Reject):
         return Outcome.WORKER_LOST if exc.requeue else Outcome.FAILED
@@ -213,6 +230,94 @@ def failure_outcome(request: Any, exc_info: Any) -> Outcome:
     if isinstance(exc, TimeLimitExceeded):
         return hard_timeout_outcome(request)
     return Outcome.FAILED
+
+
+def comes_back(request: Any) -> bool:
+    """Whether the message of a request Celery cancelled comes back to a worker: an ``acks_late`` task not acked yet
+    stays unacked (Celery neither acks nor rejects a cancelled task), and the broker delivers it again once the
+    connection is gone. A task acked when it started (``acks_late`` off) is gone for good."""
+    return bool(request.task.acks_late) and not getattr(request, "acknowledged", False)
+
+
+def _exception(exc_info: Any) -> Any:
+    exc = getattr(exc_info, "exception", None)
+    return exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+
+
+def cancelled_for_good(request: Any, exc_info: Any) -> bool:
+    """Celery cancelled the task (cold shutdown, connection loss), its body has stopped without a result of its own,
+    and its message does not come back. Celery leaves its result at RETRY ("cancelled by Celery") for ever."""
+    return (
+        getattr(request, "_already_cancelled", False)
+        and isinstance(_exception(exc_info), Terminated | SystemExit | KeyboardInterrupt)
+        and not comes_back(request)
+    )
+
+
+def store_cancelled(request: Any) -> str:
+    """Store the ``KeyedCancelled`` failure of a task cancelled for good (``cancelled_for_good``) through its result
+    backend, before its release books it failed (D15: a result stored first is what reconcile settles from if the
+    worker dies in between), so ``AsyncResult.get()``, chords and errbacks complete. Returns the detail to book with
+    it. Never raises."""
+    from celery_keyed.exceptions import KeyedCancelled
+
+    detail = (
+        "cancelled by the worker (cold shutdown or a lost broker connection) while it ran; acked when it started, "
+        "its message does not come back"
+    )
+    logger.warning("celery-keyed: %s[%s] %s", request.name, request.id, detail)
+    try:
+        request.task.backend.mark_as_failure(
+            request.id, KeyedCancelled(detail), request=request._context, store_result=request.store_errors
+        )
+    except Exception:
+        logger.exception("celery-keyed: could not store the cancelled result of %s", request.id)
+    return detail
+
+
+def is_hard_time_limit(exc_info: Any) -> bool:
+    """billiard reports a hard time limit as the job's ``TimeLimitExceeded`` failure *before* it kills the pool
+    process (SIGTERM, then SIGKILL 0.1 s later): the body may still run."""
+    return isinstance(_exception(exc_info), TimeLimitExceeded)
+
+
+def release_after_exit(gate: Any, request: Any, outcome: Outcome) -> None:
+    """Release ``request`` (uncertain: a hard time limit) once its pool process has exited (D17; the gate's
+    ``ExitWatch``), or at once when there is none to wait for. Held once, however many hooks ask (a hard limit fires
+    ``on_failure`` and ``on_timeout``)."""
+    if request.keyed_claim is None or request.keyed_exit_held:
+        return
+    request.keyed_exit_held = True
+    if not gate.exits.hold(
+        getattr(request, "worker_pid", None), functools.partial(release_stopped, gate, request, outcome, on_loop=False)
+    ):
+        release_stopped(gate, request, outcome)
+
+
+def release_stopped(gate: Any, request: Any, outcome: Outcome, *, on_loop: bool = True) -> None:
+    """The release of an attempt cut off by a hard time limit, now that its pool process has exited. The body may
+    have run to its end after all — billiard kills the process only after the job's failure was handled, and that
+    handling can take long (a result backend being retried): then it stored its SUCCESS result after Celery's
+    failure, and the books say completed too (nothing runs it again). Otherwise ``outcome``, uncertain (an
+    uncertain hold may keep the slots)."""
+    if success_stored(request):
+        logger.warning("celery-keyed: %s[%s] ran to its end after its hard time limit", request.name, request.id)
+        gate.release(request, Outcome.COMPLETED, on_loop=on_loop)
+        return
+    gate.release(request, outcome, uncertain=True, on_loop=on_loop)
+
+
+def success_stored(request: Any) -> bool:
+    """Whether the task's result backend holds its SUCCESS (read afresh; False when it cannot be read, or when the
+    task stores no result)."""
+    if getattr(request.task, "ignore_result", False):
+        return False
+    try:
+        meta = request.task.backend.get_task_meta(request.id, cache=False)
+    except Exception:
+        logger.warning("celery-keyed: could not read the result of %s", request.id, exc_info=True)
+        return False
+    return isinstance(meta, dict) and meta.get("status") == "SUCCESS"
 
 
 def is_uncertain(exc_info: Any) -> bool:

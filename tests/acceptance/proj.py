@@ -44,6 +44,7 @@ def make_app(env: Mapping[str, str]) -> Any:
         worker_prefetch_multiplier=int(env.get("KEYED_PREFETCH", "1")),
         task_acks_late=True,
         task_reject_on_worker_lost=True,
+        worker_cancel_long_running_tasks_on_connection_loss=env.get("CANCEL_ON_CONNECTION_LOSS") == "1",
         broker_transport_options={
             "visibility_timeout": float(env.get("VISIBILITY_TIMEOUT", "3600")),
             "unacked_restore_interval": 1,  # scan for messages of dead workers every second (kombu: 100 s)
@@ -206,11 +207,12 @@ def _define_tasks(app: Any, ns: Any) -> None:
     ns.sleepy = sleepy
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
-    from tests.acceptance import composition_tasks, fault_tasks, newest_wins_tasks, throttle_tasks
+    from tests.acceptance import composition_tasks, fault_tasks, newest_wins_tasks, shutdown_tasks, throttle_tasks
 
     composition_tasks.define(app, ns)
     fault_tasks.define(app, ns)
     newest_wins_tasks.define(app, ns)
+    shutdown_tasks.define(app, ns)
     throttle_tasks.define(app, ns)
 
 

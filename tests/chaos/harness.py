@@ -16,8 +16,11 @@ What it does:
 - Faults, seeded and printed: SIGKILL of a worker's main process (the report says whether its pool children
   outlived it; the observer sees their bodies either way) and
   of a pool child running a body, warm shutdown (SIGTERM to the main process, as systemd does) while a body
-  longer than the lease runs, each followed by a restart; PostgreSQL restart and an outage longer than the
-  lease; Redis restart and an outage longer than the lease.
+  longer than the lease runs, cold shutdown (SIGQUIT: Celery cancels the running tasks, SIGTERM to their pool
+  processes) while a body that handles SIGTERM with a cleanup runs, each followed by a restart; PostgreSQL
+  restart and an outage longer than the lease; Redis restart and an outage longer than the lease. And in the
+  task mix: a quarter of the bodies handle SIGTERM with a cleanup of 0.2-1.5 s, and a few get a hard time limit
+  shorter than themselves (billiard fails them, then sends SIGTERM and SIGKILL 0.1 s later; booked failed).
 - The observer (``tests/chaos/proj.py``): each body writes ``start`` / ``end`` lines to its own process's
   file, and a heartbeat every 5 ms. A body without ``end`` was killed; its end is the moment its process died,
   bounded from above by the harness's own ``kill`` (exact: taken after the signal was sent) or, for deaths the
@@ -25,8 +28,10 @@ What it does:
   milliseconds; its heartbeat bounds it from below. An overlap that exists only inside that uncertainty window
   is reported as ambiguous, not as a breach.
 
-Checks after the drain: peak bodies per key <= K at every instant; every task id has exactly one terminal
-outcome in the books (``keyed_tasks``), ``completed``, and a matching SUCCESS result; no open books, claims or
+Checks after the drain: peak bodies per key <= K at every instant (a body that cleans up after SIGTERM runs until
+its ``end … cleanup`` line, or until its process died); every task id has exactly one terminal outcome in the books
+(``keyed_tasks``), ``completed`` with a matching SUCCESS result (``failed`` with a FAILURE result for the bodies given
+a hard time limit); no open books, claims or
 waiting rows; reconcile drift 0 (every reconcile run during the chaos, ``keyed_events``, and a final one); no
 worker died that the harness did not kill; time from the end of the last fault to drained.
 """
@@ -63,10 +68,12 @@ from tests.chaos.proj import now
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("a1@hostA", "a2@hostA", "b1@hostB", "b2@hostB")
 GATE_KEY = "gate:api"
+WORKER_FAULTS = ("kill_main", "kill_child", "warm_shutdown", "cold_shutdown")
 FAULT_KINDS = (
     "kill_main",
     "kill_child",
     "warm_shutdown",
+    "cold_shutdown",
     "pg_restart",
     "pg_outage",
     "redis_restart",
@@ -90,13 +97,16 @@ class Config:
     mutex_keys: int = 20
     gate_limit: int = 3
     long_fraction: float = 0.04
+    cleanup_fraction: float = 0.25  # bodies that handle SIGTERM with a cleanup (0.2-1.5 s)
+    time_limit_fraction: float = 0.02  # bodies given a hard time limit shorter than themselves (booked failed)
     drain_timeout: float = 120.0
 
     def describe(self) -> str:
         lines = [
             f"chaos seed={self.seed} tasks={self.tasks} submit_over={self.submit_over:.0f}s lease={self.lease}s "
             f"visibility_timeout={self.visibility_timeout}s workers={len(WORKERS)}x-c{self.concurrency} "
-            f"keys={self.mutex_keys} mutex + {GATE_KEY} (K={self.gate_limit})",
+            f"keys={self.mutex_keys} mutex + {GATE_KEY} (K={self.gate_limit}) "
+            f"cleanup on SIGTERM={self.cleanup_fraction:.0%} hard time limits={self.time_limit_fraction:.0%}",
             "fault schedule (seconds from the first publish):",
         ]
         lines += [f"  {f.at:7.1f}s  {f.kind:<14} {f.target or '':<10} {f.duration:5.1f}s" for f in self.faults]
@@ -115,12 +125,12 @@ def short_config(seed: int) -> Config:
     """The fast-suite variant (<= 90 s): a few hundred tasks, one of each fault that matters most."""
     rng = random.Random(seed)
     lease = 4.0
-    rest = ["kill_child", "kill_main", "redis_outage", "pg_restart"]
+    rest = ["kill_child", "kill_main", "redis_outage", "pg_restart", "cold_shutdown"]
     rng.shuffle(rest)
     kinds = ["warm_shutdown", *rest]  # the warm shutdown first: the first tasks published are long ones
     faults, at = [], 3.0
     for kind in kinds:
-        target = rng.choice(WORKERS) if kind in ("kill_main", "kill_child", "warm_shutdown") else None
+        target = rng.choice(WORKERS) if kind in WORKER_FAULTS else None
         duration = lease + 2.0 if kind.endswith("outage") else rng.uniform(0.3, 1.5)
         faults.append(Fault(round(at, 1), kind, target, round(duration, 1)))
         at += rng.uniform(4.0, 6.0) + (duration if kind.endswith("outage") else 0.0)
@@ -137,7 +147,7 @@ def long_config(seed: int, tasks: int = 3000) -> Config:
     rng.shuffle(kinds)
     faults, at = [], 5.0
     for kind in kinds:
-        target = rng.choice(WORKERS) if kind in ("kill_main", "kill_child", "warm_shutdown") else None
+        target = rng.choice(WORKERS) if kind in WORKER_FAULTS else None
         duration = rng.uniform(lease + 1.0, lease * 2.5) if kind.endswith("outage") else rng.uniform(0.2, 3.0)
         faults.append(Fault(round(at, 1), kind, target, round(duration, 1)))
         at += rng.uniform(8.0, 16.0) + (duration if kind.endswith("outage") else 0.0)
@@ -334,6 +344,7 @@ class Body:
     last_alive: float = 0.0  # last heartbeat (killed bodies)
     death: float | None = None  # upper bound of its process's death
     death_exact: bool = False  # the bound is a kill the harness sent
+    cleaned_up: bool = False  # its ``end`` came from its SIGTERM handler: stopped, not run to its end
 
     @property
     def end_hi(self) -> float:
@@ -362,6 +373,7 @@ def read_bodies(directory: Path) -> list[Body]:
                 bodies.append(current)
             elif len(parts) >= 4 and parts[0] == "end" and current is not None and current.task_id == parts[1]:
                 current.end = float(parts[3])
+                current.cleaned_up = len(parts) >= 5 and parts[4] == "cleanup"
                 current = None
         hb = log.with_suffix(".hb")
         if current is not None and hb.exists():
@@ -462,6 +474,8 @@ class Chaos:
         self.kills = Kills()
         self.report = Report(config, logdir=self.logdir)
         self.tasks: dict[str, tuple[str, float, int]] = {}  # task id -> (key, seconds, seq)
+        self.cleanups: dict[str, float] = {}  # task id -> seconds its body cleans up for after SIGTERM
+        self.time_limited: dict[str, float] = {}  # task id -> its hard time limit (shorter than its body)
         self.published_at: dict[str, float] = {}  # task id -> when its publish returned (monotonic)
         self.redis_stops: list[float] = []  # when each Redis restart / outage began (monotonic)
         self.main_kills: list[float] = []  # when a worker's main process was SIGKILLed (monotonic): mid-pop losses
@@ -518,10 +532,19 @@ class Chaos:
             else:
                 seconds = rng.uniform(0.02, 0.3)
             task_id = f"c{seq:05d}-{uuid.UUID(int=rng.getrandbits(128)).hex[:12]}"
+            options: dict[str, Any] = {}
+            kwargs: dict[str, Any] = {}
+            if rng.random() < cfg.cleanup_fraction:
+                kwargs["cleanup"] = self.cleanups[task_id] = round(rng.uniform(0.2, 1.5), 3)
+            if seq >= 2 and rng.random() < cfg.time_limit_fraction:
+                # billiard fails the job at the limit, then SIGTERM, SIGKILL 0.1 s later: the cleanup is cut short
+                seconds = rng.uniform(0.6, 1.5)
+                options["time_limit"] = self.time_limited[task_id] = round(seconds / 2, 2)
+                kwargs["cleanup"] = self.cleanups[task_id] = 1.0
             self.tasks[task_id] = (key, round(seconds, 3), seq)
             while not self._stop.is_set():
                 try:
-                    self.ns.work.apply_async((key, round(seconds, 3), seq), task_id=task_id)
+                    self.ns.work.apply_async((key, round(seconds, 3), seq), kwargs, task_id=task_id, **options)
                     self.published_at[task_id] = now()
                     break
                 except Exception:  # broker down: publish the same task id again (a duplicate is normal input)
@@ -639,6 +662,40 @@ class Chaos:
             self.log_fault(f"  {name} exited {proc.returncode}")
         except subprocess.TimeoutExpired:
             self.report.failures.append(f"warm shutdown of {name} did not end within 60 s")
+            self.kills.killpg(proc.pid)
+            proc.wait()
+        self._restart_worker(name, fault.duration)
+
+    def fault_cold_shutdown(self, fault: Fault) -> None:
+        """SIGQUIT to a worker's main process while a body that handles SIGTERM with a cleanup runs there: Celery
+        cancels the running tasks (SIGTERM to their pool processes) and waits for its pool; the cleanup runs on
+        (a task of its key published meanwhile must not start before it ends); the cancelled tasks come back."""
+        deadline = now() + 15.0
+        chosen: Body | None = None
+        while now() < deadline and chosen is None:
+            for b in self.running_bodies():
+                if self.cleanups.get(b.task_id, 0.0) > 0 and b.worker in self.workers.procs:
+                    chosen = b
+                    break
+            else:
+                time.sleep(0.1)
+        name = chosen.worker if chosen is not None else (fault.target or WORKERS[0])
+        proc = self.workers.procs[name]
+        self.workers.expected_exit.add(proc.pid)
+        os.kill(proc.pid, signal.SIGQUIT)
+        what = (
+            f"mid {chosen.task_id} ({chosen.key}, cleanup {self.cleanups[chosen.task_id]}s on SIGTERM)"
+            if chosen is not None
+            else "no body with a cleanup was running"
+        )
+        self.log_fault(f"SIGQUIT (cold shutdown) {name} pid {proc.pid} {what}")
+        if chosen is not None:
+            self.probe(chosen.key)
+        try:
+            proc.wait(timeout=60)
+            self.log_fault(f"  {name} exited {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            self.report.failures.append(f"cold shutdown of {name} did not end within 60 s")
             self.kills.killpg(proc.pid)
             proc.wait()
         self._restart_worker(name, fault.duration)
@@ -891,7 +948,10 @@ class Chaos:
                 )
             )
         per_task = collections.Counter(b.task_id for b in bodies)
-        completed_bodies = collections.Counter(b.task_id for b in bodies if b.end is not None)
+        completed_bodies = collections.Counter(b.task_id for b in bodies if b.end is not None and not b.cleaned_up)
+        figures["bodies stopped by SIGTERM that cleaned up / tasks with a hard time limit"] = (
+            f"{sum(1 for b in bodies if b.cleaned_up)} / {len(self.time_limited)}"
+        )
         figures["task ids run more than once / completed more than once"] = (
             f"{sum(1 for n in per_task.values() if n > 1)} / {sum(1 for n in completed_bodies.values() if n > 1)}"
         )
@@ -913,7 +973,7 @@ class Chaos:
         bad = {
             t: outcomes.get(t, "missing") or "open"
             for t in self.tasks
-            if outcomes.get(t) != "completed" and t not in lost
+            if outcomes.get(t) != self.expected_outcome(t, outcomes.get(t)) and t not in lost
         }
         if bad:
             failures.append(f"{len(bad)} task ids not completed in the books: {_sample(bad)}")
@@ -929,14 +989,18 @@ class Chaos:
             if task_id in lost:
                 continue
             status, value = results.get(task_id, ("missing", None))
-            expected = "SUCCESS" if outcomes.get(task_id) == "completed" else "FAILURE"
+            expected = "SUCCESS" if self.expected_outcome(task_id, outcomes.get(task_id)) == "completed" else "FAILURE"
             if status != expected or (status == "SUCCESS" and value != seq):
                 mismatched[task_id] = f"{status} {value!r} (books: {outcomes.get(task_id)})"
         expected_results = len(self.tasks) - len(lost)
         figures["results matching the books"] = f"{expected_results - len(mismatched)}/{expected_results}"
         if mismatched:
             failures.append(f"{len(mismatched)} results do not match the books: {_sample(mismatched)}")
-        ran_not_booked = [t for t in self.tasks if t in completed_bodies and outcomes.get(t) != "completed"]
+        ran_not_booked = [
+            t
+            for t in self.tasks
+            if t in completed_bodies and outcomes.get(t) != self.expected_outcome(t, outcomes.get(t))
+        ]
         if ran_not_booked:
             self.report.details.append(f"ran to the end but not completed in the books: {ran_not_booked[:10]}")
         if never:
@@ -965,6 +1029,15 @@ class Chaos:
         figures["worker log lines"] = self.scan_logs()
         figures["code under test"] = code_under_test()
 
+    def expected_outcome(self, task_id: str, booked: str | None = None) -> str:
+        """A body given a hard time limit shorter than itself fails (acks_on_timeout, Celery's default: acked, not
+        run again) — unless it ran to its end before billiard killed its process (its worker's loop was held up,
+        e.g. retrying the result backend through a Redis outage): then it stored SUCCESS and is booked completed.
+        Every other task completes, however often its body was stopped."""
+        if task_id in self.time_limited and booked != "completed":
+            return "failed"
+        return "completed"
+
     def _state_after(self) -> dict[str, Any] | None:
         from celery_keyed.ledger import Ledger
 
@@ -980,7 +1053,8 @@ class Chaos:
                 state["reclaimed"] = conn.execute(
                     sa.text("SELECT count(*) FROM keyed_events WHERE kind = 'reclaimed'")
                 ).scalar_one()
-            bad = [t for t in self.tasks if state["outcomes"].get(t) != "completed"][:5]
+            outcomes = state["outcomes"]
+            bad = [t for t in self.tasks if outcomes.get(t) != self.expected_outcome(t, outcomes.get(t))][:5]
             state["explain"] = {}
             state["broker"] = self.broker_state(bad)
             for t in bad:

@@ -7,13 +7,17 @@ The observer is independent of the ledger and of both servers the harness breaks
 ``start`` and ``end`` lines to a file of its own process (``<dir>/<pid>.log``, one ``write`` per line, flushed
 at once) and, while it runs, overwrites ``<dir>/<pid>.hb`` with the task id and the time every
 ``HEARTBEAT_STEP`` seconds: the last moment the body is known to have been running when it leaves no ``end``
-(killed). Times are ``CLOCK_MONOTONIC`` (one clock for every process on the machine, the harness's included).
+(killed). A body given a ``cleanup`` handles SIGTERM: it goes on heartbeating for that long, then writes
+``end … cleanup`` and its process exits. Times are ``CLOCK_MONOTONIC`` (one clock for every process on the machine,
+the harness's included).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -96,21 +100,50 @@ def make_app(env: Mapping[str, str]) -> Any:
     observer = Observer(env.get("CHAOS_OBSERVED", "/tmp"))
 
     @keyed_task(app=app, name="chaos.work", bind=True, concurrency_key="{key}", acks_late=True)
-    def work(self: Any, key: str, seconds: float, seq: int) -> int:
+    def work(self: Any, key: str, seconds: float, seq: int, cleanup: float = 0.0) -> int:
+        """``cleanup`` > 0: the body handles SIGTERM (a cold shutdown's cancel, a hard time limit) by cleaning up for
+        that long, heartbeating, then writes ``end … cleanup`` and its process exits; SIGKILL may cut it short."""
         task_id = self.request.id
-        observer.line("start", task_id, key, f"{now():.6f}", self.request.hostname, os.getpgrp())
-        deadline = now() + seconds
-        while True:
-            observer.heartbeat(task_id)
-            left = deadline - now()
-            if left <= 0:
-                break
-            time.sleep(min(HEARTBEAT_STEP, left))
-        observer.line("end", task_id, key, f"{now():.6f}")
-        return seq
+        previous = _handle_sigterm(observer, task_id, key, cleanup) if cleanup > 0 else None
+        try:
+            observer.line("start", task_id, key, f"{now():.6f}", self.request.hostname, os.getpgrp())
+            deadline = now() + seconds
+            while True:
+                observer.heartbeat(task_id)
+                left = deadline - now()
+                if left <= 0:
+                    break
+                time.sleep(min(HEARTBEAT_STEP, left))
+            observer.line("end", task_id, key, f"{now():.6f}")
+            return seq
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     ns.work = work
     return ns
+
+
+def _handle_sigterm(observer: Observer, task_id: str, key: str, cleanup: float) -> Any:
+    """Install the body's SIGTERM handler (a prefork pool process runs the body in its main thread); the previous
+    handler, to put back when the body ends. A second SIGTERM during the cleanup changes nothing."""
+    cleaning: list[bool] = []
+
+    def cleaned_up(signum: int, frame: Any) -> None:
+        if cleaning:
+            return
+        cleaning.append(True)
+        deadline = now() + cleanup
+        while now() < deadline:
+            observer.heartbeat(task_id)
+            time.sleep(HEARTBEAT_STEP)
+        observer.line("end", task_id, key, f"{now():.6f}", "cleanup")
+        os._exit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.signal(signal.SIGTERM, cleaned_up)
+    return previous if previous is not None else signal.SIG_DFL
 
 
 if "CELERY_BROKER_URL" in os.environ and "KEYED_DATABASE_URL" in os.environ:

@@ -40,7 +40,7 @@ def test_celerys_own_method_kills_the_consumer_start(pool_and_hub: tuple[AsynPoo
     _untracked(pool)
     # The worker's "Unrecoverable error": kombu 5.7's hub says "file descriptor is None", 5.5 and 5.6 fail on
     # ``None.fileno()``.
-    with pytest.raises((ValueError, AttributeError), match="file descriptor is None|no attribute 'fileno'"):
+    with pytest.raises((ValueError, AttributeError), match=r"file descriptor is None|no attribute 'fileno'"):
         for proc in pool._pool:
             original(pool, proc, hub)
 
