@@ -11,6 +11,7 @@ request is handed to admission.
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -74,7 +75,33 @@ def unkeyable(exc: BaseException) -> str:
 def arrival_for(request: Any) -> Arrival | None:
     """The ledger's view of a request: its token, keys (from headers, else computed from the arguments:
     ``send_task`` sends none), deadline and stored message. None: the call carries no key after all (Celery's own
-    path). Malformed keys, and integers out of the ledger's range, raise ``InvalidKey``."""
+    path). Malformed keys, and integers out of the ledger's range, raise ``InvalidKey``; so does a key callable (or
+    an argument's ``__format__``) that raised ``SystemExit``, ``KeyboardInterrupt`` or any other ``BaseException``
+    while no shutdown of this worker is under way (D16: it ran on the consumer loop, which catches ``Exception``
+    only, killed the worker, and the message, restored unacked, killed every worker that took it)."""
+    try:
+        return _arrival_for(request)
+    except Exception:
+        raise
+    except BaseException as exc:
+        if is_shutdown(exc):
+            raise
+        raise InvalidKey(unkeyable(exc)) from None
+
+
+def is_shutdown(exc: BaseException) -> bool:
+    """Whether a ``BaseException`` raised while a message's keys were computed is this process being stopped (then it
+    must go on up) rather than the message's own code: Celery's worker turns SIGTERM / SIGINT / SIGQUIT into its
+    shutdown flags (raising ``WorkerTerminate`` from the handler on a hard shutdown, with the flag set), and outside
+    a worker's handlers Python's own SIGINT handler raises ``KeyboardInterrupt``."""
+    from celery.worker import state
+
+    if state.should_stop is not None or state.should_terminate is not None:
+        return True
+    return isinstance(exc, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _arrival_for(request: Any) -> Arrival | None:
     check_time_limits(request)
     # A gate header that is present but null is treated as absent (a foreign producer's ``None``): the keys
     # are then computed from the arguments, never skipped.

@@ -18,6 +18,22 @@ def _boom(x: Any = None, **_: Any) -> str:
     return f"boom:{1 / 0}"
 
 
+class _Escape(BaseException):
+    """Neither an ``Exception`` nor a signal: what a key callable may raise that Celery's consumer loop does not catch."""
+
+
+def _leaves(how: str, **_: Any) -> str:
+    """A key callable that leaves the process's way of handling errors: ``sys.exit``, a ``KeyboardInterrupt`` raised
+    by hand, a ``BaseException`` of its own; "ok" computes a key."""
+    if how == "exit":
+        raise SystemExit(3)
+    if how == "interrupt":
+        raise KeyboardInterrupt
+    if how == "base":
+        raise _Escape("not an Exception")
+    return f"esc:{how}"
+
+
 def make_app(env: Mapping[str, str]) -> Any:
     ns = make_base_app(env)
     app = ns.app
@@ -51,6 +67,10 @@ def make_app(env: Mapping[str, str]) -> Any:
     @keyed_task(app=app, name="hostile.grouped", bind=True, group_key="grp:{group}")
     def grouped(self: Any, group: Any, seq: Any = 0) -> str:
         return body(self, f"grp:{group}")
+
+    @keyed_task(app=app, name="hostile.escape", bind=True, concurrency_key=_leaves)
+    def escape(self: Any, how: str) -> str:
+        return body(self, f"esc:{how}")
 
     return ns
 

@@ -348,3 +348,20 @@ def test_messages_not_shaped_as_task_messages_are_rejected_and_kill_no_worker(
     log = cluster.logs["w1"].read_text(errors="replace")
     assert log.count("malformed task message") >= len(with_ids) + len(without) + 1, _log(cluster)
     assert "Unrecoverable error" not in log
+
+
+def test_a_key_callable_that_raises_a_base_exception_is_a_rejection(hostile_cluster: Cluster, foreign: Celery) -> None:
+    """A key callable that raises ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException`` (no signal to the
+    worker) is the message's fault: a recorded rejection with a ``KeyedRejected`` result. Before, it went up through
+    the consumer loop (which catches ``Exception`` only), the worker died, and the message, restored unacked, killed
+    every worker that took it next."""
+    cluster = hostile_cluster
+    start_worker(cluster)
+    ids = {how: send(foreign, "hostile.escape", args=[how]) for how in ("exit", "interrupt", "base")}
+    state = settle(cluster, foreign, list(ids.values()))
+    for how, task_id in ids.items():
+        got = state[task_id]
+        assert got["books"] == "rejected" and got["error"] == "KeyedRejected" and not got["ran"], (how, got)
+    fine = send(foreign, "hostile.escape", args=["ok"])
+    assert settle(cluster, foreign, [fine])[fine]["books"] == "completed"
+    assert_still_serving(cluster, foreign)
