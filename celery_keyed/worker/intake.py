@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Callable
+from datetime import UTC
 from types import SimpleNamespace
 from typing import Any
 
 from celery.exceptions import InvalidTaskError
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 
 from celery_keyed.headers import (
     HEADER_COST,
@@ -195,6 +197,24 @@ def check_message(message: Any, body: Any) -> None:
         check_time_limits(SimpleNamespace(_request_dict=fields))
     except InvalidKey as exc:
         raise InvalidTaskError(f"malformed task message: {exc}") from None
+    for field in ("eta", "expires"):
+        check_time(fields, field)
+
+
+def check_time(fields: Any, field: str) -> None:
+    """Celery's ``eta`` / ``expires`` as its request constructor and strategy read them: absent, null, or a datetime /
+    ISO 8601 string it can parse, make aware and put on a clock (in UTC, as a timestamp). Else ``InvalidTaskError``,
+    raised here — before Celery's own constructor raises the same, or its strategy stores the ``OverflowError`` of a
+    time past year 9999 in UTC — so that a keyed task's message is booked as rejected, with a result (``guarded``)."""
+    value = fields.get(field)
+    if value is None:
+        return
+    try:
+        when = maybe_iso8601(value)
+        if when is not None:
+            maybe_make_aware(when).astimezone(UTC).timestamp()
+    except Exception as exc:
+        raise InvalidTaskError(f"malformed task message: invalid {field} value {value!r:.200}: {exc}") from None
 
 
 def guarded(

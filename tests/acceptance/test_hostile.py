@@ -365,3 +365,34 @@ def test_a_key_callable_that_raises_a_base_exception_is_a_rejection(hostile_clus
     fine = send(foreign, "hostile.escape", args=["ok"])
     assert settle(cluster, foreign, [fine])[fine]["books"] == "completed"
     assert_still_serving(cluster, foreign)
+
+
+def test_an_unusable_eta_or_expires_is_a_recorded_rejection(hostile_cluster: Cluster, foreign: Celery) -> None:
+    """An ``eta`` or ``expires`` Celery cannot parse was rejected by Celery's request constructor before the gate saw
+    the message ("Received invalid task message"): no outcome in the books, no result, a caller waiting for ever. An
+    ETA past year 9999 in UTC had Celery's strategy store its ``OverflowError``, unbooked. Each is now refused as an
+    invalid task message first, and a keyed task's is booked as rejected with a ``KeyedRejected`` result."""
+    cluster = hostile_cluster
+    start_worker(cluster)
+    bad = {
+        "e-text": {"eta": "not-a-date"},
+        "e-month": {"eta": "2026-13-01T00:00:00"},
+        "e-number": {"eta": 5},
+        "e-list": {"eta": ["2026-01-01"]},
+        "e-overflow": {"eta": "9999-12-31T23:59:59-12:00"},
+        "x-text": {"expires": "tomorrow"},
+        "x-number": {"expires": 1.5},
+        "x-dict": {"expires": {"at": 1}},
+    }
+    for task_id, fields in bad.items():
+        _publish_raw(cluster.broker_url, _task_headers(task_id, **fields), [[task_id], {}, {}])
+    # a usable one still runs: the check is Celery's own reading of them
+    _publish_raw(cluster.broker_url, _task_headers("ok-times", eta="2020-01-01T00:00:00+00:00",
+                                                   expires="2999-01-01T00:00:00"), [["ok"], {}, {}])  # fmt: skip
+    state = settle(cluster, foreign, [*bad, "ok-times"])
+    for task_id in bad:
+        got = state[task_id]
+        assert got["books"] == "rejected" and got["error"] == "KeyedRejected" and not got["ran"], (task_id, got)
+    assert state["ok-times"]["books"] == "completed" and state["ok-times"]["ran"], state["ok-times"]
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE key LIKE 'lim:e-%' OR key LIKE 'lim:x-%'") == 0
+    assert_still_serving(cluster, foreign)
