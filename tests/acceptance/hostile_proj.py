@@ -19,7 +19,7 @@ def _boom(x: Any = None, **_: Any) -> str:
 
 
 class _Escape(BaseException):
-    """Neither an ``Exception`` nor a signal: what a key callable may raise that Celery's consumer loop does not catch."""
+    """Neither an ``Exception`` nor a signal: what a key callable may raise that the consumer loop does not catch."""
 
 
 def _leaves(how: str, **_: Any) -> str:
@@ -67,6 +67,11 @@ def make_app(env: Mapping[str, str]) -> Any:
     @keyed_task(app=app, name="hostile.grouped", bind=True, group_key="grp:{group}")
     def grouped(self: Any, group: Any, seq: Any = 0) -> str:
         return body(self, f"grp:{group}")
+
+    @keyed_task(app=app, name="hostile.trusted", bind=True, concurrency_key="lim:{which}", per_call_keys=True)
+    def trusted(self: Any, which: Any, seconds: float = 0.2) -> str:
+        """Its producers may name its keys per call (a trusted producer's deliberate choice)."""
+        return body(self, "trusted", min(float(seconds), 2.0))
 
     @keyed_task(app=app, name="hostile.escape", bind=True, concurrency_key=_leaves)
     def escape(self: Any, how: str) -> str:
