@@ -188,6 +188,10 @@ def clear_key_limit(app: Any, key: str, *, reason: str = "", author: str = "") -
 
 def revoke(app: Any, task_id: str, **kwargs: Any) -> None:
     """Revoke a task everywhere: Celery's revoke for running or reserved copies, and the ledger for a parked
-    one (Celery's in-memory revoke list expires; the ledger's record does not, D11)."""
+    one (Celery's in-memory revoke list expires; the ledger's record does not, D11). A task id no ledger can hold is
+    ``InvalidKey``, before anything is sent."""
+    from celery_keyed.ledger import validate_task_id
+
+    validate_task_id(task_id)
     app.control.revoke(task_id, **kwargs)
     _dispatch(app, _ledger(app).revoke(task_id))
