@@ -559,13 +559,14 @@ def check_cost(cost: Any, task: Any) -> int:
 
 def bind_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults applied (for key templates)."""
+    signature = inspect.signature(task.run)
     try:
-        bound = inspect.signature(task.run).bind_partial(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs)
     except TypeError as exc:
         raise InvalidKey(f"{task.name}: cannot bind arguments {args!r} {kwargs!r} to compute its key: {exc}") from None
     bound.apply_defaults()
     arguments = dict(bound.arguments)
-    for name, param in inspect.signature(task.run).parameters.items():
+    for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
             arguments.update(arguments.pop(name))
     return arguments
