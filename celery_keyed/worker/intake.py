@@ -1,8 +1,10 @@
 """Intake: what the gate reads from a received request before it decides anything — whether the call is keyed,
-and the ledger's view of it (``Arrival``): token, keys (from the headers, else computed from the arguments:
-``send_task`` sends none), deadline and stored message. Everything computed from a message is checked here,
-at the gate's edge (D16): a malformed key or a header out of the ledger's range raises ``InvalidKey``, which
-the gate turns into a recorded rejection; nothing else reaches the consumer loop as an exception.
+and the ledger's view of it (``Arrival``): token, keys, deadline and stored message. The keys, group, cost and mode
+come from the task's declaration and the call's arguments, whatever the headers say, unless the task takes per-call
+keys (``per_call_keys=True``: then from the headers its producers sent, the declaration filling in what they did
+not); so no message escapes its task's declared bound through its headers. Everything computed from a message is
+checked here, at the gate's edge (D16): a malformed key or a header out of the ledger's range raises ``InvalidKey``,
+which the gate turns into a recorded rejection; nothing else reaches the consumer loop as an exception.
 
 Threads: no thread and no state of its own. It runs on the consumer loop (``GateService.execute``), before the
 request is handed to admission.
@@ -79,8 +81,8 @@ def unkeyable(exc: BaseException) -> str:
 
 
 def arrival_for(request: Any) -> Arrival | None:
-    """The ledger's view of a request: its token, keys (from headers, else computed from the arguments:
-    ``send_task`` sends none), deadline and stored message. None: the call carries no key after all (Celery's own
+    """The ledger's view of a request: its token, keys (declared, or sent for a task that takes per-call keys: see
+    the module's docstring), deadline and stored message. None: the call carries no key after all (Celery's own
     path). Malformed keys, and integers out of the ledger's range, raise ``InvalidKey``; so does a key callable (or
     an argument's ``__format__``) that raised ``SystemExit``, ``KeyboardInterrupt`` or any other ``BaseException``
     while no shutdown of this worker is under way (D16: it ran on the consumer loop, which catches ``Exception``
