@@ -1,8 +1,9 @@
 """The task side: ``KeyedTask``, the ``keyed_task`` decorator, and the keys a call carries in its headers.
 
 Keys are computed at publish from the task's arguments (a ``str.format`` template over the bound arguments, a
-callable taking the same arguments, a tuple ``(name, ident)``) and sent as message headers; a worker that gets
-a message without them (``send_task`` from a foreign producer) computes them from the arguments again.
+callable taking the same arguments, a tuple ``(name, ident)``) and sent as message headers. The worker computes them
+from the arguments again (as for ``send_task`` from a foreign producer, which sends none) and follows the headers only
+for a task with ``per_call_keys=True`` (worker/intake.py): so keys must depend on the call's arguments only.
 """
 
 from __future__ import annotations
