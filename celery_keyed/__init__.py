@@ -190,6 +190,16 @@ def clear_key_limit(app: Any, key: str, *, reason: str = "", author: str = "") -
 
 def revoke(app: Any, task_id: str, **kwargs: Any) -> None:
     """Revoke a task everywhere: Celery's revoke for running or reserved copies, and the ledger for a parked
-    one (Celery's in-memory revoke list expires; the ledger's record does not, D11)."""
+    one (Celery's in-memory revoke list expires; the ledger's record does not, D11). A task id that is not a non-empty
+    str is ``InvalidKey``, before anything is sent; one the ledger cannot hold (too long, a NUL) is never parked there,
+    so only Celery's revoke is sent."""
+    from celery_keyed.ledger import InvalidKey, validate_task_id
+
+    if not isinstance(task_id, str) or not task_id:
+        raise InvalidKey(f"the task id must be a non-empty str, got {task_id!r:.100}")
     app.control.revoke(task_id, **kwargs)
+    try:
+        validate_task_id(task_id)
+    except InvalidKey:
+        return
     _dispatch(app, _ledger(app).revoke(task_id))

@@ -163,6 +163,11 @@ def _ledger_errors(settings: KeyedSettings, engine: sa.Engine) -> Iterator[None]
         raise click.UsageError(str(exc)) from None
     except LedgerError as exc:
         raise click.ClickException(str(exc)) from None
+    except UnicodeError as exc:  # text the checks above did not see (they check every argument and the DSN)
+        raise click.ClickException(f"text that is not valid UTF-8 cannot reach the ledger: {exc}") from None
+    except sa.exc.DataError as exc:
+        first = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+        raise click.ClickException(f"the ledger refused a value: {first}") from None
 
 
 def pass_operator(command: F) -> F:
@@ -173,11 +178,15 @@ def pass_operator(command: F) -> F:
         app = _app_of(ctx)
         from celery_keyed.engine import create_ledger_engine
 
+        _check_text_arguments(ctx, kwargs)
         try:
             settings = read_settings(app.conf)
+            _check_text(settings.database_url)
             engine = create_ledger_engine(settings)
         except (InvalidConfig, InvalidKey) as exc:
             raise click.ClickException(f"celery-keyed settings: {exc}") from None
+        except ValueError as exc:
+            raise click.ClickException(f"celery-keyed settings: keyed_database_url {exc}") from None
         operator = Operator(app, settings, engine)
         try:
             with _ledger_errors(settings, engine):
@@ -186,6 +195,34 @@ def pass_operator(command: F) -> F:
             engine.dispose()
 
     return update_wrapper(wrapper, command)  # type: ignore[return-value]
+
+
+def _check_text(value: str) -> None:
+    """``ValueError`` for text no ledger can take: a NUL, or a lone surrogate (what Python makes of bytes that are not
+    UTF-8 in a command line or the environment), which the driver would meet as a ``UnicodeEncodeError``."""
+    if "\x00" in value:
+        raise ValueError("contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid UTF-8 text (a byte that is not UTF-8, read as a lone surrogate)") from None
+
+
+def _check_text_arguments(ctx: click.Context, values: dict[str, Any]) -> None:
+    """Every text argument and option of the subcommand as ``_check_text`` wants it (else a usage error, exit 2)."""
+    params = {p.name: p for p in ctx.command.params}
+    for name, value in values.items():
+        for text in value if isinstance(value, list | tuple) else [value]:
+            if not isinstance(text, str):
+                continue
+            try:
+                _check_text(text)
+            except ValueError as exc:
+                param = params.get(name)
+                raise click.BadParameter(
+                    f"{text!r:.100} {exc}", ctx=ctx, param=param,
+                    param_hint=None if param is not None else repr(name),
+                ) from None
 
 
 def _json_default(value: Any) -> Any:
@@ -478,7 +515,8 @@ def _keys_table(keys: list[KeyStatus]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @pass_operator
 def explain(operator: Operator, task_id: str, as_json: bool) -> None:
-    """Why task TASK_ID is (not) running: its state in the ledger, in words and numbers."""
+    """Why task TASK_ID is (not) running: its state in the ledger, in words and numbers. Exits 1 when the ledger has
+    no record of it (state "unknown"), after saying so."""
     if not task_id.strip():
         raise click.BadParameter("a task id cannot be blank", param_hint="'TASK_ID'")
     explanation = operator.ledger.explain(task_id)
@@ -491,13 +529,15 @@ def explain(operator: Operator, task_id: str, as_json: bool) -> None:
                 "facts": explanation.facts,
             }
         )
-        return
-    click.echo(f"{explanation.task_id}: {explanation.state}")
-    click.echo(f"  {explanation.text}")
-    for fact, value in explanation.facts.items():
-        if value is None:
-            continue  # --json has every fact
-        click.echo(f"  {fact}: {_when(value) if isinstance(value, datetime) else value}")
+    else:
+        click.echo(f"{explanation.task_id}: {explanation.state}")
+        click.echo(f"  {explanation.text}")
+        for fact, value in explanation.facts.items():
+            if value is None:
+                continue  # --json has every fact
+            click.echo(f"  {fact}: {_when(value) if isinstance(value, datetime) else value}")
+    if explanation.state == "unknown":
+        raise click.exceptions.Exit(1)
 
 
 # -- set-limit / clear-limit -------------------------------------------------------------------------------

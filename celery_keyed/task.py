@@ -1,8 +1,9 @@
 """The task side: ``KeyedTask``, the ``keyed_task`` decorator, and the keys a call carries in its headers.
 
 Keys are computed at publish from the task's arguments (a ``str.format`` template over the bound arguments, a
-callable taking the same arguments, a tuple ``(name, ident)``) and sent as message headers; a worker that gets
-a message without them (``send_task`` from a foreign producer) computes them from the arguments again.
+callable taking the same arguments, a tuple ``(name, ident)``) and sent as message headers. The worker computes them
+from the arguments again (as for ``send_task`` from a foreign producer, which sends none) and follows the headers only
+for a task with ``per_call_keys=True`` (worker/intake.py): so keys must depend on the call's arguments only.
 """
 
 from __future__ import annotations
@@ -86,10 +87,17 @@ class KeyedTask(Task):
       transaction and published by the relay after it commits (issue 14 item 8; README "Nothing lost when the
       broker loses it").
 
+    - ``per_call_keys``: whether a call may name its own ``concurrency_key``, ``group_key``, ``concurrency_cost`` or
+      ``concurrency_mode`` (``apply_async(..., concurrency_key=...)``, also in ``self.retry(...)``), which then wins
+      over the class. Off by default: the worker computes those from the declaration and the call's arguments,
+      whatever the message's headers say, so that no message escapes the task's declared bound; a per-call value
+      that differs from the declared one raises ``InvalidKey`` at the producer (README "Guarantees").
+
     ``concurrency_key`` may be a list of keys: all are claimed at once or none (``["tenant:{tenant_id}",
     "stripe"]``; list the narrow keys first, see docs/ledger.md). Per call, ``apply_async(...,
-    concurrency_key=..., group_key=..., supersede_key=..., concurrency_cost=...)`` wins over the class, also
-    in ``self.retry(...)``.
+    supersede_key=..., fair_key=..., fair_weight=...)`` wins over the class, also in ``self.retry(...)``; so do
+    ``concurrency_key``, ``group_key``, ``concurrency_cost`` and ``concurrency_mode`` for a task with
+    ``per_call_keys=True``.
     ``apply_async(..., keyed_connection=conn)`` registers the group number inside the caller's open
     SQLAlchemy transaction (D10).
     """
@@ -109,6 +117,7 @@ class KeyedTask(Task):
     debounce_max: float | None = None
     debounce_keep: str = "last"
     on_newer: str | None = None
+    per_call_keys: bool = False
     Strategy = "celery_keyed.gate:keyed_strategy"
     Request = "celery_keyed.request:KeyedRequest"
 
@@ -138,9 +147,13 @@ class KeyedTask(Task):
         headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in NOT_INHERITED}
         inherited = {h: headers.pop(h) for h in INHERITED if h in headers}
         computed = self.keyed_headers(args, kwargs, explicit)
-        # A retry or a copy keeps the keys it was sent with, unless the call names new ones.
+        trusted = self.per_call_keys is True
+        if not trusted:
+            self._check_declared_bound(args, kwargs, explicit, computed)
+        # A retry or a copy keeps the keys it was sent with, unless the call names new ones; without per-call keys,
+        # those that decide the bound come from the declaration, as the worker computes them.
         for header, option in OPTION_OF_HEADER.items():
-            if option not in explicit and header in inherited:
+            if option not in explicit and header in inherited and (trusted or header not in BOUND_HEADERS):
                 computed[header] = inherited[header]
         debounce = None if options.get("retries") else self._debounce_header(debounce_call, computed)
         if debounce is not None:  # a retry is never debounced again (headers.NOT_INHERITED)
@@ -187,6 +200,23 @@ class KeyedTask(Task):
 
                 forget_send(self.app, task_id)
             raise
+
+    def _check_declared_bound(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: Mapping[str, Any], computed: Mapping[str, Any]
+    ) -> None:
+        """A task without ``per_call_keys`` runs under its declared keys, group, cost and mode (the worker computes
+        them from the arguments): a call that names others is refused here, with ``InvalidKey``, rather than
+        published with headers the worker would not follow."""
+        named = [option for option in BOUND_OPTIONS if option in explicit]
+        if not named:
+            return
+        declared = self.keyed_headers(args, kwargs, {k: v for k, v in explicit.items() if k not in BOUND_OPTIONS})
+        differing = [o for o in named if computed.get(_HEADER_OF[o]) != declared.get(_HEADER_OF[o])]
+        if differing:
+            raise InvalidKey(
+                f"{self.name}: a per-call {', '.join(differing)} needs per_call_keys=True on the task (without it, "
+                "the worker runs every call under the keys, group, cost and mode the task declares)"
+            )
 
     def _debounce_header(self, call: Mapping[str, Any], computed: Mapping[str, Any]) -> list[Any] | None:
         """The debounce header of a keyed call, ``[seconds, max, keep]``, or None: per call ``debounce=`` (None: not
@@ -372,7 +402,7 @@ class KeyedTask(Task):
         """The concurrency key of the running call (its header, else computed from its arguments as a worker does
         for ``send_task``): the one it has, or ``key`` when it is one of them; else :class:`InvalidKey`."""
         request = self.request
-        keys = getattr(request, HEADER_KEY, None)
+        keys = getattr(request, HEADER_KEY, None) if self.per_call_keys is True else None
         if keys is None:
             keys = evaluate_keys(key_spec(self, "concurrency_key"), self, tuple(request.args or ()),
                                  dict(request.kwargs or {}))
@@ -392,6 +422,12 @@ class KeyedTask(Task):
     def _keyed_author(self) -> str:
         return f"task {self.name}[{getattr(self.request, 'id', None)}]"
 
+
+#: The task options that decide which bound a call runs under, and their headers: per call only with
+#: ``per_call_keys=True`` (else the worker computes them from the declaration and the arguments).
+BOUND_OPTIONS = ("concurrency_key", "group_key", "concurrency_cost", "concurrency_mode")
+_HEADER_OF = {option: header for header, option in OPTION_OF_HEADER.items()}
+BOUND_HEADERS = tuple(_HEADER_OF[option] for option in BOUND_OPTIONS)
 
 #: Newest wins: the worker's gate (celery_keyed.gate, which imports this module) sets it while it runs: whether the
 #: attempt (task id, retries) runs in this process and a newer arrival's cancel reached it (``keyed_cancelled``).
@@ -524,13 +560,14 @@ def check_cost(cost: Any, task: Any) -> int:
 
 def bind_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults applied (for key templates)."""
+    signature = inspect.signature(task.run)
     try:
-        bound = inspect.signature(task.run).bind_partial(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs)
     except TypeError as exc:
         raise InvalidKey(f"{task.name}: cannot bind arguments {args!r} {kwargs!r} to compute its key: {exc}") from None
     bound.apply_defaults()
     arguments = dict(bound.arguments)
-    for name, param in inspect.signature(task.run).parameters.items():
+    for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
             arguments.update(arguments.pop(name))
     return arguments
@@ -614,6 +651,7 @@ def keyed_task(
     concurrency_cost: int = ...,
     concurrency_mode: str = ...,
     on_newer: str | None = ...,
+    per_call_keys: bool = ...,
     **options: Any,
 ) -> Callable[[Callable[Concatenate[Any, P], R]], KeyedTaskFunction[P, R]]: ...
 
@@ -633,6 +671,7 @@ def keyed_task(
     concurrency_cost: int = ...,
     concurrency_mode: str = ...,
     on_newer: str | None = ...,
+    per_call_keys: bool = ...,
     **options: Any,
 ) -> Callable[[Callable[P, R]], KeyedTaskFunction[P, R]]: ...
 
@@ -644,8 +683,8 @@ def keyed_task(*args: Any, **options: Any) -> Any:
     calls are checked against it; with ``bind=True`` the first parameter (the task) is left out.
 
     Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``group_key``,
-    ``supersede_key``, ``dedupe_key``, ``admit_at_send``, ``register_at_publish`` and ``on_newer``. Pass ``app=`` to
-    register on a specific app instead of every app (shared_task).
+    ``supersede_key``, ``dedupe_key``, ``admit_at_send``, ``register_at_publish``, ``on_newer`` and ``per_call_keys``.
+    Pass ``app=`` to register on a specific app instead of every app (shared_task).
     """
     app = options.pop("app", None)
     options.setdefault("base", KeyedTask)

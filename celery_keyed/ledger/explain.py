@@ -12,6 +12,7 @@ from celery_keyed.ledger.bounds import is_exclusive
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.fair_weights import fair_shares
 from celery_keyed.ledger.key_overrides import KeyOverride, key_override_get
+from celery_keyed.ledger.keyspec import validate_task_id
 from celery_keyed.ledger.slots import in_flight
 
 EXPLAIN_TASK = sa.text(
@@ -73,6 +74,7 @@ class Explanation:
 
 
 def explain(conn: sa.Connection, task_id: str, *, now: datetime | None = None) -> Explanation:
+    validate_task_id(task_id)  # a wrong type or text PostgreSQL cannot hold: InvalidKey, not a driver error
     task = conn.execute(EXPLAIN_TASK, {"task_id": task_id}).mappings().first()
     member = conn.execute(EXPLAIN_MEMBER, {"task_id": task_id}).mappings().first()
     if task is None:

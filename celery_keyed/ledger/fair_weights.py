@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig, InvalidKey
 from celery_keyed.ledger.keyspec import validate_key, validate_name
+from celery_keyed.ledger.operator_input import check_audit_text, check_expiry
 
 #: The range of a fair weight (a positive number; the ratio of two weights is what counts).
 FAIR_WEIGHT_MIN = 0.001
@@ -209,6 +210,9 @@ def set_fair_weight(
     checked = check_weight(weight, f"{name} {prefix}")
     if not isinstance(reason, str) or not reason.strip():
         raise InvalidConfig("a fair weight override needs a reason")
+    check_audit_text(reason, "the reason")
+    check_audit_text(author, "the author")
+    expires_at = check_expiry(expires_at)
     params = {
         "name": name,
         "prefix": prefix,
@@ -227,6 +231,10 @@ def clear_fair_weight(
     conn: sa.Connection, name: str, prefix: str, *, reason: str = "", author: str = "", now: datetime | None = None
 ) -> bool:
     """Remove the weight override of (``name``, ``prefix``); False when there was none."""
+    validate_name(name)
+    check_prefix(prefix, name)
+    check_audit_text(reason, "the reason")
+    check_audit_text(author, "the author")
     old = conn.execute(FAIR_WEIGHT_CLEAR, {"name": name, "prefix": prefix}).scalar_one_or_none()
     if old is None:
         return False

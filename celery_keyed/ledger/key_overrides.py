@@ -27,7 +27,8 @@ from celery_keyed.ledger.attempts import Promotion
 from celery_keyed.ledger.bounds import SLOT_LIMIT_MAX, check_seconds
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
-from celery_keyed.ledger.keyspec import key_name, validate_key
+from celery_keyed.ledger.keyspec import key_name, normalize_key
+from celery_keyed.ledger.operator_input import check_audit_text, check_expiry
 from celery_keyed.ledger.overrides import OVERRIDE_LOG_INSERT
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_key
 
@@ -186,7 +187,7 @@ def key_overrides_live(
 def _check_reason(reason: Any) -> str:
     if not isinstance(reason, str) or not reason.strip():
         raise InvalidConfig("a key override needs a reason")
-    return reason
+    return check_audit_text(reason, "the reason")
 
 
 def _log(
@@ -226,13 +227,15 @@ def set_key_limit(
     promotes its waiters in this transaction (returned: the caller dispatches them after commit). Setting the limit
     the key has already, for the same reason, only moves its expiry: no new audit row (a task repeating a vendor's
     header on every call)."""
-    validate_key(key)
+    key = normalize_key(key)  # a str or a (name, ident) tuple, as a task's keys
     if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= SLOT_LIMIT_MAX:
         raise InvalidConfig(
             f"{key}: a key limit must be a non-negative integer (0 stops the key), at most {SLOT_LIMIT_MAX},"
             f" got {limit!r}"
         )
     _check_reason(reason)
+    check_audit_text(author, "the author")
+    expires_at = check_expiry(expires_at)
     if expires_in is not None:
         check_seconds(expires_in, "expires")
     if expires_at is not None and expires_in is not None:
@@ -261,7 +264,9 @@ def clear_key_limit(
 ) -> list[Promotion] | None:
     """Remove the key's own limit: its name's applies again at once (its pause, if any, stays). None when it had
     none (nothing changed)."""
-    validate_key(key)
+    key = normalize_key(key)
+    check_audit_text(reason, "the reason")
+    check_audit_text(author, "the author")
     old = conn.execute(KEY_OVERRIDES_LOCK, {"key": key, "now": now}).first()
     if conn.execute(KEY_OVERRIDES_CLEAR_LIMIT, {"key": key}).first() is None:
         return None
@@ -284,8 +289,10 @@ def pause_key(
     """Pause ``key`` for ``seconds`` (or until ``until``): nothing new of the key starts before then; running
     attempts go on; its waiters keep their places. A pause is only ever extended: when one at least that long is
     in force nothing changes. Returns (the end of the pause in force, whether this call set it)."""
-    validate_key(key)
+    key = normalize_key(key)
     _check_reason(reason)
+    check_audit_text(author, "the author")
+    until = check_expiry(until, "until")
     if (seconds is None) == (until is None):
         raise InvalidConfig("pause a key for some seconds or until a time (one of the two)")
     if seconds is not None:
@@ -314,7 +321,9 @@ def resume_key(
     now: datetime | None = None,
 ) -> list[Promotion] | None:
     """End the pause of ``key`` now and promote its waiters (returned). None when it was not paused."""
-    validate_key(key)
+    key = normalize_key(key)
+    check_audit_text(reason, "the reason")
+    check_audit_text(author, "the author")
     old = conn.execute(KEY_OVERRIDES_LOCK, {"key": key, "now": now}).first()
     if old is None or old.live_pause is None:
         return None

@@ -21,6 +21,7 @@ from celery_keyed.ledger.bounds import SLOT_LIMIT_MAX
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.ledger.keyspec import validate_name
+from celery_keyed.ledger.operator_input import check_audit_text, check_expiry
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_key
 
 # overrides_lock: the current override of a name, locked, for the audit's "old" value. (A CTE in the upsert
@@ -85,6 +86,9 @@ def set_override(
         )
     if not isinstance(reason, str) or not reason.strip():
         raise InvalidConfig("an override needs a reason")
+    check_audit_text(reason, "the reason")
+    check_audit_text(author, "the author")
+    expires_at = check_expiry(expires_at)
     params = {
         "name": name,
         "limit": limit,
@@ -111,6 +115,9 @@ def clear_override(
     now: datetime | None = None,
 ) -> list[Promotion]:
     """Remove the override of ``name``; the configured limit applies again at once."""
+    validate_name(name)
+    check_audit_text(reason, "the reason")
+    check_audit_text(author, "the author")
     old = conn.execute(OVERRIDES_CLEAR, {"name": name}).scalar_one_or_none()
     if old is None:
         return []

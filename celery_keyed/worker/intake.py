@@ -1,8 +1,10 @@
 """Intake: what the gate reads from a received request before it decides anything — whether the call is keyed,
-and the ledger's view of it (``Arrival``): token, keys (from the headers, else computed from the arguments:
-``send_task`` sends none), deadline and stored message. Everything computed from a message is checked here,
-at the gate's edge (D16): a malformed key or a header out of the ledger's range raises ``InvalidKey``, which
-the gate turns into a recorded rejection; nothing else reaches the consumer loop as an exception.
+and the ledger's view of it (``Arrival``): token, keys, deadline and stored message. The keys, group, cost and mode
+come from the task's declaration and the call's arguments, whatever the headers say, unless the task takes per-call
+keys (``per_call_keys=True``: then from the headers its producers sent, the declaration filling in what they did
+not); so no message escapes its task's declared bound through its headers. Everything computed from a message is
+checked here, at the gate's edge (D16): a malformed key or a header out of the ledger's range raises ``InvalidKey``,
+which the gate turns into a recorded rejection; nothing else reaches the consumer loop as an exception.
 
 Threads: no thread and no state of its own. It runs on the consumer loop (``GateService.execute``), before the
 request is handed to admission.
@@ -10,12 +12,17 @@ request is handed to admission.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC
 from types import SimpleNamespace
 from typing import Any
 
 from celery.exceptions import InvalidTaskError
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 
 from celery_keyed.headers import (
     HEADER_COST,
@@ -51,6 +58,8 @@ from celery_keyed.task import (
     key_spec,
 )
 
+logger = logging.getLogger("celery_keyed")
+
 #: PostgreSQL's bigint (the ledger's group sequence numbers); attempt numbers and priorities are integers (INT_MAX).
 BIGINT_MAX = 2**63 - 1
 
@@ -72,40 +81,75 @@ def unkeyable(exc: BaseException) -> str:
 
 
 def arrival_for(request: Any) -> Arrival | None:
-    """The ledger's view of a request: its token, keys (from headers, else computed from the arguments:
-    ``send_task`` sends none), deadline and stored message. None: the call carries no key after all (Celery's own
-    path). Malformed keys, and integers out of the ledger's range, raise ``InvalidKey``."""
+    """The ledger's view of a request: its token, keys (declared, or sent for a task that takes per-call keys: see
+    the module's docstring), deadline and stored message. None: the call carries no key after all (Celery's own
+    path). Malformed keys, and integers out of the ledger's range, raise ``InvalidKey``; so does a key callable (or
+    an argument's ``__format__``) that raised ``SystemExit``, ``KeyboardInterrupt`` or any other ``BaseException``
+    while no shutdown of this worker is under way (D16: it ran on the consumer loop, which catches ``Exception``
+    only, killed the worker, and the message, restored unacked, killed every worker that took it)."""
+    try:
+        return _arrival_for(request)
+    except Exception:
+        raise
+    except BaseException as exc:
+        if is_shutdown(exc):
+            raise
+        raise InvalidKey(unkeyable(exc)) from None
+
+
+def is_shutdown(exc: BaseException) -> bool:
+    """Whether a ``BaseException`` raised while a message's keys were computed is this process being stopped (then it
+    must go on up) rather than the message's own code: Celery's worker turns SIGTERM / SIGINT / SIGQUIT into its
+    shutdown flags (raising ``WorkerTerminate`` from the handler on a hard shutdown, with the flag set), and outside
+    a worker's handlers Python's own SIGINT handler raises ``KeyboardInterrupt``."""
+    from celery.worker import state
+
+    if state.should_stop is not None or state.should_terminate is not None:
+        return True
+    return isinstance(exc, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _arrival_for(request: Any) -> Arrival | None:
     check_time_limits(request)
     # A gate header that is present but null is treated as absent (a foreign producer's ``None``): the keys
     # are then computed from the arguments, never skipped.
     headers = {k: v for k, v in request._request_dict.items() if v is not None}
     task = request.task
-    key = headers.get(HEADER_KEY)
-    group = headers.get(HEADER_GROUP)
-    supersede = headers.get(HEADER_SUPERSEDE)
-    if key is None and group is None:
-        args, kwargs = tuple(request.args), dict(request.kwargs)
-        key = evaluate_keys(key_spec(task, "concurrency_key"), task, args, kwargs)
-        group = evaluate_key(key_spec(task, "group_key"), task, args, kwargs, option="group_key")
-        supersede = evaluate_key(key_spec(task, "supersede_key"), task, args, kwargs, option="supersede_key")
-        fair = evaluate_key(key_spec(task, "fair_key"), task, args, kwargs, option="fair_key")
-        weight = evaluate_weight(key_spec(task, "fair_weight"), task, args, kwargs) if fair is not None else None
-    else:
-        key = header_keys(key)
-        group = None if group is None else normalize_key(group)
-        supersede = None if supersede is None else normalize_key(supersede)  # as the producer sends it (a key)
+    sent = bound_headers(headers, task)  # every gate header is checked, whoever sent it
+    declared = Declared(request)
+    trusted = accepts_per_call_keys(task)
+    # The options that decide which bound applies (keys, group, cost, mode): what the message says for a task that
+    # accepts per-call keys; else what the task declares for these arguments, whatever the headers say (a header
+    # never lets a message escape its task's declared bound). An absent header never drops a declared key.
+    key = sent.key if trusted and sent.key is not None else declared.key()
+    group = sent.group if trusted and sent.group is not None else declared.group()
+    cost = sent.cost if trusted and sent.cost is not None else check_cost(getattr(task, "concurrency_cost", 1), task)
+    mode = sent.mode if trusted and sent.mode is not None else getattr(task, "concurrency_mode", "shared")
+    seq = headers.get(HEADER_GROUP_SEQ)
+    if not trusted:
+        ignored = sent.differing(key=key, group=group, cost=cost, mode=mode)
+        if ignored:
+            logger.warning(
+                "celery-keyed: %s[%s]: the declared %s applies, not the message's (the task does not accept "
+                "per-call keys: per_call_keys=True)", request.name, str(request.id)[:300], ", ".join(ignored),
+            )
+            if "group_key" in ignored:
+                seq = None  # the number belongs to the group the message named
+    if HEADER_KEY in headers or HEADER_GROUP in headers:  # the producer decided the other options: as sent
+        supersede = sent.supersede
         fair = headers.get(HEADER_FAIR)
         fair = None if fair is None else normalize_key(fair)
         weight = check_fair_weight(headers.get(HEADER_FAIR_WEIGHT), task)
+    else:
+        supersede = declared.evaluate("supersede_key")
+        fair = declared.evaluate("fair_key")
+        weight = evaluate_weight(key_spec(task, "fair_weight"), task, *declared.call()) if fair is not None else None
     if key is None and group is None:
         return None
     validate_task_id(request.id)
     keys = [key] if isinstance(key, str) else list(key or [])
-    cost = check_cost(headers.get(HEADER_COST, getattr(task, "concurrency_cost", 1)), task)
-    mode = headers.get(HEADER_MODE, getattr(task, "concurrency_mode", "shared"))
     if keys and check_mode(mode, task, cost=cost, keys=keys):
         cost = EXCLUSIVE_COST  # runs alone on its key (readers and writers; bounds.EXCLUSIVE_COST)
-    seq = headers.get(HEADER_GROUP_SEQ)
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= BIGINT_MAX):
         raise InvalidKey(f"header {HEADER_GROUP_SEQ} must be an integer from 0 to {BIGINT_MAX}, got {seq!r}")
     retries = headers.get("retries") or 0
@@ -132,6 +176,75 @@ def arrival_for(request: Any) -> Arrival | None:
         message=record_message(request._message, task_name=request.name),
         on_newer=on_newer_of(request, keys),
         **debounce_of(request, keys, group, retries),
+    )
+
+
+def accepts_per_call_keys(task: Any) -> bool:
+    """Whether the task takes its keys, group, cost and mode from the message (``per_call_keys=True``: its producers
+    are trusted to set them per call), rather than from its declaration and the call's arguments."""
+    return getattr(task, "per_call_keys", False) is True
+
+
+class Declared:
+    """The keys a request's task declares, computed from the call's arguments when asked (a trusted message's headers
+    may make them unneeded: its arguments are then not read)."""
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.task = request.task
+        self._call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+
+    def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._call is None:
+            self._call = (tuple(self.request.args), dict(self.request.kwargs))
+        return self._call
+
+    def key(self) -> str | list[str] | None:
+        spec = key_spec(self.task, "concurrency_key")
+        return None if spec is None else evaluate_keys(spec, self.task, *self.call())
+
+    def group(self) -> str | None:
+        return self.evaluate("group_key")
+
+    def evaluate(self, option: str) -> str | None:
+        spec = key_spec(self.task, option)
+        return None if spec is None else evaluate_key(spec, self.task, *self.call(), option=option)
+
+
+@dataclass(frozen=True)
+class SentOptions:
+    """The gate headers of a message that decide its bound, and its supersede key, each checked (``InvalidKey`` when
+    malformed, whoever sent it); None where absent."""
+
+    key: str | list[str] | None
+    group: str | None
+    cost: int | None
+    mode: str | None
+    supersede: str | None
+
+    def differing(self, *, key: Any, group: Any, cost: int, mode: str) -> list[str]:
+        """The options the message sent that differ from the declared ones (by their task option names)."""
+        pairs = (
+            ("concurrency_key", self.key, key), ("group_key", self.group, group),
+            ("concurrency_cost", self.cost, cost), ("concurrency_mode", self.mode, mode),
+        )  # fmt: skip
+        return [name for name, sent, declared in pairs if sent is not None and sent != declared]
+
+
+def bound_headers(headers: Mapping[str, Any], task: Any) -> SentOptions:
+    """The bound's gate headers of a message (nulls already dropped), checked."""
+    group = headers.get(HEADER_GROUP)
+    supersede = headers.get(HEADER_SUPERSEDE)
+    cost = headers.get(HEADER_COST)
+    mode = headers.get(HEADER_MODE)
+    if mode is not None:
+        check_mode(mode, task)
+    return SentOptions(
+        key=header_keys(headers.get(HEADER_KEY)),
+        group=None if group is None else normalize_key(group),
+        cost=None if cost is None else check_cost(cost, task),
+        mode=mode,
+        supersede=None if supersede is None else normalize_key(supersede),  # as the producer sends it (a key)
     )
 
 
@@ -168,6 +281,24 @@ def check_message(message: Any, body: Any) -> None:
         check_time_limits(SimpleNamespace(_request_dict=fields))
     except InvalidKey as exc:
         raise InvalidTaskError(f"malformed task message: {exc}") from None
+    for field in ("eta", "expires"):
+        check_time(fields, field)
+
+
+def check_time(fields: Any, field: str) -> None:
+    """Celery's ``eta`` / ``expires`` as its request constructor and strategy read them: absent, null, or a datetime /
+    ISO 8601 string it can parse, make aware and put on a clock (in UTC, as a timestamp). Else ``InvalidTaskError``,
+    raised here — before Celery's own constructor raises the same, or its strategy stores the ``OverflowError`` of a
+    time past year 9999 in UTC — so that a keyed task's message is booked as rejected, with a result (``guarded``)."""
+    value = fields.get(field)
+    if value is None:
+        return
+    try:
+        when = maybe_iso8601(value)
+        if when is not None:
+            maybe_make_aware(when).astimezone(UTC).timestamp()
+    except Exception as exc:
+        raise InvalidTaskError(f"malformed task message: invalid {field} value {value!r:.200}: {exc}") from None
 
 
 def guarded(

@@ -32,6 +32,7 @@ from django.utils.http import urlencode
 from celery_keyed.ledger import EXCLUSIVE_COST, Token, limited_names_sql, name_limit_sql
 from celery_keyed.ledger.admin_queries import force_release
 from celery_keyed_django import ledger as ledger_access
+from celery_keyed_django.bad_input import RefusesBadInput
 from celery_keyed_django.forms import ExplainForm, OverrideForm, ReasonForm
 from celery_keyed_django.models import (
     OUTCOMES,
@@ -125,7 +126,7 @@ def configured_names() -> set[str]:
     return ledger_access.configured_names() | set(Name.objects.values_list("name", flat=True))
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(RefusesBadInput, admin.ModelAdmin):
     """The ledger's rows are written by the ledger only: no add, change or delete through the ORM."""
 
     change_list_template = f"admin/{APP}/change_list.html"
@@ -212,7 +213,7 @@ def _override_link(name: str, has_override: bool) -> str:
 
 
 @admin.register(Override)
-class OverrideAdmin(admin.ModelAdmin):
+class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
     """Runtime limits per name. Writes go through ``set_override`` / ``clear_override`` (audit trail, promotions)."""
 
     form = OverrideForm

@@ -32,6 +32,7 @@ from celery_keyed_django.admin import (
     log_action,
     since,
 )
+from celery_keyed_django.bad_input import RefusesBadInput
 from celery_keyed_django.forms import ReasonForm
 from celery_keyed_django.models import FairWeightLog, FairWeightOverride, Name
 
@@ -117,7 +118,7 @@ def _configured_weight(name: str, prefix: str) -> float | None:
 
 
 @admin.register(FairWeightOverride)
-class FairWeightOverrideAdmin(admin.ModelAdmin):
+class FairWeightOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
     form = FairWeightForm
     change_list_template = f"admin/{APP}/change_list.html"
     list_display = ("name", "prefix", "weight", "configured_display", "reason", "author", "set_at", "expiry_display",

@@ -25,6 +25,7 @@ from django.utils.html import format_html, format_html_join
 from celery_keyed.ledger import SECONDS_MAX, SLOT_LIMIT_MAX, InvalidKey, normalize_key
 from celery_keyed_django import ledger as ledger_access
 from celery_keyed_django.admin import APP, CHANGE_LIMITS, _promotions_text, _url, age, log_action
+from celery_keyed_django.bad_input import RefusesBadInput
 from celery_keyed_django.forms import ReasonForm
 from celery_keyed_django.models import KeyOverride, OverrideLog
 
@@ -103,7 +104,7 @@ class KeyOverrideForm(forms.ModelForm):
 
 
 @admin.register(KeyOverride)
-class KeyOverrideAdmin(admin.ModelAdmin):
+class KeyOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
     """Per-key pauses and limits. Writes go through the ledger (audit trail, promotions)."""
 
     form = KeyOverrideForm

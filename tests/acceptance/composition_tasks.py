@@ -30,7 +30,7 @@ def define(app: Any, ns: Any) -> None:
         observe(ns.dsn, "end", self.request.id, "unkeyed-part", "unkeyed")
         return released
 
-    @keyed_task(app=app, name="acceptance.rekey", bind=True, concurrency_key="{key}", max_retries=2)
+    @keyed_task(app=app, name="acceptance.rekey", bind=True, concurrency_key="{key}", max_retries=2, per_call_keys=True)
     def rekey(self: Any, key: str, new_key: str) -> str:
         """The first attempt retries under another key; the retry is admitted under it."""
         if self.request.retries == 0:

@@ -18,6 +18,22 @@ def _boom(x: Any = None, **_: Any) -> str:
     return f"boom:{1 / 0}"
 
 
+class _Escape(BaseException):
+    """Neither an ``Exception`` nor a signal: what a key callable may raise that the consumer loop does not catch."""
+
+
+def _leaves(how: str, **_: Any) -> str:
+    """A key callable that leaves the process's way of handling errors: ``sys.exit``, a ``KeyboardInterrupt`` raised
+    by hand, a ``BaseException`` of its own; "ok" computes a key."""
+    if how == "exit":
+        raise SystemExit(3)
+    if how == "interrupt":
+        raise KeyboardInterrupt
+    if how == "base":
+        raise _Escape("not an Exception")
+    return f"esc:{how}"
+
+
 def make_app(env: Mapping[str, str]) -> Any:
     ns = make_base_app(env)
     app = ns.app
@@ -51,6 +67,15 @@ def make_app(env: Mapping[str, str]) -> Any:
     @keyed_task(app=app, name="hostile.grouped", bind=True, group_key="grp:{group}")
     def grouped(self: Any, group: Any, seq: Any = 0) -> str:
         return body(self, f"grp:{group}")
+
+    @keyed_task(app=app, name="hostile.trusted", bind=True, concurrency_key="lim:{which}", per_call_keys=True)
+    def trusted(self: Any, which: Any, seconds: float = 0.2) -> str:
+        """Its producers may name its keys per call (a trusted producer's deliberate choice)."""
+        return body(self, "trusted", min(float(seconds), 2.0))
+
+    @keyed_task(app=app, name="hostile.escape", bind=True, concurrency_key=_leaves)
+    def escape(self: Any, how: str) -> str:
+        return body(self, f"esc:{how}")
 
     return ns
 

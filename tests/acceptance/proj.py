@@ -97,7 +97,7 @@ def observe(dsn: str, kind: str, task_id: str, key: str, note: str = "", fence: 
 
 
 def _define_tasks(app: Any, ns: Any) -> None:
-    @keyed_task(app=app, name="acceptance.hold", bind=True, concurrency_key="{key}", acks_late=True)
+    @keyed_task(app=app, name="acceptance.hold", bind=True, concurrency_key="{key}", acks_late=True, per_call_keys=True)
     def hold(self, key: str, seconds: float, note: str = "") -> str:
         # The fence of its claim: fences grow with every claim, taken under the key's slot lock, so on one key
         # they give the order in which the ledger admitted the tasks (D10).

@@ -19,6 +19,7 @@ from celery import Celery
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from celery_keyed.ledger import InvalidKey
 from tests.acceptance.conftest import ROOT, Cluster, make_cluster, peak_overlap
 
 LIMITS = {"lim": 2}
@@ -348,3 +349,108 @@ def test_messages_not_shaped_as_task_messages_are_rejected_and_kill_no_worker(
     log = cluster.logs["w1"].read_text(errors="replace")
     assert log.count("malformed task message") >= len(with_ids) + len(without) + 1, _log(cluster)
     assert "Unrecoverable error" not in log
+
+
+def test_a_key_callable_that_raises_a_base_exception_is_a_rejection(hostile_cluster: Cluster, foreign: Celery) -> None:
+    """A key callable that raises ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException`` (no signal to the
+    worker) is the message's fault: a recorded rejection with a ``KeyedRejected`` result. Before, it went up through
+    the consumer loop (which catches ``Exception`` only), the worker died, and the message, restored unacked, killed
+    every worker that took it next."""
+    cluster = hostile_cluster
+    start_worker(cluster)
+    ids = {how: send(foreign, "hostile.escape", args=[how]) for how in ("exit", "interrupt", "base")}
+    state = settle(cluster, foreign, list(ids.values()))
+    for how, task_id in ids.items():
+        got = state[task_id]
+        assert got["books"] == "rejected" and got["error"] == "KeyedRejected" and not got["ran"], (how, got)
+    fine = send(foreign, "hostile.escape", args=["ok"])
+    assert settle(cluster, foreign, [fine])[fine]["books"] == "completed"
+    assert_still_serving(cluster, foreign)
+
+
+def test_an_unusable_eta_or_expires_is_a_recorded_rejection(hostile_cluster: Cluster, foreign: Celery) -> None:
+    """An ``eta`` or ``expires`` Celery cannot parse was rejected by Celery's request constructor before the gate saw
+    the message ("Received invalid task message"): no outcome in the books, no result, a caller waiting for ever. An
+    ETA past year 9999 in UTC had Celery's strategy store its ``OverflowError``, unbooked. Each is now refused as an
+    invalid task message first, and a keyed task's is booked as rejected with a ``KeyedRejected`` result."""
+    cluster = hostile_cluster
+    start_worker(cluster)
+    bad = {
+        "e-text": {"eta": "not-a-date"},
+        "e-month": {"eta": "2026-13-01T00:00:00"},
+        "e-number": {"eta": 5},
+        "e-list": {"eta": ["2026-01-01"]},
+        "e-overflow": {"eta": "9999-12-31T23:59:59-12:00"},
+        "x-text": {"expires": "tomorrow"},
+        "x-number": {"expires": 1.5},
+        "x-dict": {"expires": {"at": 1}},
+    }
+    for task_id, fields in bad.items():
+        _publish_raw(cluster.broker_url, _task_headers(task_id, **fields), [[task_id], {}, {}])
+    # a usable one still runs: the check is Celery's own reading of them
+    _publish_raw(cluster.broker_url, _task_headers("ok-times", eta="2020-01-01T00:00:00+00:00",
+                                                   expires="2999-01-01T00:00:00"), [["ok"], {}, {}])  # fmt: skip
+    state = settle(cluster, foreign, [*bad, "ok-times"])
+    for task_id in bad:
+        got = state[task_id]
+        assert got["books"] == "rejected" and got["error"] == "KeyedRejected" and not got["ran"], (task_id, got)
+    assert state["ok-times"]["books"] == "completed" and state["ok-times"]["ran"], state["ok-times"]
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE key LIKE 'lim:e-%' OR key LIKE 'lim:x-%'") == 0
+    assert_still_serving(cluster, foreign)
+
+
+# -- Trust: which messages may name their own keys ------------------------------------------------------------
+
+
+def _booked(cluster: Cluster, ids: list[str]) -> dict[str, tuple[Any, Any]]:
+    rows = cluster.rows("SELECT task_id, key, group_key FROM keyed_tasks WHERE task_id = ANY(:ids)", ids=ids)
+    return {r.task_id: (r.key, r.group_key) for r in rows}
+
+
+def test_a_foreign_header_cannot_escape_the_declared_key(hostile_cluster: Cluster, foreign: Celery) -> None:
+    """A task without ``per_call_keys`` runs under the key it declares for the call's arguments, whatever the headers
+    say. Found: a ``keyed_key`` header naming another key won over the declared one, and a message with only a
+    ``keyed_group`` header ran with no concurrency key at all — four at once of a key whose limit is 2."""
+    cluster = hostile_cluster
+    start_worker(cluster, concurrency=4)
+    forged = [send(foreign, "hostile.limited", args=["f", 1.0], headers={"keyed_key": f"lim:f{i}"}) for i in range(4)]
+    group_only = [
+        send(foreign, "hostile.limited", args=["g", 1.0], headers={"keyed_group": f"grp:{i}"}) for i in range(4)
+    ]
+    state = settle(cluster, foreign, forged + group_only, timeout=120)
+    assert all(s["books"] == "completed" and s["result"] == "SUCCESS" for s in state.values()), state
+    booked = _booked(cluster, forged + group_only)
+    assert {booked[t] for t in forged} == {("lim:f", None)}, booked  # the declared key, not the header's
+    assert {booked[t] for t in group_only} == {("lim:g", None)}, booked  # a group header never drops the key
+    assert peak_overlap(cluster.intervals("lim:f")) <= LIMITS["lim"]
+    assert peak_overlap(cluster.intervals("lim:g")) <= LIMITS["lim"]
+    assert "the declared concurrency_key applies" in _log(cluster)
+    assert_still_serving(cluster, foreign)
+
+
+@pytest.fixture
+def keyed_producer(hostile_cluster: Cluster) -> Iterator[Any]:
+    """A trusted producer: the hostile app itself, with its task module and celery-keyed, in this process."""
+    from celery_keyed.publisher import close_publisher
+    from tests.acceptance.hostile_proj import make_app
+
+    ns = make_app(hostile_cluster.env)
+    yield ns.app
+    close_publisher(ns.app)
+    ns.app.close()
+
+
+def test_a_trusted_per_call_key_is_honoured(hostile_cluster: Cluster, keyed_producer: Celery) -> None:
+    """A task with ``per_call_keys=True`` runs under the key its producer names per call: four calls whose declared
+    keys differ (``lim:a`` … ``lim:d``) all named ``lim:shared`` run at most two at once, the limit of that key."""
+    cluster = hostile_cluster
+    start_worker(cluster, concurrency=4)
+    task = keyed_producer.tasks["hostile.trusted"]
+    ids = [task.apply_async((which, 1.0), concurrency_key="lim:shared").id for which in "abcd"]
+    state = settle(cluster, keyed_producer, ids, timeout=120)
+    assert all(s["books"] == "completed" and s["result"] == "SUCCESS" for s in state.values()), state
+    assert set(_booked(cluster, ids).values()) == {("lim:shared", None)}
+    assert peak_overlap(cluster.intervals("trusted")) <= LIMITS["lim"]
+    # without per_call_keys the producer refuses a per-call key rather than publish one the worker would not follow
+    with pytest.raises(InvalidKey, match="per_call_keys=True"):
+        keyed_producer.tasks["hostile.limited"].apply_async(("z", 0.1), concurrency_key="lim:other")

@@ -218,7 +218,7 @@ def _received(task_id: str, key: str) -> SimpleNamespace:
     return SimpleNamespace(
         id=task_id,
         name="t",
-        task=SimpleNamespace(),
+        task=SimpleNamespace(per_call_keys=True),  # the header decides: a task that takes per-call keys
         _request_dict=dict(headers),
         delivery_info={"routing_key": "celery"},
         _expires=None,

@@ -58,7 +58,7 @@ def test_task_option_checks_every_send_with_its_first_key(app, checks, monkeypat
 def test_dedupe_key_implies_the_check_and_needs_a_key(app, checks, monkeypatch) -> None:
     _no_publish(monkeypatch)
 
-    @keyed_task(app=app, concurrency_key="feed:{n}", dedupe_key="order:{order}")
+    @keyed_task(app=app, concurrency_key="feed:{n}", dedupe_key="order:{order}", per_call_keys=True)
     def t(n: int | None, order: int) -> None: ...
 
     t.apply_async((1, 7), task_id="a")

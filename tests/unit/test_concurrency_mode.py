@@ -84,18 +84,23 @@ def _received(headers: dict, task: object) -> SimpleNamespace:
 
 
 def test_the_worker_reads_the_mode_from_the_header_else_the_task() -> None:
-    shared, exclusive = SimpleNamespace(), SimpleNamespace(concurrency_mode="exclusive")
+    # tasks that take per-call keys: the header decides (without them the declaration does, tests/unit/test_trust.py)
+    shared = SimpleNamespace(per_call_keys=True)
+    exclusive = SimpleNamespace(concurrency_mode="exclusive", per_call_keys=True)
     assert arrival_for(_received({HEADER_KEY: "doc:1"}, shared)).cost == 1
     assert arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: "exclusive"}, shared)).cost == EXCLUSIVE_COST
     assert arrival_for(_received({HEADER_KEY: "doc:1"}, exclusive)).exclusive
     assert not arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: "shared"}, exclusive)).exclusive
 
 
+TRUSTED = SimpleNamespace(per_call_keys=True)
+
+
 def test_a_foreign_producers_bad_mode_is_bad_input() -> None:
     """InvalidKey at the gate's edge: a recorded rejection with a KeyedRejected result (D16)."""
     with pytest.raises(InvalidKey, match="'shared' or 'exclusive'"):
-        arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: 1}, SimpleNamespace()))
+        arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: 1}, TRUSTED))
     with pytest.raises(InvalidKey, match="exactly one concurrency key"):
-        arrival_for(_received({HEADER_KEY: ["doc:1", "doc:2"], HEADER_MODE: "exclusive"}, SimpleNamespace()))
+        arrival_for(_received({HEADER_KEY: ["doc:1", "doc:2"], HEADER_MODE: "exclusive"}, TRUSTED))
     with pytest.raises(InvalidKey, match="no concurrency_cost"):
-        arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: "exclusive", HEADER_COST: 2}, SimpleNamespace()))
+        arrival_for(_received({HEADER_KEY: "doc:1", HEADER_MODE: "exclusive", HEADER_COST: 2}, TRUSTED))

@@ -64,7 +64,7 @@ def _request(headers: dict[str, Any], task: Any, args: tuple[Any, ...] = ()) -> 
 
 
 def test_the_worker_reads_the_header_or_computes_it(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
-    @keyed_task(app=app, concurrency_key="crm:{region}", fair_key="tenant:{tenant}", fair_weight=2)
+    @keyed_task(app=app, concurrency_key="crm:{region}", fair_key="tenant:{tenant}", fair_weight=2, per_call_keys=True)
     def sync(region: str, tenant: str) -> None: ...
 
     monkeypatch.setattr("celery_keyed.worker.intake.record_message", lambda message, task_name: {})

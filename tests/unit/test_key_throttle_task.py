@@ -16,7 +16,7 @@ from celery_keyed.ledger import InvalidKey
 def tasks() -> tuple[Any, Any, Any]:
     app = Celery("throttle-unit", set_as_current=False)
 
-    @keyed_task(app=app, bind=True, concurrency_key="acct:{acct}")
+    @keyed_task(app=app, bind=True, concurrency_key="acct:{acct}", per_call_keys=True)
     def one(self: Any, acct: int) -> None: ...
 
     @keyed_task(app=app, bind=True, concurrency_key=["tenant:{tenant}", "stripe"])
