@@ -62,11 +62,15 @@ from typing import Any
 import psutil
 import sqlalchemy as sa
 
+from celery_keyed.partition import SilentProxy
 from celery_keyed.testbed import PostgresServer, RedisServer, start_postgres, start_redis
 from tests.chaos.proj import now
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("a1@hostA", "a2@hostA", "b1@hostB", "b2@hostB")
+#: The worker that reaches PostgreSQL through a proxy that can go silent (the ``pg_partition_outage`` fault): its
+#: connections stay open and get no answer, no refusal, no reset, as behind a firewall that drops packets.
+PARTITIONED = "b2@hostB"
 GATE_KEY = "gate:api"
 WORKER_FAULTS = ("kill_main", "kill_child", "warm_shutdown", "cold_shutdown")
 FAULT_KINDS = (
@@ -78,6 +82,7 @@ FAULT_KINDS = (
     "pg_outage",
     "redis_restart",
     "redis_outage",
+    "pg_partition_outage",
 )
 
 
@@ -125,7 +130,7 @@ def short_config(seed: int) -> Config:
     """The fast-suite variant (<= 90 s): a few hundred tasks, one of each fault that matters most."""
     rng = random.Random(seed)
     lease = 4.0
-    rest = ["kill_child", "kill_main", "redis_outage", "pg_restart", "cold_shutdown"]
+    rest = ["kill_child", "kill_main", "redis_outage", "pg_restart", "cold_shutdown", "pg_partition_outage"]
     rng.shuffle(rest)
     kinds = ["warm_shutdown", *rest]  # the warm shutdown first: the first tasks published are long ones
     faults, at = [], 3.0
@@ -169,6 +174,7 @@ class Workers:
     logs: list[Path] = field(default_factory=list)
     expected_exit: set[int] = field(default_factory=set)  # main pids the harness stopped or killed
     lock: threading.Lock = field(default_factory=threading.Lock)
+    env_of: dict[str, dict[str, str]] = field(default_factory=dict)  # per worker: what differs from ``env``
 
     def start(self, name: str) -> subprocess.Popen[bytes]:
         with self.lock:
@@ -183,7 +189,12 @@ class Workers:
             ]  # fmt: skip
             with open(log, "wb") as out:
                 proc = subprocess.Popen(
-                    cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    cmd,
+                    cwd=ROOT,
+                    env={**self.env, **self.env_of.get(name, {})},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             self.procs[name] = proc
             self.sessions.append(proc.pid)
@@ -722,6 +733,17 @@ class Chaos:
         self.pg.resume()
         self.log_fault("  PostgreSQL up")
 
+    def fault_pg_partition_outage(self, fault: Fault) -> None:
+        """A silent network between one worker and PostgreSQL for longer than a lease: its renewals hang without an
+        error; its self-fence must stop its keyed bodies before their leases could be reclaimed elsewhere (the
+        observer checks the bound), and the bodies it stopped run again."""
+        busy = [b.task_id for b in self.running_bodies() if b.worker == PARTITIONED]
+        self.log_fault(f"PostgreSQL silent for {PARTITIONED} for {fault.duration}s (bodies running there: {busy})")
+        self.proxy.silence()
+        time.sleep(fault.duration)
+        self.proxy.heal()
+        self.log_fault(f"  {PARTITIONED} reaches PostgreSQL again")
+
     def fault_redis_restart(self, fault: Fault) -> None:
         self.log_fault("Redis restart")
         self.redis_stops.append(now())
@@ -756,6 +778,9 @@ class Chaos:
             if ns is not None:
                 with contextlib.suppress(Exception):
                     ns.app.close()
+            proxy = getattr(self, "proxy", None)
+            if proxy is not None:
+                proxy.stop()
             pg.stop()
             redis.stop()
 
@@ -782,6 +807,8 @@ class Chaos:
 
         self.ns = make_app(env)
         self.workers = Workers(env, self.logdir, cfg.concurrency)
+        self.proxy = SilentProxy("127.0.0.1", self.pg.port, lifetime=3600.0).start()
+        self.workers.env_of[PARTITIONED] = {"KEYED_DATABASE_URL": self.proxy.url_for(self.pg.url)}
         watcher = ExitWatcher(self.observed)
         watcher.start()
         threads: list[threading.Thread] = []
