@@ -299,25 +299,36 @@ def release_stopped(gate: Any, request: Any, outcome: Outcome, *, on_loop: bool 
     have run to its end after all — billiard kills the process only after the job's failure was handled, and that
     handling can take long (a result backend being retried): then it stored its SUCCESS result after Celery's
     failure, and the books say completed too (nothing runs it again). Otherwise ``outcome``, uncertain (an
-    uncertain hold may keep the slots)."""
-    if success_stored(request):
+    uncertain hold may keep the slots); booked failed, its ``TimeLimitExceeded`` failure is stored first when no
+    result is (a cold shutdown that came with the limit kept Celery from storing it, and its message, never acked,
+    comes back only to be dropped as finished: its caller would wait for ever)."""
+    status = stored_status(request)
+    if status == "SUCCESS":
         logger.warning("celery-keyed: %s[%s] ran to its end after its hard time limit", request.name, request.id)
         gate.release(request, Outcome.COMPLETED, on_loop=on_loop)
         return
+    if outcome is Outcome.FAILED and status is not None and status != "FAILURE":
+        hard = (getattr(request, "time_limits", None) or (None,))[0]
+        try:
+            request.task.backend.mark_as_failure(
+                request.id, TimeLimitExceeded(hard), request=request._context, store_result=request.store_errors
+            )
+        except Exception:
+            logger.exception("celery-keyed: could not store the time limit failure of %s", request.id)
     gate.release(request, outcome, uncertain=True, on_loop=on_loop)
 
 
-def success_stored(request: Any) -> bool:
-    """Whether the task's result backend holds its SUCCESS (read afresh; False when it cannot be read, or when the
-    task stores no result)."""
+def stored_status(request: Any) -> str | None:
+    """The state the task's result backend holds for it, read afresh (PENDING when none is stored); None when it
+    cannot be read, or when the task stores no result."""
     if getattr(request.task, "ignore_result", False):
-        return False
+        return None
     try:
         meta = request.task.backend.get_task_meta(request.id, cache=False)
     except Exception:
         logger.warning("celery-keyed: could not read the result of %s", request.id, exc_info=True)
-        return False
-    return isinstance(meta, dict) and meta.get("status") == "SUCCESS"
+        return None
+    return meta.get("status") if isinstance(meta, dict) else None
 
 
 def is_uncertain(exc_info: Any) -> bool:
