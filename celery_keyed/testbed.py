@@ -1049,7 +1049,9 @@ def find_pgbouncer() -> Path:
     )
     if found:
         return Path(found)
-    raise TestbedError("no pgbouncer: install Debian's pgbouncer package (`apt-get install pgbouncer`; .ci/run does it)")
+    raise TestbedError(
+        "no pgbouncer: install Debian's pgbouncer package (`apt-get install pgbouncer`; .ci/run does it)"
+    )
 
 
 class PgBouncerServer(_ManagedServer):
