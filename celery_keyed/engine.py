@@ -44,10 +44,13 @@ def ledger_url(database_url: str) -> sa.URL:
     return url
 
 
-def create_ledger_engine(settings: KeyedSettings, *, pinned: int = 0) -> sa.Engine:
+def create_ledger_engine(
+    settings: KeyedSettings, *, pinned: int = 0, statement_timeout: float | None = None
+) -> sa.Engine:
     """The ledger's engine: ``keyed_pool_size`` connections kept (as many again may overflow), plus ``pinned`` for
     the threads that keep one each for their lifetime (the worker's admission, receipt and releaser threads,
-    ``Ledger.pinned``), so that those never leave the heartbeat, the sweeper or the loop waiting for one."""
+    ``Ledger.pinned``), so that those never leave the heartbeat, the sweeper or the loop waiting for one.
+    ``statement_timeout``: seconds instead of ``keyed_statement_timeout``, 0 for none (migrations)."""
     url, from_url = _driver_args_from_url(ledger_url(settings.database_url))
     user_args = {**from_url, **settings.connect_args}
     try:
@@ -67,7 +70,8 @@ def create_ledger_engine(settings: KeyedSettings, *, pinned: int = 0) -> sa.Engi
             f"keyed_database_url names a PostgreSQL driver that is not installed ({exc}): use "
             "postgresql+psycopg:// (psycopg 3, installed with celery-keyed)"
         ) from None
-    SessionSettings(settings.statement_timeout, pooler=settings.pooler, user_args=user_args).install(engine)
+    timeout = settings.statement_timeout if statement_timeout is None else statement_timeout
+    SessionSettings(timeout, pooler=settings.pooler, user_args=user_args).install(engine)
     return engine
 
 

@@ -31,8 +31,8 @@ SYNCHRONOUS_COMMIT = "on"
 
 
 def timeout_ms(seconds: float) -> int:
-    """A timeout in seconds as PostgreSQL's whole milliseconds (at least 1: 0 would mean "no timeout")."""
-    return max(1, round(seconds * 1000))
+    """A timeout in seconds as PostgreSQL's whole milliseconds: at least 1 (0 means "no timeout", asked by 0)."""
+    return max(1, round(seconds * 1000)) if seconds > 0 else 0
 
 
 def startup_options(statement_timeout: float) -> str:

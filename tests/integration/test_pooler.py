@@ -171,6 +171,24 @@ def _migration_lock_waiters(conn: sa.Connection) -> int:
     )
 
 
+def _open_server_connections(url: str, count: int) -> None:
+    """Make the pooler open ``count`` server connections (left idle for the next transactions), as a busy pooler has:
+    ``count`` clients each in a transaction at the same moment."""
+    import psycopg
+
+    from tests.conftest import libpq_url
+
+    clients = [psycopg.connect(libpq_url(url), prepare_threshold=None) for _ in range(count)]
+    try:
+        for client in clients:
+            client.execute("SELECT 1")  # BEGIN: each holds a server connection until its rollback
+        for client in clients:
+            client.rollback()
+    finally:
+        for client in clients:
+            client.close()
+
+
 def test_three_concurrent_migrates_through_transaction_pooling(
     blank_database_url: str, pgbouncers: Callable[..., PgBouncerServer]
 ) -> None:
@@ -178,7 +196,8 @@ def test_three_concurrent_migrates_through_transaction_pooling(
     migration lock until all three wait for it): every run succeeds and each version is applied once. (Found: a
     session-level advisory lock through a transaction pooler serialised nothing; one run crashed with
     UniqueViolation.)"""
-    url = pgbouncers("transaction").through(blank_database_url)
+    # round robin: each transaction of a client on another server connection than its last, as under load
+    url = pgbouncers("transaction", server_round_robin="1").through(blank_database_url)
     everything = [version for version, _ in migration_files()]
     results: list[list[str]] = []
     errors: list[BaseException] = []
@@ -191,11 +210,12 @@ def test_three_concurrent_migrates_through_transaction_pooling(
             errors.append(exc)
 
     direct = sa.create_engine(blank_database_url)
+    _open_server_connections(url, 8)
     try:
         with direct.connect() as holder:
             holder.execute(sa.text("SELECT pg_advisory_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
             holder.commit()
-            threads = [threading.Thread(target=run, args=(engine,)) for engine in engines]
+            threads = [threading.Thread(target=run, args=(engine,), daemon=True) for engine in engines]
             for t in threads:
                 t.start()
             with direct.connect() as observer:
@@ -227,7 +247,7 @@ def test_the_keyed_commands_through_transaction_pooling(
     ``unsupported startup parameter: options``; concurrent migrates were not serialised.)"""
     env = {
         **os.environ,
-        "KEYED_DATABASE_URL": pgbouncers("transaction").through(blank_database_url),
+        "KEYED_DATABASE_URL": pgbouncers("transaction", server_round_robin="1").through(blank_database_url),
         "KEYED_LIMITS": json.dumps({"api": 2}),
         "CELERY_BROKER_URL": "memory://",
         "PYTHONPATH": str(ROOT),
