@@ -17,8 +17,7 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from celery_keyed.ledger import InvalidConfig
-from celery_keyed.ledger.session import per_transaction, settings_in_effect, startup_options
+from celery_keyed.ledger import InvalidConfig, per_transaction, settings_in_effect, startup_options
 from celery_keyed.settings import KeyedSettings
 
 logger = logging.getLogger("celery_keyed")

@@ -126,6 +126,7 @@ from celery_keyed.ledger.reconcile import (
 )
 from celery_keyed.ledger.release import FastReleases
 from celery_keyed.ledger.sent import SendCounts, SendVerdict, sent_admit, sent_by_name, sent_forget
+from celery_keyed.ledger.session import per_transaction, settings_in_effect, startup_options
 from celery_keyed.ledger.status import (
     KeyStatus,
     NameStatus,
@@ -216,6 +217,7 @@ __all__ = [
     "override_get",
     "parse_limits",
     "pause_key",
+    "per_transaction",
     "prune_books_once",
     "reclaim_once",
     "reconcile_once",
@@ -226,6 +228,8 @@ __all__ = [
     "set_fair_weight",
     "set_key_limit",
     "set_override",
+    "settings_in_effect",
+    "startup_options",
     "status_key_count",
     "status_keys",
     "status_names",
