@@ -269,3 +269,24 @@ def test_the_keyed_commands_through_transaction_pooling(
     done = subprocess.run([*celery, "status", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["names"] == []
+
+
+def test_connect_arguments_from_the_settings_and_the_url(database_url: str) -> None:
+    """``keyed_connect_args`` reach ``psycopg.connect`` (and win over the engine's own); ``?prepare_threshold=none`` in
+    the URL turns psycopg's server-side prepared statements off. (Found: there was no way to pass connect arguments,
+    and the URL form raised TypeError: SQLAlchemy handed psycopg the string "none".)"""
+    settings = read_settings(
+        {
+            "keyed_database_url": f"{database_url}?prepare_threshold=none",
+            "keyed_connect_args": {"application_name": "billing-workers"},
+        }
+    )
+    engine = create_ledger_engine(settings)
+    try:
+        with engine.connect() as conn:
+            for _ in range(8):  # past psycopg's default prepare threshold (5)
+                conn.execute(sa.text("SELECT :x"), {"x": 1})
+            assert conn.execute(sa.text("SELECT count(*) FROM pg_prepared_statements")).scalar() == 0
+            assert conn.execute(sa.text("SHOW application_name")).scalar() == "billing-workers"
+    finally:
+        engine.dispose()
