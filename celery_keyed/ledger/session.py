@@ -24,10 +24,23 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import psycopg
+import sqlalchemy as sa
 from psycopg import pq
 
 #: The ledger's commits are durable whatever the server's default (see the module docstring).
 SYNCHRONOUS_COMMIT = "on"
+
+
+# server_unsafe_settings: the server settings under which a commit PostgreSQL reported may be lost (fsync off: by a
+# crash of the machine) or the database corrupted (full_page_writes off), whatever a transaction sets.
+SERVER_UNSAFE_SETTINGS = sa.text(
+    "SELECT name FROM pg_settings WHERE name IN ('fsync', 'full_page_writes') AND setting = 'off' ORDER BY name"
+)
+
+
+def server_unsafe_settings(conn: sa.Connection) -> list[str]:
+    """The server's settings that make the ledger's commits not durable (``SERVER_UNSAFE_SETTINGS``), if any."""
+    return list(conn.execute(SERVER_UNSAFE_SETTINGS).scalars())
 
 
 def timeout_ms(seconds: float) -> int:

@@ -290,3 +290,26 @@ def test_connect_arguments_from_the_settings_and_the_url(database_url: str) -> N
             assert conn.execute(sa.text("SHOW application_name")).scalar() == "billing-workers"
     finally:
         engine.dispose()
+
+
+def test_a_worker_says_when_the_ledgers_server_is_not_crash_safe(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No transaction can make a commit durable on a server with fsync or full_page_writes off (the test bed's
+    PostgreSQL runs so): the worker's first ledger call at start says it, loudly. A durable server gets no warning."""
+    from celery_keyed.testbed import start_postgres
+
+    with caplog.at_level("WARNING", logger="celery_keyed"):
+        Ledger(engine, holder="test-host:1:unsafe").register_holder()
+    warned = [r.getMessage() for r in caplog.records if "crash may lose" in r.getMessage()]
+    assert len(warned) == 1 and "fsync=off and full_page_writes=off" in warned[0], warned
+    caplog.clear()
+    with start_postgres(durable=True, use_env=False) as durable:
+        durable_engine = sa.create_engine(durable.url)
+        try:
+            migrate(durable_engine)
+            with caplog.at_level("WARNING", logger="celery_keyed"):
+                Ledger(durable_engine, holder="test-host:1:safe").register_holder()
+        finally:
+            durable_engine.dispose()
+    assert not [r for r in caplog.records if "crash may lose" in r.getMessage()]
