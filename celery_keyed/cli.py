@@ -910,12 +910,10 @@ def _report_summary(report: Report, *, reclaim: bool) -> dict[str, Any]:
 @pass_operator
 def migrate_command(operator: Operator, as_json: bool) -> None:
     """Create or upgrade the ledger's tables (each migration applies exactly once, safe to run concurrently)."""
-    # Migrations may take longer than the ledger's statement timeout: a plain engine on the same URL.
-    engine = sa.create_engine(
-        operator.settings.database_url,
-        poolclass=sa.pool.NullPool,
-        connect_args={"connect_timeout": max(1, int(operator.settings.connect_timeout))},
-    )
+    from celery_keyed.engine import create_ledger_engine
+
+    # Migrations may take longer than the ledger's statement timeout: none here (connected as every ledger engine).
+    engine = create_ledger_engine(operator.settings, statement_timeout=0)
     try:
         applied = migrate(engine)
         with engine.connect() as conn:

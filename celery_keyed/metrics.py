@@ -209,7 +209,12 @@ class LedgerCollector(Collector):
                 max_overflow=0,
                 pool_timeout=self.timeout,
                 pool_pre_ping=True,
-                connect_args={"connect_timeout": max(1, math.ceil(self.timeout)), "application_name": "celery-keyed"},
+                # no server-side prepared statements: a transaction pooler (PgBouncer) would lose them between scrapes
+                connect_args={
+                    "connect_timeout": max(1, math.ceil(self.timeout)),
+                    "application_name": "celery-keyed",
+                    "prepare_threshold": None,
+                },
             )
 
     @classmethod

@@ -52,6 +52,8 @@ DEFAULTS: dict[str, Any] = {
     "connect_timeout": 3.0,  # seconds to connect to Postgres
     "statement_timeout": 5.0,  # seconds a ledger statement may take (bounds a blocked consumer loop)
     "pool_size": 5,  # ledger connections per worker process
+    "connect_args": {},  # extra keyword arguments of psycopg.connect for ledger connections (sslmode, keepalives…)
+    "pooler": None,  # a connection pooler (PgBouncer) between us and PostgreSQL: None detects, True / False say
     "queues": (),  # queues that carry only keyed tasks: not consumed while the ledger is unreachable (D9)
     "admission_batch": 64,  # most arrivals one ledger call admits, off the consumer loop; 0: admit on the loop
     "park_at_receipt": True,  # park an arrival of a key with a line when received, without a pool process
@@ -88,6 +90,8 @@ class KeyedSettings:
     connect_timeout: float = 3.0
     statement_timeout: float = 5.0
     pool_size: int = 5
+    connect_args: dict[str, Any] = field(default_factory=dict)
+    pooler: bool | None = None  # None: detected per engine (celery_keyed.ledger.session)
     queues: tuple[str, ...] = ()
     admission_batch: int = 64
     park_at_receipt: bool = True
@@ -153,6 +157,8 @@ def read_settings(conf: Any) -> KeyedSettings:
         connect_timeout=_seconds(get("connect_timeout"), "keyed_connect_timeout", maximum=INT_MAX),
         statement_timeout=statement_timeout,
         pool_size=_pool_size(get("pool_size")),
+        connect_args=_connect_args(get("connect_args")),
+        pooler=None if get("pooler") is None else _flag(get("pooler"), "keyed_pooler"),
         queues=_queue_names(get("queues")),
         admission_batch=check_int(get("admission_batch"), "keyed_admission_batch", minimum=0, maximum=10_000),
         park_at_receipt=bool(get("park_at_receipt")),
@@ -276,6 +282,13 @@ def _pool_size(value: Any) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return check_int(value, "keyed_pool_size", minimum=1, maximum=POOL_SIZE_MAX)
+
+
+def _connect_args(value: Any) -> dict[str, Any]:
+    """``keyed_connect_args``: a table of psycopg.connect keyword arguments (name -> value)."""
+    if not isinstance(value, dict) or not all(isinstance(name, str) and name for name in value):
+        raise InvalidConfig(f"keyed_connect_args must be a table of psycopg.connect arguments, got {value!r}")
+    return dict(value)
 
 
 def _queue_names(value: Any) -> tuple[str, ...]:

@@ -14,6 +14,10 @@
 - ``amqp_url`` (function): a vhost of its own on ``rabbitmq_server`` (taken from a pool created in one
   ``rabbitmqctl`` call, never reused), deleted after the test. On a broker we did not start: its own URL, with the
   default ``celery`` queue purged before the test.
+- ``pgbouncers`` (session): ``pgbouncers(mode, **settings)`` is a throwaway PgBouncer (Debian's pgbouncer) in
+  front of ``postgres_server`` in pooling mode ``mode`` (``session`` / ``transaction``), one per mode and settings,
+  started on first use. Skips the test when pgbouncer is not installed (fails instead when ``CI`` is set: .ci/run
+  installs it) or when the PostgreSQL was not started by the test bed.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import contextlib
 import itertools
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -32,11 +36,14 @@ from sqlalchemy.engine import make_url
 from celery_keyed.testbed import (
     AMQP_URL_ENV,
     BROKER_URL_ENV,
+    PgBouncerServer,
     PostgresTarget,
     RabbitTarget,
     RedisTarget,
     TestbedError,
+    find_pgbouncer,
     find_rabbitmq_server,
+    start_pgbouncer,
     start_postgres,
     start_rabbitmq,
     start_redis,
@@ -201,3 +208,27 @@ def amqp_url(rabbitmq_server: RabbitTarget, _amqp_vhosts: list[str]) -> Iterator
     yield rabbitmq_server.url_for(vhost)
     with contextlib.suppress(TestbedError):  # a test that stopped the server for good
         rabbitmq_server.delete_vhost(vhost)
+
+
+@pytest.fixture(scope="session")
+def pgbouncers(postgres_server: PostgresTarget) -> Iterator[Callable[..., PgBouncerServer]]:
+    """``pgbouncers(mode, **settings)``: a PgBouncer in front of ``postgres_server`` (see the module docstring)."""
+    started: dict[tuple[str, tuple[tuple[str, str], ...]], PgBouncerServer] = {}
+
+    def pgbouncer(mode: str, **settings: str) -> PgBouncerServer:
+        if not postgres_server.managed:
+            pytest.skip("a PgBouncer of the test bed needs a PostgreSQL the test bed started")
+        try:
+            find_pgbouncer()
+        except TestbedError as error:
+            if os.environ.get("CI"):
+                raise  # CI installs pgbouncer (.ci/run): a missing one must not pass as a skip
+            pytest.skip(str(error))
+        key = (mode, tuple(sorted(settings.items())))
+        if key not in started:
+            started[key] = start_pgbouncer(postgres_server, pool_mode=mode, settings=settings)
+        return started[key]
+
+    yield pgbouncer
+    for server in started.values():
+        server.stop()

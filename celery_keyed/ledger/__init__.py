@@ -126,6 +126,7 @@ from celery_keyed.ledger.reconcile import (
 )
 from celery_keyed.ledger.release import FastReleases
 from celery_keyed.ledger.sent import SendCounts, SendVerdict, sent_admit, sent_by_name, sent_forget
+from celery_keyed.ledger.session import per_transaction, server_unsafe_settings, settings_in_effect, startup_options
 from celery_keyed.ledger.status import (
     KeyStatus,
     NameStatus,
@@ -216,6 +217,7 @@ __all__ = [
     "override_get",
     "parse_limits",
     "pause_key",
+    "per_transaction",
     "prune_books_once",
     "reclaim_once",
     "reconcile_once",
@@ -226,6 +228,8 @@ __all__ = [
     "set_fair_weight",
     "set_key_limit",
     "set_override",
+    "settings_in_effect",
+    "startup_options",
     "status_key_count",
     "status_keys",
     "status_names",
@@ -400,10 +404,23 @@ class Ledger:
     def register_holder(self, *, pids: list[int] | None = None, now: datetime | None = None) -> None:
         """Record this process as a holder (the worker's first ledger call at start); ``pids``: the processes
         that may run its bodies (main and pool). A database without the ledger's tables raises
-        :class:`SchemaMissing`, which says to run ``celery keyed migrate``."""
+        :class:`SchemaMissing`, which says to run ``celery keyed migrate``. Warns when the server runs with
+        settings under which the ledger's commits are not durable (``session.server_unsafe_settings``)."""
         machine = machine_identity()
+
+        def work(conn: sa.Connection) -> list[str]:
+            holders_register(conn, self.holder, machine=machine, pids=pids, now=now)
+            return server_unsafe_settings(conn)
+
         with schema_required(self.engine):
-            self.transaction(lambda conn: holders_register(conn, self.holder, machine=machine, pids=pids, now=now))
+            unsafe = self.transaction(work)
+        if unsafe:
+            logger.warning(
+                "celery-keyed: the ledger's PostgreSQL runs with %s: a crash may lose the ledger's commits (parked"
+                " tasks whose messages are already acknowledged, claims, outcomes) or corrupt it; keep them on in"
+                " production",
+                " and ".join(f"{name}=off" for name in unsafe),
+            )
 
     def record_pids(self, pids: list[int], *, now: datetime | None = None) -> None:
         self.transaction(lambda conn: holders_set_pids(conn, self.holder, pids, now=now))

@@ -29,7 +29,7 @@ import psycopg
 import sqlalchemy as sa
 from psycopg.rows import namedtuple_row
 
-from celery_keyed.ledger.errors import as_data_error, data_refused
+from celery_keyed.ledger.errors import as_data_error, as_operational_error, data_refused, infrastructure_fault
 
 _PLACEHOLDER = re.compile(r"(?<![:\w\\]):([A-Za-z_]\w*)")
 _converted: dict[int, tuple[sa.TextClause, str]] = {}
@@ -67,6 +67,8 @@ def run(conn: sa.Connection, statement: sa.TextClause, params: Mapping[str, Any]
                 conn.invalidate(exc)
             if data_refused(exc):
                 raise as_data_error(sql, dict(params), exc) from exc
+            if infrastructure_fault(exc):
+                raise as_operational_error(sql, dict(params), exc) from exc
             raise sa.exc.DBAPIError.instance(
                 sql, dict(params), exc, psycopg.Error, connection_invalidated=conn.invalidated
             ) from exc

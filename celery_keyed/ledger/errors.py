@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 
 #: Longest task id the ledger takes, in characters. Task ids are primary keys: PostgreSQL's B-tree refuses an index
@@ -87,6 +88,28 @@ def data_refused(orig: BaseException) -> bool:
     return str(getattr(orig, "sqlstate", "") or "").startswith("54")
 
 
+#: SQLSTATEs psycopg raises as ``ProgrammingError`` that are no fault of the statement: a server-side prepared statement
+#: the server connection does not have (26000) or has already (42P05) — a connection pooler in transaction mode gave
+#: the transaction to another server connection than the one that prepared it.
+_PREPARED_STATEMENT_LOST = frozenset({"26000", "42P05"})
+
+
+def infrastructure_fault(orig: BaseException) -> bool:
+    """Whether a driver error says the database, or what stands between us and it, failed — not the statement or its
+    values: a lost prepared statement (``_PREPARED_STATEMENT_LOST``) and psycopg's ``InternalError`` (SQLSTATE
+    classes 25 and XX: a read-only transaction on a standby, a transaction in an unexpected state, an internal
+    error). Raised as ``OperationalError`` (``on_handle_error``), so that the worker treats it as an unreachable
+    ledger (held, admitted again) and never books a task as rejected because of it."""
+    if isinstance(orig, psycopg.InternalError):
+        return True
+    return str(getattr(orig, "sqlstate", "") or "") in _PREPARED_STATEMENT_LOST
+
+
+def as_operational_error(statement: Any, params: Any, orig: BaseException) -> sa.exc.OperationalError:
+    """``orig`` (see ``infrastructure_fault``) as the ``sqlalchemy.exc.OperationalError`` of an unreachable database."""
+    return sa.exc.OperationalError(statement, params, orig)
+
+
 def as_data_error(statement: Any, params: Any, orig: BaseException) -> sa.exc.DataError:
     """``orig`` (see ``data_refused``) as the ``sqlalchemy.exc.DataError`` a class-22 error would be."""
     return sa.exc.DataError(statement, params, orig)
@@ -94,8 +117,11 @@ def as_data_error(statement: Any, params: Any, orig: BaseException) -> sa.exc.Da
 
 def on_handle_error(context: Any) -> BaseException | None:
     """The ledger engine's ``handle_error`` listener: a statement PostgreSQL refused by a limit of its own raises a
-    ``DataError`` instead of an ``OperationalError`` (``data_refused``)."""
+    ``DataError`` instead of an ``OperationalError`` (``data_refused``); a fault of the database or of a pooler in
+    between raises an ``OperationalError`` whatever class psycopg gave it (``infrastructure_fault``)."""
     orig = context.original_exception
     if data_refused(orig):
         return as_data_error(context.statement, context.parameters, orig)
+    if infrastructure_fault(orig):
+        return as_operational_error(context.statement, context.parameters, orig)
     return None

@@ -1,7 +1,9 @@
 """The ledger owns its schema: versioned SQL migrations and the function that applies them.
 
-``sql/migrations/NNNN_title.sql`` are applied in order, each in its own transaction, under an advisory lock so
-that several workers (or a Django ``migrate`` and a worker) starting at once apply each exactly once.
+``sql/migrations/NNNN_title.sql`` are applied in order, all in one transaction that holds a transaction-scoped
+advisory lock, so that several workers (or a Django ``migrate`` and a worker) starting at once apply each exactly
+once — through a transaction pooler too (PgBouncer in transaction mode hands each transaction to some server
+connection: a session-level lock would be taken on one and released on another, or never).
 ``sql/schema.sql`` is the whole current schema for readers; tests/migration proves the two agree.
 """
 
@@ -73,30 +75,23 @@ def pending_versions(engine: sa.Engine) -> list[str]:
 def migrate(engine: sa.Engine) -> list[str]:
     """Apply every pending migration; return the versions applied now (empty when up to date).
 
-    Safe to call from several processes at once: a session-level advisory lock serialises the runs and each
-    migration commits together with its row in ``keyed_migrations``.
+    Safe to call from several processes at once, directly or through a transaction pooler: one transaction takes a
+    transaction-scoped advisory lock (a later run waits for it, then finds the versions applied), applies every
+    pending migration with its row in ``keyed_migrations``, and commits them together — or none of them.
     """
     applied: list[str] = []
-    with engine.connect() as conn:
-        conn.execute(sa.text("SELECT pg_advisory_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
-        try:
-            conn.execute(_CREATE_MIGRATIONS_TABLE)
-            conn.commit()
-            done = set(applied_versions(conn))
-            for version, sql in migration_files():
-                if version in done:
-                    continue
-                _execute_script(conn, sql)
-                conn.execute(
-                    sa.text("INSERT INTO keyed_migrations (version, applied_at) VALUES (:v, now())"),
-                    {"v": version},
-                )
-                conn.commit()
-                applied.append(version)
-        finally:
-            conn.rollback()
-            conn.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": _MIGRATION_LOCK_ID})
-            conn.commit()
+    with engine.begin() as conn:
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
+        conn.execute(_CREATE_MIGRATIONS_TABLE)
+        done = set(applied_versions(conn))
+        for version, sql in migration_files():
+            if version in done:
+                continue
+            _execute_script(conn, sql)
+            conn.execute(
+                sa.text("INSERT INTO keyed_migrations (version, applied_at) VALUES (:v, now())"), {"v": version}
+            )
+            applied.append(version)
     return applied
 
 

@@ -35,3 +35,22 @@ def test_a_postgresql_url_makes_an_engine_without_connecting() -> None:
         assert engine.url.drivername == "postgresql+psycopg"
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"keyed_connect_args": ["sslmode", "require"]}, "keyed_connect_args must be a table of psycopg.connect"),
+        ({"keyed_connect_args": {"": 1}}, "keyed_connect_args must be a table"),
+        ({"keyed_pooler": "yes"}, "keyed_pooler must be True or False"),
+    ],
+)
+def test_connect_settings_are_checked(conf: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidConfig, match=message):
+        read_settings({"keyed_database_url": "postgresql://u@127.0.0.1:1/db", **conf})
+
+
+def test_a_prepare_threshold_in_the_url_must_be_a_number_or_none() -> None:
+    settings = read_settings({"keyed_database_url": "postgresql://u@127.0.0.1:1/db?prepare_threshold=often"})
+    with pytest.raises(InvalidConfig, match="prepare_threshold must be a whole number or 'none'"):
+        create_ledger_engine(settings)

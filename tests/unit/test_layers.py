@@ -41,8 +41,9 @@ IMPORTERS = ("celery_keyed", "django_app", "example_project", "bench")
 
 #: SQL outside the ledger that stays, each with why. Everything else goes through celery_keyed.ledger.
 SQL_EXCEPTIONS = {
-    # The throwaway server's readiness probe (psycopg, before any ledger exists): not a ledger statement.
-    ("celery_keyed/testbed.py", "SELECT 1"): 1,
+    # The throwaway servers' readiness probes (PostgreSQL's and PgBouncer's; psycopg, before any ledger exists): not
+    # ledger statements.
+    ("celery_keyed/testbed.py", "SELECT 1"): 2,
     # The test bed's standby (failover tests): replication state and controls of the server, not ledger statements.
     ("celery_keyed/testbed_replica.py", "SELECT pg_reload_conf()"): 2,
     ("celery_keyed/testbed_replica.py", "SELECT sync_state FROM pg_stat_replication"): 1,

@@ -1148,6 +1148,7 @@ DECLARE
     r record;
     v_stopped text[] := '{}';
     v_stop_all boolean := false;
+    v_sync text := current_setting('synchronous_commit');
 BEGIN
     verdicts := '{}'; news := '{}'; fences := '{}'; shards := '{}'; details := '{}';
     FOR i IN 1 .. n LOOP
@@ -1171,6 +1172,7 @@ BEGIN
             v_stop_all := p_in_order;
         END IF;
         COMMIT;
+        PERFORM set_config('synchronous_commit', v_sync, true);  -- the caller's, for every arrival's commit
     END LOOP;
 END
 $$;
