@@ -33,7 +33,8 @@ DJANGO_LINES = {"5.2": "3.11", "6.0": "3.12"}
 #: the unit tests and the acceptance core (real prefork workers: the bound across two workers, groups, the waiting
 #: room, a SIGKILLed worker's redelivery, revokes, warm shutdown); for a PostgreSQL version, the schema and the
 #: ledger's statements on real PostgreSQL; for a Django line, the Django app.
-CELERY_SMOKE = ["tests/unit", "tests/acceptance/test_gate.py"]
+#: (A SIGKILLed worker's redelivery is left to the full cell: before kombu 5.7 it takes ~100 s by kombu's design.)
+CELERY_SMOKE = ["tests/unit", "tests/acceptance/test_gate.py", "-k", "not sigkill"]
 POSTGRES_SMOKE = [
     "tests/migration",
     "tests/integration/test_admission.py",
