@@ -51,6 +51,7 @@ from celery_keyed.ledger.books import (
     books_unnotified,
 )
 from celery_keyed.ledger.bounds import (
+    COST_MAX,
     EXCLUSIVE_COST,
     INT_MAX,
     SECONDS_MAX,
@@ -141,6 +142,7 @@ from celery_keyed.ledger.status import (
 __all__ = [
     "DEFAULT_DISPATCH_TIMEOUT",
     "DEFAULT_RESERVE_TIMEOUT",
+    "COST_MAX",
     "EXCLUSIVE_COST",
     "FAIR_WEIGHT_MAX",
     "FAIR_WEIGHT_MIN",
