@@ -140,9 +140,9 @@ from celery_keyed.ledger.status import (
 )
 
 __all__ = [
+    "COST_MAX",
     "DEFAULT_DISPATCH_TIMEOUT",
     "DEFAULT_RESERVE_TIMEOUT",
-    "COST_MAX",
     "EXCLUSIVE_COST",
     "FAIR_WEIGHT_MAX",
     "FAIR_WEIGHT_MIN",
