@@ -24,6 +24,7 @@ from celery_keyed.ledger import (
     admit,
 )
 from celery_keyed.ledger.reconcile import check_counters_once
+from tests.integration.test_races import Side, wait_until_blocked
 
 HOLDER = "shards-test:1:beef"
 
@@ -154,3 +155,44 @@ def test_an_arrival_cannot_ask_for_the_exclusive_cost_as_a_weight(ledger: Ledger
     a number): an Arrival with a larger cost is refused before it reaches the database."""
     with pytest.raises(ValueError, match="cost"):
         Arrival("t", key="doc:1", cost=EXCLUSIVE_COST + 1)
+
+
+# -- Races with real row locks: the two sides never decide at once ------------------------------------------------
+
+
+def test_a_reader_racing_a_writer_while_the_shards_grow(engine: sa.Engine, ledger: Ledger) -> None:
+    """The writer's admission holds every row of its key (row 0 FOR UPDATE); the name goes to two shards meanwhile;
+    a reader then waits for the writer's rows and parks — it never takes the new row 1 beside the writer."""
+    ledger.configure({"doc": NameConfig("doc", limit=2)})
+    with engine.connect() as conn, conn.begin():
+        w = admit.admit(conn, Arrival("w", key="doc:1", cost=EXCLUSIVE_COST), holder=HOLDER, lease=30.0)
+        assert w.verdict is Verdict.ADMITTED
+        ledger.configure({"doc": NameConfig("doc", limit=2, shards=2)})
+        r = Side(engine, lambda c: admit.admit(c, Arrival("r", key="doc:1", message={}), holder=HOLDER, lease=30.0))
+        r.start()
+        wait_until_blocked(engine, r)
+    assert r.finish().verdict is Verdict.PARKED  # was ADMITTED on row 1
+    assert _claims(engine) == {"w": (0, EXCLUSIVE_COST)}
+
+
+def test_a_writer_racing_a_reader_on_another_row_while_the_shards_shrink(engine: sa.Engine, ledger: Ledger) -> None:
+    """A reader's claim of row 1 is in progress (it holds row 0 FOR KEY SHARE); the name goes back to one shard; a
+    writer's admission waits for the reader's transaction, then finds row 1 taken and parks."""
+    ledger.configure({"doc": NameConfig("doc", limit=2, shards=2)})
+    setup = ledger.admit(Arrival("setup", key="doc:1", message={}))  # makes the key's rows
+    assert setup.fence is not None
+    ledger.release(Token("setup", 0), setup.fence, Outcome.COMPLETED)
+    with engine.connect() as blocker, blocker.begin():
+        # Another reader is updating row 0 (FOR NO KEY UPDATE): the next reader's pick skips it and takes row 1.
+        blocker.execute(sa.text("SELECT 1 FROM keyed_slots WHERE key = 'doc:1' AND shard = 0 FOR NO KEY UPDATE"))
+        with engine.connect() as conn, conn.begin():
+            r = admit.admit(conn, Arrival("r", key="doc:1", message={}), holder=HOLDER, lease=30.0)
+            assert (r.verdict, r.shard) == (Verdict.ADMITTED, 1)
+            blocker.rollback()
+            ledger.configure({"doc": NameConfig("doc", limit=2)})
+            exclusive = Arrival("w", key="doc:1", cost=EXCLUSIVE_COST, message={})
+            w = Side(engine, lambda c: admit.admit(c, exclusive, holder=HOLDER, lease=30.0))
+            w.start()
+            wait_until_blocked(engine, w)
+    assert w.finish().verdict is Verdict.PARKED  # was ADMITTED on row 0 beside the reader on row 1
+    assert _claims(engine) == {"r": (1, 1)}
