@@ -39,16 +39,19 @@ BEGIN
 END
 $$;
 
--- The room a shared claim may fill on row p_shard of key p_key now: the row's share (keyed_key_share), or 0 while an
--- exclusive claim holds the key. The bound-check fragment of every shared claim: used + cost <= keyed_key_room(...)
--- under the row's lock (D1).
+-- The room a shared claim may fill on row p_shard of key p_key now: the row's share (as keyed_key_share computes it,
+-- inlined: one call per guard, as before), or 0 while an exclusive claim holds the key. The bound-check fragment of
+-- every shared claim: used + cost <= keyed_key_room(...) under the row's lock (D1).
 CREATE FUNCTION keyed_key_room(p_key text, p_now timestamptz, p_shards integer, p_shard integer) RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_limit integer;
 BEGIN
-    IF p_shard <> 0 AND NOT keyed_key_writer_free(p_key) THEN
+    IF p_shard >= p_shards OR (p_shard <> 0 AND NOT keyed_key_writer_free(p_key)) THEN
         RETURN 0;
     END IF;
-    RETURN keyed_key_share(p_key, p_now, p_shards, p_shard);
+    v_limit := keyed_key_limit(p_key, p_now);
+    RETURN v_limit / p_shards + CASE WHEN p_shard < v_limit % p_shards THEN 1 ELSE 0 END;
 END
 $$;
 
