@@ -4,6 +4,11 @@ Invariant (D1): ``used`` of (key, shard) equals the number of claims of (key, sh
 added by a guarded UPDATE ``used < share(effective limit)`` under the row's lock, in the transaction that
 inserts the claim. ``CHECK (used >= 0)`` (``keyed_slots_used_nonnegative``) catches a release without a claim.
 Lock order: rows of this table by (key, shard) before any ``keyed_keys`` or ``keyed_groups`` row.
+
+Readers and writers (D18, migration 0022): an exclusive attempt holds ``EXCLUSIVE_COST`` of row 0 of its key, taken only
+when every row of the key is empty and locked by its transaction; a shared attempt on another row reads row 0 under a
+``FOR KEY SHARE`` lock. Both locks out of the order above are taken without waiting (SKIP LOCKED: a busy row is "no
+room now"), so they can never close a cycle.
 """
 
 from __future__ import annotations
@@ -207,7 +212,8 @@ def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: datetime | 
 def slots_take(
     conn: sa.Connection, key: str, name: str, shard: int, *, cost: int = 1, now: datetime | None = None
 ) -> bool:
-    """Take ``cost`` slots on a shard the caller holds locked; False when it has no room for them."""
+    """Take ``cost`` slots on a shard the caller holds locked; False when it has no room for them. An exclusive
+    attempt (``shard`` 0) needs every row of the key, which its guard locks without waiting (FITS)."""
     params = {"key": key, "name": name, "shard": shard, "cost": cost, "now": now}
     return conn.execute(SLOTS_TAKE, params).first() is not None
 
