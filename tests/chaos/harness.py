@@ -9,7 +9,8 @@ Run it from pytest (``tests/chaos/test_chaos.py``: a short variant in the fast s
 What it does:
 
 - 4 workers (``a1@hostA a2@hostA b1@hostB b2@hostB``, prefork, ``-c 2``), 20 mutex keys ``m:0``..``m:19``
-  (unconfigured: K = 1) and one gate ``gate:api`` (name ``gate`` configured with K = 3); acks_late tasks of
+  (unconfigured: K = 1), one gate ``gate:api`` (name ``gate`` configured with K = 3) and readers and writers on
+  ``doc:0`` ``doc:1`` (name ``doc``, K = 3: ``chaos.read`` shared, ``chaos.write`` exclusive); acks_late tasks of
   random length (mostly 20-300 ms, some up to 1.5 s, a few longer than the lease), a short lease
   (``keyed_lease`` 4 s) and a short Redis ``visibility_timeout`` (6 s: long tasks are redelivered while they
   run); Redis with an fsynced append-only file, so a restart or an outage loses nothing.
@@ -18,7 +19,10 @@ What it does:
   of a pool child running a body, warm shutdown (SIGTERM to the main process, as systemd does) while a body
   longer than the lease runs, cold shutdown (SIGQUIT: Celery cancels the running tasks, SIGTERM to their pool
   processes) while a body that handles SIGTERM with a cleanup runs, each followed by a restart; PostgreSQL
-  restart and an outage longer than the lease; Redis restart and an outage longer than the lease. And in the
+  restart and an outage longer than the lease; Redis restart and an outage longer than the lease; a silent network
+  between one worker and PostgreSQL; a reshard: the ``doc`` name's shard count changed up and down (1 -> 2 -> 4 -> 1,
+  ...; stored with a configuration version above the workers', so a restarted worker keeps it) and its limit lowered
+  by an override meanwhile, each step after a burst of readers with a writer among them. And in the
   task mix: a quarter of the bodies handle SIGTERM with a cleanup of 0.2-1.5 s, and a few get a hard time limit
   shorter than themselves (billiard fails them, then sends SIGTERM and SIGKILL 0.1 s later; booked failed).
 - The observer (``tests/chaos/proj.py``): each body writes ``start`` / ``end`` lines to its own process's
@@ -29,11 +33,12 @@ What it does:
   is reported as ambiguous, not as a breach.
 
 Checks after the drain: peak bodies per key <= K at every instant (a body that cleans up after SIGTERM runs until
-its ``end … cleanup`` line, or until its process died); every task id has exactly one terminal outcome in the books
-(``keyed_tasks``), ``completed`` with a matching SUCCESS result (``failed`` with a FAILURE result for the bodies given
-a hard time limit); no open books, claims or
-waiting rows; reconcile drift 0 (every reconcile run during the chaos, ``keyed_events``, and a final one); no
-worker died that the harness did not kill; time from the end of the last fault to drained.
+its ``end … cleanup`` line, or until its process died); on a ``doc`` key, no writer at the same instant as any other
+body of its key and at most K readers at once (K as configured: the reshard only lowers it for a while); every task
+id has exactly one terminal outcome in the books (``keyed_tasks``), ``completed`` with a matching SUCCESS result
+(``failed`` with a FAILURE result for the bodies given a hard time limit); no open books, claims or waiting rows;
+reconcile drift 0 (every reconcile run during the chaos, ``keyed_events``, and a final one); no worker died that
+the harness did not kill; time from the end of the last fault to drained.
 """
 
 from __future__ import annotations
