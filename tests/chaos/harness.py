@@ -544,6 +544,7 @@ class Chaos:
         self.time_limited: dict[str, float] = {}  # task id -> its hard time limit (shorter than its body)
         self.writers: set[str] = set()  # task ids published as chaos.write (exclusive); other doc:N tasks read
         self.config_version = 0  # the harness's keyed_config_version: above the workers' (0), which keep it
+        self.sharded_rejections: set[str] = set()  # writers rejected at arrival: the name was sharded then (README)
         self.published_at: dict[str, float] = {}  # task id -> when its publish returned (monotonic)
         self.redis_stops: list[float] = []  # when each Redis restart / outage began (monotonic)
         self.main_kills: list[float] = []  # when a worker's main process was SIGKILLed (monotonic): mid-pop losses
@@ -823,7 +824,7 @@ class Chaos:
             f"{RESHARD_LOWERED} -> {cfg.doc_limit}, around a burst on {key}"
         )
         for step, shards in enumerate(path):
-            self.probe(key, n=6, seconds=round(rng.uniform(0.2, 0.8), 2), writers=[rng.randrange(2, 5)])
+            self.probe(key, n=6, seconds=round(rng.uniform(0.2, 0.8), 2), writers=[rng.randrange(0, 4)])
             time.sleep(RESHARD_SETTLE)
             running = [
                 (b.task_id, b.key, "w" if b.task_id in self.writers else "r")
@@ -1160,6 +1161,10 @@ class Chaos:
             failures.append("could not read the ledger after the run")
             return
         outcomes, results = state["outcomes"], state["results"]
+        self.sharded_rejections -= set(per_task)  # only a writer that never ran is excused
+        figures[f"writers rejected at arrival while {DOC_NAME} was sharded (README: Readers and writers)"] = len(
+            self.sharded_rejections
+        )
         dist = collections.Counter(outcomes.get(t, "missing") or "open" for t in self.tasks)
         figures["books (outcome of each task id)"] = dict(dist)
         books = state["books"]
@@ -1232,9 +1237,12 @@ class Chaos:
         """A body given a hard time limit shorter than itself fails (acks_on_timeout, Celery's default: acked, not
         run again) — unless it ran to its end before billiard killed its process (its worker's loop was held up,
         e.g. retrying the result backend through a Redis outage): then it stored SUCCESS and is booked completed.
-        Every other task completes, however often its body was stopped."""
+        A writer that arrived while its name was sharded is rejected (README "Readers and writers", Limits) when
+        it never ran. Every other task completes, however often its body was stopped."""
         if task_id in self.time_limited and booked != "completed":
             return "failed"
+        if task_id in self.sharded_rejections and booked == "rejected":
+            return "rejected"
         return "completed"
 
     def _state_after(self) -> dict[str, Any] | None:
@@ -1252,6 +1260,11 @@ class Chaos:
                 state["reclaimed"] = conn.execute(
                     sa.text("SELECT count(*) FROM keyed_events WHERE kind = 'reclaimed'")
                 ).scalar_one()
+                rejected = conn.execute(
+                    sa.text("SELECT task_id, detail FROM keyed_tasks WHERE outcome = 'rejected' AND task_id = ANY(:t)"),
+                    {"t": sorted(self.writers)},
+                ).all()
+            self.sharded_rejections = {r.task_id for r in rejected if r.detail.endswith("the name is sharded")}
             outcomes = state["outcomes"]
             bad = [t for t in self.tasks if outcomes.get(t) != self.expected_outcome(t, outcomes.get(t))][:5]
             state["explain"] = {}
