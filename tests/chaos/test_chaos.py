@@ -37,7 +37,8 @@ _BROKEN_SOCKETS = pytest.mark.filterwarnings(
 @pytest.mark.timeout(180)
 def test_chaos_short(tmp_path: Path) -> None:
     """A few hundred tasks; a warm shutdown mid-task longer than the lease, a pool child SIGKILL, a main process
-    SIGKILL, a Redis outage longer than the lease and a PostgreSQL restart."""
+    SIGKILL, a Redis outage longer than the lease, a PostgreSQL restart, a cold shutdown, a silent network between
+    a worker and PostgreSQL, and a reshard while readers and writers run."""
     _verdict(run(short_config(_seed(SHORT_SEED)), tmp_path))
 
 
