@@ -390,10 +390,8 @@ def main() -> int:
         return "; ".join(parts)
 
     retried = sum(1 for r in published.values() if r["errors"])
-    print(
-        f"\npublished {len(published)} task ids ({retried} needed more than one apply_async), "
-        f"lost (no result) {len(lost)}; outages {args.cycles}; patch {args.patch}; seed {args.seed}"
-    )
+    print(f"\npublished {len(published)} task ids ({retried} needed more than one apply_async), "
+          f"lost (no result) {len(lost)}; outages {args.cycles}; patch {args.patch}; seed {args.seed}")
     print(f"worker deaths: {len(deaths)}")
     for d in deaths:
         print("  ", d)
@@ -406,10 +404,8 @@ def main() -> int:
             err = rec["errors"][n] if n < len(rec["errors"]) else "ok"  # type: ignore[arg-type]
             print(f"  apply_async #{n + 1} at {a - t0:.3f}s took {b - a:.3f}s: {err}  [{relative(a)}]")
         where = [name for name, s in (("queue", queue_ids), ("unacked", unacked_ids)) if t in s] or ["nowhere"]
-        print(
-            f"  in Redis after drain: {', '.join(where)}; AOF LPUSH: {t in lpush_ids_s}, "
-            f"AOF HSET unacked: {t in hset_ids_s}; worker 'received' lines: {seen.get(t, 0)}"
-        )
+        print(f"  in Redis after drain: {', '.join(where)}; AOF LPUSH: {t in lpush_ids_s}, "
+              f"AOF HSET unacked: {t in hset_ids_s}; worker 'received' lines: {seen.get(t, 0)}")
         for line in pops.get(t, []):
             print(f"  trace: {line}  [{relative(float(line.split(' at ')[1].split('s')[0]) + t0)}]")
         if not pops.get(t):  # the queue is FIFO: its neighbours' first pops bracket the moment it was popped
@@ -424,10 +420,8 @@ def main() -> int:
                         break
     # pops that failed (for any id, lost or not)
     failed = [(t, line) for t, lines in pops.items() for line in lines if "DELIVER-FAILED" in line]
-    print(
-        f"\ndelivery failures traced in workers: {len(failed)} "
-        f"(of them lost: {sum(1 for t, _ in failed if t in set(lost))})"
-    )
+    print(f"\ndelivery failures traced in workers: {len(failed)} "
+          f"(of them lost: {sum(1 for t, _ in failed if t in set(lost))})")
     for t, line in failed[:20]:
         print(f"  {t}: {line}")
     print(f"ids published and in AOF LPUSH: {len(lpush_ids_s & set(published))}/{len(published)}")
