@@ -9,7 +9,8 @@ Run it from pytest (``tests/chaos/test_chaos.py``: a short variant in the fast s
 What it does:
 
 - 4 workers (``a1@hostA a2@hostA b1@hostB b2@hostB``, prefork, ``-c 2``), 20 mutex keys ``m:0``..``m:19``
-  (unconfigured: K = 1) and one gate ``gate:api`` (name ``gate`` configured with K = 3); acks_late tasks of
+  (unconfigured: K = 1), one gate ``gate:api`` (name ``gate`` configured with K = 3) and readers and writers on
+  ``doc:0`` ``doc:1`` (name ``doc``, K = 3: ``chaos.read`` shared, ``chaos.write`` exclusive); acks_late tasks of
   random length (mostly 20-300 ms, some up to 1.5 s, a few longer than the lease), a short lease
   (``keyed_lease`` 4 s) and a short Redis ``visibility_timeout`` (6 s: long tasks are redelivered while they
   run); Redis with an fsynced append-only file, so a restart or an outage loses nothing.
@@ -18,7 +19,10 @@ What it does:
   of a pool child running a body, warm shutdown (SIGTERM to the main process, as systemd does) while a body
   longer than the lease runs, cold shutdown (SIGQUIT: Celery cancels the running tasks, SIGTERM to their pool
   processes) while a body that handles SIGTERM with a cleanup runs, each followed by a restart; PostgreSQL
-  restart and an outage longer than the lease; Redis restart and an outage longer than the lease. And in the
+  restart and an outage longer than the lease; Redis restart and an outage longer than the lease; a silent network
+  between one worker and PostgreSQL; a reshard: the ``doc`` name's shard count changed up and down (1 -> 2 -> 4 -> 1,
+  ...; stored with a configuration version above the workers', so a restarted worker keeps it) and its limit lowered
+  by an override meanwhile, each step after a burst of readers with a writer among them. And in the
   task mix: a quarter of the bodies handle SIGTERM with a cleanup of 0.2-1.5 s, and a few get a hard time limit
   shorter than themselves (billiard fails them, then sends SIGTERM and SIGKILL 0.1 s later; booked failed).
 - The observer (``tests/chaos/proj.py``): each body writes ``start`` / ``end`` lines to its own process's
@@ -29,11 +33,12 @@ What it does:
   is reported as ambiguous, not as a breach.
 
 Checks after the drain: peak bodies per key <= K at every instant (a body that cleans up after SIGTERM runs until
-its ``end … cleanup`` line, or until its process died); every task id has exactly one terminal outcome in the books
-(``keyed_tasks``), ``completed`` with a matching SUCCESS result (``failed`` with a FAILURE result for the bodies given
-a hard time limit); no open books, claims or
-waiting rows; reconcile drift 0 (every reconcile run during the chaos, ``keyed_events``, and a final one); no
-worker died that the harness did not kill; time from the end of the last fault to drained.
+its ``end … cleanup`` line, or until its process died); on a ``doc`` key, no writer at the same instant as any other
+body of its key and at most K readers at once (K as configured: the reshard only lowers it for a while); every task
+id has exactly one terminal outcome in the books (``keyed_tasks``), ``completed`` with a matching SUCCESS result
+(``failed`` with a FAILURE result for the bodies given a hard time limit); no open books, claims or waiting rows;
+reconcile drift 0 (every reconcile run during the chaos, ``keyed_events``, and a final one); no worker died that
+the harness did not kill; time from the end of the last fault to drained.
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ WORKERS = ("a1@hostA", "a2@hostA", "b1@hostB", "b2@hostB")
 #: connections stay open and get no answer, no refusal, no reset, as behind a firewall that drops packets.
 PARTITIONED = "b2@hostB"
 GATE_KEY = "gate:api"
+#: Readers and writers: tasks of ``doc:N`` keys (name ``doc``, K = ``Config.doc_limit``), ``chaos.read`` shared and
+#: ``chaos.write`` exclusive; the ``reshard`` fault changes the name's shard count and limit while they run.
+DOC_NAME = "doc"
 WORKER_FAULTS = ("kill_main", "kill_child", "warm_shutdown", "cold_shutdown")
 FAULT_KINDS = (
     "kill_main",
@@ -83,6 +91,7 @@ FAULT_KINDS = (
     "redis_restart",
     "redis_outage",
     "pg_partition_outage",
+    "reshard",
 )
 
 
@@ -105,12 +114,21 @@ class Config:
     cleanup_fraction: float = 0.25  # bodies that handle SIGTERM with a cleanup (0.2-1.5 s)
     time_limit_fraction: float = 0.02  # bodies given a hard time limit shorter than themselves (booked failed)
     drain_timeout: float = 120.0
+    doc_keys: int = 2  # doc:0.. (readers and writers, K = doc_limit)
+    doc_limit: int = 3
+    doc_fraction: float = 0.15  # of the tasks published
+    writer_fraction: float = 0.3  # of the doc tasks
+
+    @property
+    def doc_key_names(self) -> list[str]:
+        return [f"{DOC_NAME}:{i}" for i in range(self.doc_keys)]
 
     def describe(self) -> str:
         lines = [
             f"chaos seed={self.seed} tasks={self.tasks} submit_over={self.submit_over:.0f}s lease={self.lease}s "
             f"visibility_timeout={self.visibility_timeout}s workers={len(WORKERS)}x-c{self.concurrency} "
-            f"keys={self.mutex_keys} mutex + {GATE_KEY} (K={self.gate_limit}) "
+            f"keys={self.mutex_keys} mutex + {GATE_KEY} (K={self.gate_limit}) + {self.doc_keys} {DOC_NAME}:N "
+            f"(K={self.doc_limit}, {self.writer_fraction:.0%} writers) "
             f"cleanup on SIGTERM={self.cleanup_fraction:.0%} hard time limits={self.time_limit_fraction:.0%}",
             "fault schedule (seconds from the first publish):",
         ]
@@ -132,13 +150,14 @@ def short_config(seed: int) -> Config:
     lease = 4.0
     rest = ["kill_child", "kill_main", "redis_outage", "pg_restart", "cold_shutdown", "pg_partition_outage"]
     rng.shuffle(rest)
+    rest.insert(rng.randrange(len(rest) + 1), "reshard")
     kinds = ["warm_shutdown", *rest]  # the warm shutdown first: the first tasks published are long ones
     faults, at = [], 3.0
     for kind in kinds:
         target = rng.choice(WORKERS) if kind in WORKER_FAULTS else None
         duration = lease + 2.0 if kind.endswith("outage") else rng.uniform(0.3, 1.5)
         faults.append(Fault(round(at, 1), kind, target, round(duration, 1)))
-        at += rng.uniform(4.0, 6.0) + (duration if kind.endswith("outage") else 0.0)
+        at += rng.uniform(4.0, 6.0) + _fault_length(kind, duration)
     return Config(
         seed=seed, tasks=300, submit_over=at, faults=faults, lease=lease, long_fraction=0.05, drain_timeout=40.0
     )
@@ -155,8 +174,26 @@ def long_config(seed: int, tasks: int = 3000) -> Config:
         target = rng.choice(WORKERS) if kind in WORKER_FAULTS else None
         duration = rng.uniform(lease + 1.0, lease * 2.5) if kind.endswith("outage") else rng.uniform(0.2, 3.0)
         faults.append(Fault(round(at, 1), kind, target, round(duration, 1)))
-        at += rng.uniform(8.0, 16.0) + (duration if kind.endswith("outage") else 0.0)
+        at += rng.uniform(8.0, 16.0) + _fault_length(kind, duration)
     return Config(seed=seed, tasks=tasks, submit_over=at, faults=faults, lease=lease, drain_timeout=180.0)
+
+
+def _fault_length(kind: str, duration: float) -> float:
+    """How long a fault lasts past its start (an outage's length; a reshard's steps), roughly."""
+    if kind.endswith("outage"):
+        return duration
+    if kind == "reshard":
+        return RESHARD_STEPS * (RESHARD_SETTLE + duration)
+    return 0.0
+
+
+#: A reshard: the shard counts it sets in turn (each path ends at 1, where waiting writers can start again), the
+#: limit it lowers the name to after its first step (an operator override, cleared at its last), and how long after a
+#: burst of readers and a writer it waits before each step.
+RESHARD_PATHS = ((2, 4, 1), (4, 2, 1), (2, 1, 4, 1))
+RESHARD_STEPS = 4
+RESHARD_LOWERED = 2
+RESHARD_SETTLE = 0.3
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -447,6 +484,24 @@ def overlaps(bodies: list[Body], limits: dict[str, int]) -> tuple[dict[str, int]
     return peaks, found
 
 
+def writer_overlaps(bodies: list[Body], writers: set[str]) -> list[Overlap]:
+    """Each pair of bodies of one key, one of them a writer (task id in ``writers``), that ran at the same instant
+    (end_hi: misses nothing); ``definite`` when they overlap with killed bodies ending at their lower bound too."""
+    by_key: dict[str, list[Body]] = collections.defaultdict(list)
+    for b in bodies:
+        by_key[b.key].append(b)
+    found: list[Overlap] = []
+    for key, group in by_key.items():
+        group = sorted(group, key=lambda b: b.start)
+        for i, a in enumerate(group):
+            for b in group[i + 1 :]:
+                if b.start >= a.end_hi:
+                    break  # sorted by start: every later body starts after ``a`` ended too
+                if a.task_id in writers or b.task_id in writers:
+                    found.append(Overlap(key, b.start, [a, b], b.start < a.end_lo))
+    return found
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The run
 
@@ -487,6 +542,9 @@ class Chaos:
         self.tasks: dict[str, tuple[str, float, int]] = {}  # task id -> (key, seconds, seq)
         self.cleanups: dict[str, float] = {}  # task id -> seconds its body cleans up for after SIGTERM
         self.time_limited: dict[str, float] = {}  # task id -> its hard time limit (shorter than its body)
+        self.writers: set[str] = set()  # task ids published as chaos.write (exclusive); other doc:N tasks read
+        self.config_version = 0  # the harness's keyed_config_version: above the workers' (0), which keep it
+        self.sharded_rejections: set[str] = set()  # writers rejected at arrival: the name was sharded then (README)
         self.published_at: dict[str, float] = {}  # task id -> when its publish returned (monotonic)
         self.redis_stops: list[float] = []  # when each Redis restart / outage began (monotonic)
         self.main_kills: list[float] = []  # when a worker's main process was SIGKILLed (monotonic): mid-pop losses
@@ -532,7 +590,13 @@ class Chaos:
         for seq in range(cfg.tasks):
             if self._stop.is_set():
                 return
-            key = GATE_KEY if rng.random() < 0.2 else f"m:{rng.randrange(cfg.mutex_keys)}"
+            pick = rng.random()
+            if pick < 0.2:
+                key = GATE_KEY
+            elif pick < 0.2 + cfg.doc_fraction:
+                key = rng.choice(cfg.doc_key_names)
+            else:
+                key = f"m:{rng.randrange(cfg.mutex_keys)}"
             r = rng.random()
             if seq < 2:  # a body longer than the lease runs from the start (the first fault may need one)
                 key, r = f"m:{seq}", 0.0
@@ -552,10 +616,14 @@ class Chaos:
                 seconds = rng.uniform(0.6, 1.5)
                 options["time_limit"] = self.time_limited[task_id] = round(seconds / 2, 2)
                 kwargs["cleanup"] = self.cleanups[task_id] = 1.0
+            if key.startswith(f"{DOC_NAME}:") and rng.random() < cfg.writer_fraction:
+                self.writers.add(task_id)
             self.tasks[task_id] = (key, round(seconds, 3), seq)
             while not self._stop.is_set():
                 try:
-                    self.ns.work.apply_async((key, round(seconds, 3), seq), kwargs, task_id=task_id, **options)
+                    self.task_for(task_id).apply_async(
+                        (key, round(seconds, 3), seq), kwargs, task_id=task_id, **options
+                    )
                     self.published_at[task_id] = now()
                     break
                 except Exception:  # broker down: publish the same task id again (a duplicate is normal input)
@@ -711,15 +779,86 @@ class Chaos:
             proc.wait()
         self._restart_worker(name, fault.duration)
 
-    def probe(self, key: str, n: int = 2) -> None:
-        """Publish ``n`` short tasks of ``key`` now (counted like every other task)."""
-        for _ in range(n):
+    def task_for(self, task_id: str) -> Any:
+        """The task a task id is published as: chaos.write for a writer, chaos.read for another doc:N task."""
+        if task_id in self.writers:
+            return self.ns.write
+        return self.ns.read if self.tasks[task_id][0].startswith(f"{DOC_NAME}:") else self.ns.work
+
+    def probe(self, key: str, n: int = 2, seconds: float = 0.05, writers: Iterable[int] = ()) -> list[str]:
+        """Publish ``n`` short tasks of ``key`` now (counted like every other task); those at positions ``writers``
+        (a doc:N key) as writers."""
+        published = []
+        writers = set(writers)
+        for i in range(n):
             task_id = f"p{len(self.tasks):05d}-{uuid.uuid4().hex[:12]}"
-            self.tasks[task_id] = (key, 0.05, 100000 + len(self.tasks))
+            self.tasks[task_id] = (key, seconds, 100000 + len(self.tasks))
+            if i in writers:
+                self.writers.add(task_id)
             with contextlib.suppress(Exception):
-                self.ns.work.apply_async((key, 0.05, self.tasks[task_id][2]), task_id=task_id)
+                self.task_for(task_id).apply_async((key, seconds, self.tasks[task_id][2]), task_id=task_id)
                 self.published_at[task_id] = now()
-        self.log_fault(f"  published {n} probe tasks of {key}")
+            published.append(task_id)
+        what = f" ({len(writers)} writers)" if writers else ""
+        self.log_fault(f"  published {n} probe tasks of {key}{what}")
+        return published
+
+    def fault_reshard(self, fault: Fault) -> None:
+        """Change the shard count of the readers' and writers' name while they run (1 -> 2 -> 4 -> 1, 1 -> 4 -> 2 -> 1,
+        ...: up and down), as a deploy would, and lower its limit by an operator override meanwhile. Before each step,
+        a burst of readers with a writer among them on one doc key, so the change meets readers running, a writer
+        running or waiting, and readers in line behind it. The configuration is stored with a version above the
+        workers' (README "Rolling deploys"): a worker that starts again keeps it. The observer checks that no writer
+        ran beside anything of its key and that at most K readers ran at once."""
+        import celery_keyed
+        from celery_keyed.ledger import Ledger, NameConfig
+        from celery_keyed.messages import republish
+
+        cfg = self.config
+        rng = random.Random(cfg.seed * 104729 + int(fault.at * 10))
+        path = rng.choice(RESHARD_PATHS)
+        key = rng.choice(cfg.doc_key_names)
+        ledger = Ledger(self.engine, lease=cfg.lease)
+        self.log_fault(
+            f"reshard {DOC_NAME}: shards 1 -> {' -> '.join(map(str, path))}, limit {cfg.doc_limit} -> "
+            f"{RESHARD_LOWERED} -> {cfg.doc_limit}, around a burst on {key}"
+        )
+        for step, shards in enumerate(path):
+            self.probe(key, n=6, seconds=round(rng.uniform(0.2, 0.8), 2), writers=[rng.randrange(0, 4)])
+            time.sleep(RESHARD_SETTLE)
+            running = [
+                (b.task_id, b.key, "w" if b.task_id in self.writers else "r")
+                for b in self.running_bodies()
+                if b.key.startswith(f"{DOC_NAME}:")
+            ]
+            last = step == len(path) - 1
+            deadline = now() + (60.0 if last else 0.0)  # the last step (shards 1, no override) must happen
+            while True:
+                self.config_version += 1
+                try:
+                    promotions = ledger.configure(
+                        {DOC_NAME: NameConfig(DOC_NAME, limit=cfg.doc_limit, shards=shards)},
+                        version=self.config_version,
+                    )
+                    for promotion in promotions:
+                        republish(self.ns.app, promotion.message, nonce=str(promotion.nonce))
+                    if step == 0:
+                        celery_keyed.set_limit(self.ns.app, DOC_NAME, RESHARD_LOWERED, reason="chaos reshard")
+                    if last:
+                        celery_keyed.clear_limit(self.ns.app, DOC_NAME, reason="chaos reshard")
+                    break
+                except Exception as error:  # the ledger is down (no other fault runs meanwhile, but a restart ends)
+                    self.log_fault(f"  reshard step failed: {error!r}")
+                    if now() >= deadline:
+                        break
+                    time.sleep(1.0)
+            self.log_fault(
+                f"  {DOC_NAME} shards={shards} (config version {self.config_version})"
+                + (f", limit override {RESHARD_LOWERED}" if step == 0 else "")
+                + (", override cleared" if last else "")
+                + f"; doc bodies running: {running}"
+            )
+            time.sleep(fault.duration)
 
     def fault_pg_restart(self, fault: Fault) -> None:
         self.log_fault("PostgreSQL restart")
@@ -796,7 +935,7 @@ class Chaos:
             KEYED_DATABASE_URL=self.pg.url,
             CELERY_BROKER_URL=self.redis.url_for(0),
             CELERY_RESULT_BACKEND=self.redis.url_for(1),
-            KEYED_LIMITS=json.dumps({"gate": cfg.gate_limit}),
+            KEYED_LIMITS=json.dumps({"gate": cfg.gate_limit, DOC_NAME: cfg.doc_limit}),
             KEYED_LEASE=str(cfg.lease),
             VISIBILITY_TIMEOUT=str(cfg.visibility_timeout),
             CHAOS_OBSERVED=str(self.observed),
@@ -949,7 +1088,13 @@ class Chaos:
         bodies = read_bodies(self.observed)
         bound_deaths(bodies, self.kills, watcher)
         limits = {GATE_KEY: cfg.gate_limit}
-        peaks, found = overlaps(bodies, limits)
+        docs = set(cfg.doc_key_names)
+        peaks, found = overlaps([b for b in bodies if b.key not in docs], limits)
+        # Readers and writers: the readers of a doc key at most K at once (K as configured: the reshard fault only
+        # lowers it for a while), and no writer beside any other body of its key.
+        readers = [b for b in bodies if b.key in docs and b.task_id not in self.writers]
+        reader_peaks, reader_found = overlaps(readers, dict.fromkeys(docs, cfg.doc_limit))
+        beside = writer_overlaps([b for b in bodies if b.key in docs], self.writers)
         killed = [b for b in bodies if b.end is None]
         figures["tasks published"] = len(self.tasks)
         figures["bodies started / ended / killed"] = f"{len(bodies)} / {len(bodies) - len(killed)} / {len(killed)}"
@@ -965,15 +1110,43 @@ class Chaos:
         figures["over-admissions (definite / ambiguous)"] = f"{len(definite)} / {len(found) - len(definite)}"
         if definite:
             failures.append(f"bound broken: {len(definite)} moments with more than K bodies of a key running")
-        for o in found[:20]:
-            self.report.details.append(
-                f"{'OVER-ADMISSION' if o.definite else 'ambiguous overlap'} {o.key} at {self.rel(o.at):.2f}s: "
-                + "; ".join(
-                    f"{b.task_id} on {b.worker} pid {b.pid} {self.rel(b.start):.2f}-{self.rel(b.end_hi):.2f}s"
-                    + ("" if b.end is not None else " (killed" + (", exact)" if b.death_exact else ")"))
-                    for b in o.bodies
-                )
+        doc_bodies = [b for b in bodies if b.key in docs]
+        figures[f"{DOC_NAME} bodies: readers / writers"] = (
+            f"{sum(1 for b in doc_bodies if b.task_id not in self.writers)} / "
+            f"{sum(1 for b in doc_bodies if b.task_id in self.writers)}"
+        )
+        figures[f"peak readers per {DOC_NAME} key (K={cfg.doc_limit})"] = max(reader_peaks.values(), default=0)
+        reader_definite = [o for o in reader_found if o.definite]
+        figures["reader over-admissions (definite / ambiguous)"] = (
+            f"{len(reader_definite)} / {len(reader_found) - len(reader_definite)}"
+        )
+        if reader_definite:
+            failures.append(
+                f"readers' bound broken: {len(reader_definite)} moments with more than K readers of a key running"
             )
+        writer_definite = [o for o in beside if o.definite]
+        figures["writer overlaps (definite / ambiguous)"] = (
+            f"{len(writer_definite)} / {len(beside) - len(writer_definite)}"
+        )
+        if writer_definite:
+            failures.append(
+                f"writers' bound broken: {len(writer_definite)} times a writer ran beside a body of its key"
+            )
+        for label, overlaps_found in (
+            ("OVER-ADMISSION", found),
+            ("READERS OVER K", reader_found),
+            ("WRITER BESIDE", beside),
+        ):
+            for o in overlaps_found[:20]:
+                self.report.details.append(
+                    f"{label if o.definite else 'ambiguous ' + label.lower()} {o.key} at {self.rel(o.at):.2f}s: "
+                    + "; ".join(
+                        f"{'writer ' if b.task_id in self.writers else ''}"
+                        f"{b.task_id} on {b.worker} pid {b.pid} {self.rel(b.start):.2f}-{self.rel(b.end_hi):.2f}s"
+                        + ("" if b.end is not None else " (killed" + (", exact)" if b.death_exact else ")"))
+                        for b in o.bodies
+                    )
+                )
         per_task = collections.Counter(b.task_id for b in bodies)
         completed_bodies = collections.Counter(b.task_id for b in bodies if b.end is not None and not b.cleaned_up)
         figures["bodies stopped by SIGTERM that cleaned up / tasks with a hard time limit"] = (
@@ -988,6 +1161,10 @@ class Chaos:
             failures.append("could not read the ledger after the run")
             return
         outcomes, results = state["outcomes"], state["results"]
+        self.sharded_rejections -= set(per_task)  # only a writer that never ran is excused
+        figures[f"writers rejected at arrival while {DOC_NAME} was sharded (README: Readers and writers)"] = len(
+            self.sharded_rejections
+        )
         dist = collections.Counter(outcomes.get(t, "missing") or "open" for t in self.tasks)
         figures["books (outcome of each task id)"] = dict(dist)
         books = state["books"]
@@ -1060,9 +1237,12 @@ class Chaos:
         """A body given a hard time limit shorter than itself fails (acks_on_timeout, Celery's default: acked, not
         run again) — unless it ran to its end before billiard killed its process (its worker's loop was held up,
         e.g. retrying the result backend through a Redis outage): then it stored SUCCESS and is booked completed.
-        Every other task completes, however often its body was stopped."""
+        A writer that arrived while its name was sharded is rejected (README "Readers and writers", Limits) when
+        it never ran. Every other task completes, however often its body was stopped."""
         if task_id in self.time_limited and booked != "completed":
             return "failed"
+        if task_id in self.sharded_rejections and booked == "rejected":
+            return "rejected"
         return "completed"
 
     def _state_after(self) -> dict[str, Any] | None:
@@ -1080,6 +1260,11 @@ class Chaos:
                 state["reclaimed"] = conn.execute(
                     sa.text("SELECT count(*) FROM keyed_events WHERE kind = 'reclaimed'")
                 ).scalar_one()
+                rejected = conn.execute(
+                    sa.text("SELECT task_id, detail FROM keyed_tasks WHERE outcome = 'rejected' AND task_id = ANY(:t)"),
+                    {"t": sorted(self.writers)},
+                ).all()
+            self.sharded_rejections = {r.task_id for r in rejected if r.detail.endswith("the name is sharded")}
             outcomes = state["outcomes"]
             bad = [t for t in self.tasks if outcomes.get(t) != self.expected_outcome(t, outcomes.get(t))][:5]
             state["explain"] = {}

@@ -99,14 +99,13 @@ def make_app(env: Mapping[str, str]) -> Any:
     ns = SimpleNamespace(app=app)
     observer = Observer(env.get("CHAOS_OBSERVED", "/tmp"))
 
-    @keyed_task(app=app, name="chaos.work", bind=True, concurrency_key="{key}", acks_late=True)
-    def work(self: Any, key: str, seconds: float, seq: int, cleanup: float = 0.0) -> int:
+    def body(request: Any, key: str, seconds: float, seq: int, cleanup: float) -> int:
         """``cleanup`` > 0: the body handles SIGTERM (a cold shutdown's cancel, a hard time limit) by cleaning up for
         that long, heartbeating, then writes ``end … cleanup`` and its process exits; SIGKILL may cut it short."""
-        task_id = self.request.id
+        task_id = request.id
         previous = _handle_sigterm(observer, task_id, key, cleanup) if cleanup > 0 else None
         try:
-            observer.line("start", task_id, key, f"{now():.6f}", self.request.hostname, os.getpgrp())
+            observer.line("start", task_id, key, f"{now():.6f}", request.hostname, os.getpgrp())
             deadline = now() + seconds
             while True:
                 observer.heartbeat(task_id)
@@ -120,7 +119,23 @@ def make_app(env: Mapping[str, str]) -> Any:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
-    ns.work = work
+    @keyed_task(app=app, name="chaos.work", bind=True, concurrency_key="{key}", acks_late=True)
+    def work(self: Any, key: str, seconds: float, seq: int, cleanup: float = 0.0) -> int:
+        return body(self.request, key, seconds, seq, cleanup)
+
+    # Readers and writers of one key (a name configured with K > 1): readers share it, up to K at once; a writer
+    # runs alone on it (README "Readers and writers").
+    @keyed_task(app=app, name="chaos.read", bind=True, concurrency_key="{key}", acks_late=True)
+    def read(self: Any, key: str, seconds: float, seq: int, cleanup: float = 0.0) -> int:
+        return body(self.request, key, seconds, seq, cleanup)
+
+    @keyed_task(
+        app=app, name="chaos.write", bind=True, concurrency_key="{key}", concurrency_mode="exclusive", acks_late=True
+    )
+    def write(self: Any, key: str, seconds: float, seq: int, cleanup: float = 0.0) -> int:
+        return body(self.request, key, seconds, seq, cleanup)
+
+    ns.work, ns.read, ns.write = work, read, write
     return ns
 
 
