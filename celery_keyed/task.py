@@ -278,7 +278,8 @@ class KeyedTask(Task):
         """How a keyed retry is registered at its publish: True with its copy (the outbox is on for the task: the
         relay publishes it again if it never arrives), False without (reconcile reports it), None not at all (not a
         retry, not keyed, eager, or an app without a ledger configuration)."""
-        if not options.get("retries") or task_id is None:
+        retries = options.get("retries")
+        if not isinstance(retries, int) or retries < 1 or task_id is None:
             return None
         if not (HEADER_KEY in computed or HEADER_GROUP in computed):
             return None
