@@ -148,15 +148,16 @@ OUTBOX_TAKE_DUE = sa.text(
 # outbox_forget: a registration whose first publish must not happen after all (tests; an operator's cleanup).
 OUTBOX_FORGET = sa.text("DELETE FROM keyed_outbox WHERE task_id = :task_id")
 
-# outbox_by_name: per name (of the first key, else of the group key), the registrations not received yet, how many of
-# them the relay published again, and the oldest registration.
+# outbox_by_name: per name (of the first key, else of the group key), the registrations with a copy not received
+# yet (a retry without one is reconcile's to report, not the outbox's), how many of them the relay published again,
+# and the oldest registration.
 OUTBOX_BY_NAME = sa.text(
     """
     SELECT split_part(COALESCE(key, group_key), ':', 1) AS name, count(*) AS not_received,
            count(*) FILTER (WHERE pending) AS pending,
            count(*) FILTER (WHERE republished > 0) AS republished_tasks,
            COALESCE(sum(republished), 0) AS republished, min(registered_at) AS oldest
-      FROM keyed_outbox GROUP BY 1 ORDER BY 1
+      FROM keyed_outbox WHERE message IS NOT NULL GROUP BY 1 ORDER BY 1
     """
 )
 

@@ -70,6 +70,8 @@ def test_a_retry_of_a_task_not_open_is_not_registered(ledger: Ledger, clock, sca
 def test_a_retry_never_received_is_republished_and_its_copy_admitted(ledger: Ledger, clock, scalar) -> None:
     _between_attempts(ledger, clock)
     ledger.register_retry("a", 1, MESSAGE, key="feed:1", arrival_timeout=60, now=clock())
+    assert "retry 1 published at" in ledger.explain("a", now=clock()).text
+    assert [(o.name, o.not_received) for o in ledger.outbox()] == [("feed", 1)]
     (due,) = ledger.outbox_due(arrival_timeout=60, now=clock.advance(61))
     assert (due.task_id, due.republish, due.republished, due.message) == ("a", True, 1, MESSAGE)
     assert ledger.outbox_due(arrival_timeout=60, now=clock.advance(61)) == []  # next one at +120 s
@@ -90,7 +92,12 @@ def test_reconcile_reports_a_task_stuck_between_attempts(ledger: Ledger, clock, 
     assert ledger.reconcile(now=clock.advance(30)).retries_missing == 0
     assert ledger.outbox_due(arrival_timeout=60, now=clock.advance(31)) == []  # no copy: never taken
     assert ledger.reconcile(now=clock()).retries_missing == 1
+    told = ledger.explain("a", now=clock())
+    assert told.state == "between_attempts" and told.text.endswith(
+        "not received in time, no copy to publish again (reported by reconcile)"
+    )
     assert ledger.reconcile(now=clock.advance(10)).retries_missing == 1
+    assert ledger.outbox() == []  # a retry without a copy is not the outbox's (status)
     events = scalar("SELECT array_agg(task_id || ' ' || detail) FROM keyed_events WHERE kind = 'retry_missing'")
     assert events == ["a attempt 1 of t not received in time: no copy to publish again (the outbox is off for this"
                       " task)"]
