@@ -68,6 +68,7 @@ def reconcile(app: Any) -> dict[str, Any]:
         "drift": report.drift,
         "dropped_keys": report.dropped_keys,
         "pruned": report.pruned,
+        "retries_missing": report.retries_missing,
         "settled": settled,
         "outbox": outbox,
     }

@@ -116,12 +116,24 @@ class OutboxProducer:
     and then publishes. Once stored, the message is the ledger's to deliver: a publish that raises after that is
     logged and left to the relay. Every other call (a ``task-sent`` event) goes to the real producer."""
 
-    def __init__(self, producer: Any, app: Any, *, task_id: str, task_name: str, connection: Any = None) -> None:
+    def __init__(
+        self,
+        producer: Any,
+        app: Any,
+        *,
+        task_id: str,
+        task_name: str,
+        connection: Any = None,
+        attempt: int = 0,
+        keep_copy: bool = True,
+    ) -> None:
         self._producer = producer
         self._app = app
         self._task_id = task_id
         self._task_name = task_name
         self._connection = connection
+        self._attempt = attempt
+        self._keep_copy = keep_copy
         self._done = False
         #: True once the message is stored in the outbox (False: the task id had arrived or was registered).
         self.stored = False
@@ -152,6 +164,8 @@ class OutboxProducer:
         assert publisher is not None  # required=True raises instead
         key = first if isinstance(first, str) else None
         group = headers.get(HEADER_GROUP) if isinstance(headers.get(HEADER_GROUP), str) else None
+        if self._attempt > 0:
+            return self._publish_retry(publisher, record, key, group, headers, body, kwargs)
         if self._connection is not None:
             self.stored = outbox_register(
                 self._connection, self._task_id, record, task_name=self._task_name, key=key, group_key=group,
@@ -182,19 +196,76 @@ class OutboxProducer:
             )
             return None
 
+    def _publish_retry(
+        self,
+        publisher: Publisher,
+        record: dict[str, Any],
+        key: str | None,
+        group: str | None,
+        headers: dict[str, Any],
+        body: Any,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A keyed retry: registered (with its copy when the outbox is on for the task), committed, then
+        published. The retry goes out even if the ledger cannot register it (logged): the registration only lets a
+        lost retry be found, it never holds one back."""
+        try:
+            self.stored = publisher.ledger.register_retry(
+                self._task_id,
+                self._attempt,
+                record if self._keep_copy else None,
+                task_name=self._task_name,
+                key=key,
+                group_key=group,
+                eta=_eta(headers.get("eta")),
+                arrival_timeout=arrival_timeout(publisher.settings, grouped=group is not None),
+            )
+        except Exception as exc:
+            logger.warning(
+                "celery-keyed: could not register retry %d of %s in the ledger (%s); publishing it unregistered",
+                self._attempt,
+                self._task_id,
+                exc,
+            )
+            return self._producer.publish(body, **kwargs)
+        if not (self.stored and self._keep_copy):
+            return self._producer.publish(body, **kwargs)
+        try:
+            return self._producer.publish(body, **kwargs)
+        except Exception as exc:
+            logger.warning(
+                "celery-keyed: publishing retry %d of %s failed (%s); its message is stored in the outbox and will be"
+                " published by the relay when it is due",
+                self._attempt,
+                self._task_id,
+                exc,
+            )
+            return None
+
 
 @contextmanager
 def outbox_producer(
-    app: Any, options: dict[str, Any], *, task_id: str, task_name: str, connection: Any = None
+    app: Any,
+    options: dict[str, Any],
+    *,
+    task_id: str,
+    task_name: str,
+    connection: Any = None,
+    attempt: int = 0,
+    keep_copy: bool = True,
 ) -> Iterator[OutboxProducer]:
     """An :class:`OutboxProducer` around the producer Celery would use for ``options`` (its ``producer``, a
-    producer on its broker ``connection``, else one from the app's pool); pops both from ``options``."""
+    producer on its broker ``connection``, else one from the app's pool); pops both from ``options``. ``attempt``:
+    the retry number of a retry (registered by that attempt; ``keep_copy`` False: without its message)."""
     producer = options.pop("producer", None)
     broker = options.pop("connection", None)
     if producer is None and broker is not None:
         producer = app.amqp.Producer(broker, auto_declare=False)
     with app.producer_or_acquire(producer) as real:
-        yield OutboxProducer(real, app, task_id=task_id, task_name=task_name, connection=connection)
+        yield OutboxProducer(
+            real, app, task_id=task_id, task_name=task_name, connection=connection, attempt=attempt,
+            keep_copy=keep_copy,
+        )
 
 
 def arrival_timeout(settings: KeyedSettings, *, grouped: bool) -> float:

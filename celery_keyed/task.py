@@ -193,6 +193,16 @@ class KeyedTask(Task):
                     self.app, options, task_id=task_id, task_name=self.name, connection=connection
                 ) as producer:
                     return super().apply_async(args, kwargs, task_id=task_id, producer=producer, **options)
+            retry = self._registered_retry(computed, at_publish, options, task_id)
+            if retry is not None:  # a keyed retry: registered by its attempt, with a copy when the outbox is on
+                from celery_keyed.publisher import outbox_producer
+
+                assert task_id is not None  # _registered_retry answers None without one
+                with outbox_producer(
+                    self.app, options, task_id=task_id, task_name=self.name, attempt=int(options["retries"]),
+                    keep_copy=retry,
+                ) as producer:
+                    return super().apply_async(args, kwargs, task_id=task_id, producer=producer, **options)
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         except BaseException:
             if reserved and connection is None and task_id is not None:  # never published: give its place back
@@ -256,11 +266,36 @@ class KeyedTask(Task):
         self, computed: Mapping[str, Any], asked: bool | None, options: Mapping[str, Any]
     ) -> bool:
         """Whether this publish goes through the outbox: a keyed call (a concurrency or group key), not eager, not a
-        retry (its task id has arrived: a retry is not registered), asked per call, else by the class, else by the
-        settings (every keyed task, or the name of its first key or of its group)."""
+        retry (a retry is registered by its attempt: ``_registered_retry``), asked per call, else by the class, else
+        by the settings (every keyed task, or the name of its first key or of its group)."""
+        if options.get("retries"):
+            return False
+        return self._outbox_on(computed, asked)
+
+    def _registered_retry(
+        self, computed: Mapping[str, Any], asked: bool | None, options: Mapping[str, Any], task_id: str | None
+    ) -> bool | None:
+        """How a keyed retry is registered at its publish: True with its copy (the outbox is on for the task: the
+        relay publishes it again if it never arrives), False without (reconcile reports it), None not at all (not a
+        retry, not keyed, eager, or an app without a ledger configuration)."""
+        retries = options.get("retries")
+        if not isinstance(retries, int) or retries < 1 or task_id is None:
+            return None
+        if not (HEADER_KEY in computed or HEADER_GROUP in computed):
+            return None
+        if self.app.conf.task_always_eager or getattr(self.request, "is_eager", False):
+            return None
+        from celery_keyed.publisher import publisher_for
+
+        if publisher_for(self.app) is None:
+            return None
+        return self._outbox_on(computed, asked)
+
+    def _outbox_on(self, computed: Mapping[str, Any], asked: bool | None) -> bool:
+        """Whether the outbox is on for a keyed publish: asked per call, else by the class, else by the settings."""
         if asked is False or not (HEADER_KEY in computed or HEADER_GROUP in computed):
             return False
-        if options.get("retries") or self.app.conf.task_always_eager or getattr(self.request, "is_eager", False):
+        if self.app.conf.task_always_eager or getattr(self.request, "is_eager", False):
             return False
         if asked or self.register_at_publish:
             return True

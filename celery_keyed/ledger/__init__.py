@@ -107,10 +107,12 @@ from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_k
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
 from celery_keyed.ledger.names import Configured, NameConfig, configure_names, names_newest_version, parse_limits
 from celery_keyed.ledger.outbox import (
+    MissingRetry,
     OutboxCounts,
     OutboxDue,
     outbox_by_name,
     outbox_register,
+    outbox_register_retry,
     outbox_take_due,
 )
 from celery_keyed.ledger.overrides import clear_override, override_get, set_override
@@ -165,6 +167,7 @@ __all__ = [
     "Ledger",
     "LedgerError",
     "LocalHandoff",
+    "MissingRetry",
     "NameConfig",
     "NameStatus",
     "OutboxCounts",
@@ -216,6 +219,7 @@ __all__ = [
     "normalize_key",
     "outbox_by_name",
     "outbox_register",
+    "outbox_register_retry",
     "override_get",
     "parse_limits",
     "pause_key",
@@ -520,6 +524,30 @@ class Ledger:
             return self.autocommitted(
                 lambda conn: outbox_register(
                     conn, task_id, message, task_name=task_name, key=key, group_key=group_key, eta=eta,
+                    arrival_timeout=arrival_timeout, now=now,
+                )
+            )
+
+    def register_retry(
+        self,
+        task_id: str,
+        attempt: int,
+        message: dict[str, Any] | None,
+        *,
+        task_name: str = "",
+        key: str | None = None,
+        group_key: str | None = None,
+        eta: datetime | None = None,
+        arrival_timeout: float = 3600.0,
+        now: datetime | None = None,
+    ) -> bool:
+        """Register retry number ``attempt`` of ``task_id`` before it is published, committed when this returns:
+        with its ``message`` (the outbox is on: the relay publishes it again if the attempt does not arrive in
+        time), or None (reconcile reports it). True when stored (``outbox.outbox_register_retry``)."""
+        with schema_required(self.engine):
+            return self.autocommitted(
+                lambda conn: outbox_register_retry(
+                    conn, task_id, attempt, message, task_name=task_name, key=key, group_key=group_key, eta=eta,
                     arrival_timeout=arrival_timeout, now=now,
                 )
             )

@@ -58,6 +58,11 @@ EXPLAIN_OUTBOX = sa.text(
     f"SELECT registered_at, due_at, pending, republished, republished_at, due_at <= {NOW} AS due FROM keyed_outbox"
     " WHERE task_id = :task_id"
 )
+# explain_retry: a task between attempts whose retry was registered at its publish (migration 0099).
+EXPLAIN_RETRY = sa.text(
+    "SELECT attempt, registered_at, due_at, republished, message IS NOT NULL AS has_copy,"
+    f" due_at <= {NOW} AS overdue FROM keyed_outbox WHERE task_id = :task_id AND attempt > 0"
+)
 EXPLAIN_MEMBER = sa.text("SELECT group_key, seq, received FROM keyed_group_members WHERE task_id = :task_id")
 
 
@@ -166,12 +171,19 @@ def explain(conn: sa.Connection, task_id: str, *, now: datetime | None = None) -
         )
     wait = conn.execute(EXPLAIN_WAITING, {"task_id": task_id, "now": now}).mappings().first()
     if wait is None:
-        return Explanation(
-            task_id,
-            "between_attempts",
-            "no attempt is running or waiting: between attempts (retry backoff or in transit)",
-            dict(task),
-        )
+        retry = conn.execute(EXPLAIN_RETRY, {"task_id": task_id, "now": now}).mappings().first()
+        text = "no attempt is running or waiting: between attempts (retry backoff or in transit)"
+        facts = dict(task)
+        if retry is not None:
+            facts["retry"] = dict(retry)
+            if not (retry["overdue"] or retry["republished"]):
+                then = f"expected by {retry['due_at']}"
+            elif retry["has_copy"]:
+                then = f"not received in time: published again from the outbox {retry['republished']} times"
+            else:
+                then = "not received in time, no copy to publish again (reported by reconcile)"
+            text += f"; retry {retry['attempt']} published at {retry['registered_at']}, {then}"
+        return Explanation(task_id, "between_attempts", text, facts)
     facts = {**wait, "mode": _mode(wait)}
     own = key_override_get(conn, wait["key"], now=now) if wait["key"] is not None else None
     if own is not None:  # a key override (issue 14 item 4): the key's own limit, its pause

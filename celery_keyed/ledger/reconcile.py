@@ -20,6 +20,7 @@ from celery_keyed.ledger.claims import Holding
 from celery_keyed.ledger.events import events_record
 from celery_keyed.ledger.key_overrides import lapse_one_key_override
 from celery_keyed.ledger.keyspec import key_name
+from celery_keyed.ledger.outbox import outbox_retries_missing, outbox_retries_over
 from celery_keyed.ledger.outcomes import finish_never_ran
 from celery_keyed.ledger.promote import (
     DEFAULT_DISPATCH_TIMEOUT,
@@ -62,6 +63,7 @@ class Report:
     due: int = 0
     pruned: int = 0  # finished task ids forgotten after the books' retention
     sends_dropped: int = 0  # reservations of sends (keyed_sent) whose task finished or never arrived
+    retries_missing: int = 0  # tasks between attempts whose retry is overdue (registered at its publish, not arrived)
 
     def merge(self, other: Report) -> Report:
         for name in ("promotions", "finished", "reclaimed", "voided", "drift"):
@@ -414,6 +416,7 @@ def reconcile_once(
     report.drift += check_counters_once(engine)
     report.dropped_keys = drop_idle_keys_once(engine, idle=idle, now=now)
     report.sends_dropped = drop_sent_once(engine, now=now)
+    report.retries_missing = report_missing_retries_once(engine, now=now)
     if books_retention is not None:
         report.pruned = prune_books_once(engine, retention=books_retention, now=now)
     return report
@@ -429,3 +432,30 @@ def drop_sent_once(engine: sa.Engine, *, now: datetime | None = None) -> int:
         dropped += n
         if n < 1000:
             return dropped
+
+
+def report_missing_retries_once(engine: sa.Engine, *, now: datetime | None = None) -> int:
+    """Tasks between attempts whose retry never arrived: drop the retry registrations that are over
+    (``outbox.OUTBOX_RETRIES_OVER``), then count those overdue — a warning and a ``retry_missing`` event the first
+    time each is seen. One with a copy in the outbox is the relay's to publish again; one without (the outbox is off
+    for its task) is only reported: nothing can deliver it. Returns how many are overdue (at most 500 counted)."""
+    while True:
+        with engine.begin() as conn:
+            if outbox_retries_over(conn) < 500:
+                break
+    with engine.begin() as conn:
+        missing = outbox_retries_missing(conn, now=now)
+        for retry in missing:
+            if not retry.first:
+                continue
+            what = (
+                f"the outbox relay publishes it again (published again {retry.republished} times so far)"
+                if retry.has_copy
+                else "no copy to publish again (the outbox is off for this task)"
+            )
+            detail = f"attempt {retry.attempt} of {retry.task_name or 'the task'} not received in time: {what}"
+            events_record(conn, "retry_missing", key=retry.key or retry.group_key, task_id=retry.task_id,
+                          detail=detail, now=now)
+            logger.warning("celery-keyed reconcile: %s is between attempts and its retry never arrived: %s",
+                           retry.task_id, detail)
+    return len(missing)

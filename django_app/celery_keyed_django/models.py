@@ -297,12 +297,14 @@ class Outbox(models.Model):
     task_name = models.TextField()
     key = models.TextField(null=True)
     group_key = models.TextField(null=True)
-    message = models.JSONField()
+    message = models.JSONField(null=True)  # NULL: a retry registered without a copy (the outbox is off for it)
     registered_at = models.DateTimeField()
     due_at = models.DateTimeField()
     pending = models.BooleanField()
     republished = models.IntegerField()
     republished_at = models.DateTimeField(null=True)
+    attempt = models.IntegerField()  # the attempt whose arrival clears the row: 0 first publish, n retry number n
+    reported = models.BooleanField()  # an overdue retry reported by reconcile
 
     class Meta:
         managed = False

@@ -207,13 +207,21 @@ def _define_tasks(app: Any, ns: Any) -> None:
     ns.sleepy = sleepy
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
-    from tests.acceptance import composition_tasks, fault_tasks, newest_wins_tasks, shutdown_tasks, throttle_tasks
+    from tests.acceptance import (
+        composition_tasks,
+        fault_tasks,
+        newest_wins_tasks,
+        retry_tasks,
+        shutdown_tasks,
+        throttle_tasks,
+    )
 
     composition_tasks.define(app, ns)
     fault_tasks.define(app, ns)
     newest_wins_tasks.define(app, ns)
     shutdown_tasks.define(app, ns)
     throttle_tasks.define(app, ns)
+    retry_tasks.define(app, ns)
 
 
 if "CELERY_BROKER_URL" in os.environ and "KEYED_DATABASE_URL" in os.environ:

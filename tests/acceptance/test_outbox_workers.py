@@ -6,6 +6,7 @@ balance: one task id, one outcome."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -108,3 +109,38 @@ def test_a_message_popped_by_a_worker_killed_mid_pop(
         time.sleep(3 * ARRIVAL)  # longer than an outbox copy would have waited
         assert _starts(cluster, result.id) == 0
         assert cluster.scalar("SELECT count(*) FROM keyed_tasks") == 0
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["outbox", "no-outbox"])
+def test_a_retry_the_broker_lost(outbox_cluster: Cluster, producer, registered: bool) -> None:
+    """A task's first attempt publishes its retry, which the broker then loses (taken off the Redis list before any
+    worker saw it). With the outbox on for its name, the retry was registered by its attempt and a worker's sweep
+    publishes it again: the task completes, each attempt ran once. Without it, the task stays between attempts —
+    the control that shows the retry really is lost — and reconcile reports it once it is overdue."""
+    cluster = outbox_cluster
+    cluster.env["KEYED_LIMITS"] = json.dumps({"retrylost": {"limit": 1, "register_at_publish": registered}})
+    cluster.start_worker("w1", concurrency=1)
+    result = producer.retry_lost.apply_async(("retrylost:1",))
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind IN ('dropped', 'missed') AND task_id = :t", 1,
+                     t=result.id)
+    assert cluster.scalar("SELECT kind FROM observed WHERE kind IN ('dropped', 'missed') AND task_id = :t",
+                          t=result.id) == "dropped"
+    if registered:
+        assert result.get(timeout=60) == "done"
+        cluster.wait_for("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'", 1)
+        notes = cluster.rows("SELECT note FROM observed WHERE kind = 'start' AND task_id = :t ORDER BY at", t=result.id)
+        assert [n for (n,) in notes] == ["0", "1"]
+        cluster.wait_for("SELECT count(*) FROM keyed_outbox", 0)
+        assert f"{result.id} (acceptance.retry_lost) was not received by any worker in time" in (
+            cluster.logs["w1"].read_text()
+        )
+    else:
+        ledger = Ledger(cluster.engine)
+        deadline = time.monotonic() + 60
+        while ledger.reconcile().retries_missing == 0:  # overdue after the countdown + the arrival timeout
+            assert time.monotonic() < deadline, "reconcile never reported the lost retry"
+            time.sleep(0.5)
+        assert _starts(cluster, result.id) == 1
+        assert ledger.explain(result.id).state == "between_attempts"
+        assert cluster.scalar("SELECT count(*) FROM keyed_events WHERE kind = 'retry_missing' AND task_id = :t",
+                              t=result.id) == 1
