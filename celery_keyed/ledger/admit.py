@@ -348,7 +348,7 @@ def admit(
     uses: dict[str, list[slots.ShardUse]] = {}
     for k in sorted(arrival.keys):
         uses[k] = slots.slots_lock_all(conn, k, key_name(k), now=now)
-        rooms[k] = slots.room_for(uses[k], arrival.cost)
+        rooms[k] = next((u.shard for u in uses[k] if u.fits(arrival.cost)), None)
     for k in sorted(arrival.keys):
         keys.keys_lock(conn, k, key_name(k), now=now)
     promoted: list[Promotion] = []
@@ -360,7 +360,7 @@ def admit(
             free = [u.shard for u in uses[k] for _ in range(max(0, u.share - u.used))]
             promoted += promote_waiters(conn, k, free, dispatch=dispatch, now=now)
             uses[k] = slots.slots_lock_all(conn, k, key_name(k), now=now)
-            rooms[k] = slots.room_for(uses[k], arrival.cost)
+            rooms[k] = next((u.shard for u in uses[k] if u.fits(arrival.cost)), None)
             if rooms[k] is not None and conn.execute(
                 waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}
             ).scalar():
@@ -553,9 +553,9 @@ def _too_heavy(conn: sa.Connection, arrival: Arrival) -> str | None:
 
 
 def _exclusive_refused(conn: sa.Connection, arrival: Arrival) -> str | None:
-    """Why an exclusive attempt (readers and writers) is refused at its arrival, or None: it has one concurrency key,
-    on a name configured with one shard (a sharded gate is for many readers at once). The bound itself never depends on
-    this: the guard (slots.FITS) needs every row of the key empty, however many there are (D18)."""
+    """Why an exclusive attempt (readers and writers) can never start, or None: it has one concurrency key, on a
+    name with one shard (a sharded gate has no row whose lock covers the whole key; the guard FITS refuses it
+    there too)."""
     if arrival.key is None or arrival.extra_keys:
         return "an exclusive attempt needs exactly one concurrency key"
     name = key_name(arrival.key)

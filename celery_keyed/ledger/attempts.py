@@ -13,7 +13,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from celery_keyed.ledger.bounds import cost_error, is_exclusive
+from celery_keyed.ledger.bounds import is_exclusive
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,8 @@ class Arrival:
             raise ValueError("extra_keys need a first key")
         if len(set(self.keys)) != len(self.keys):
             raise ValueError(f"an attempt cannot hold the same key twice: {self.keys!r}")
-        why = cost_error(self.cost)
-        if why is not None:
-            raise ValueError(why)
+        if not isinstance(self.cost, int) or isinstance(self.cost, bool) or self.cost < 1:
+            raise ValueError(f"cost must be a positive integer, got {self.cost!r}")
         if self.fair_weight is not None and (
             isinstance(self.fair_weight, bool)
             or not isinstance(self.fair_weight, int | float)

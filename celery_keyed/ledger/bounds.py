@@ -16,20 +16,14 @@ from celery_keyed.ledger.errors import InvalidConfig
 INT_MAX = 2**31 - 1
 #: The largest value of a ``bigint`` column (``group_seq``, ``fence``, ``arrival``).
 BIGINT_MAX = 2**63 - 1
+#: The largest slot limit (configured or override): the columns are ``integer``.
+SLOT_LIMIT_MAX = INT_MAX
 #: The cost an exclusive attempt (``concurrency_mode="exclusive"``) holds of its key: more than any shared holder's
 #: guard ``used + cost <= share`` can ever pass, so nothing else of the key starts while it runs whatever the limit
 #: does meanwhile (raised or lowered); it is taken only when the key's ``used`` is 0. Its release gives back exactly
 #: this (the claim row's cost). Below ``INT_MAX / 2`` so ``used + cost`` of a shared arrival never overflows; a limit
-#: above it would let shared attempts join an exclusive one (docs/ledger.md, Readers and writers). An exclusive
-#: attempt holds it of row 0 of its key and is taken only when every row of the key holds nothing; a shared attempt on
-#: another row reads row 0 first (DESIGN D18; migration 0023): the guards look at the rows, not at the shard count.
+#: above it would let shared attempts join an exclusive one (docs/ledger.md, Readers and writers).
 EXCLUSIVE_COST = 2**30
-#: The largest slot limit (configured, override or a key's own): below ``EXCLUSIVE_COST``, so that no share of a
-#: limit ever admits a shared attempt beside an exclusive one (CHECK ``keyed_names_limit_below_exclusive``, ...).
-SLOT_LIMIT_MAX = EXCLUSIVE_COST - 1
-#: The largest cost (weight) an attempt may ask for (``concurrency_cost``, the ``keyed_cost`` header): no more than a
-#: key can ever have, and never the exclusive cost, which only ``concurrency_mode="exclusive"`` selects.
-COST_MAX = SLOT_LIMIT_MAX
 #: The most counter rows per key of a sharded gate (CHECK keyed_names_shards_range).
 SHARDS_MAX = 1024
 #: The largest waiting room per key (``max_waiting``): an ``integer`` column.
@@ -89,16 +83,6 @@ def _fmt(bound: float) -> str:
 def is_exclusive(cost: int | None) -> bool:
     """Whether an attempt of this cost holds its whole key (``concurrency_mode="exclusive"``)."""
     return cost is not None and cost >= EXCLUSIVE_COST
-
-
-def cost_error(cost: Any) -> str | None:
-    """Why ``cost`` cannot be an attempt's cost (None when it can): a positive integer up to ``COST_MAX`` (a weight),
-    or exactly ``EXCLUSIVE_COST`` (an exclusive attempt, chosen by its mode)."""
-    if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
-        return f"cost must be a positive integer, got {cost!r}"
-    if cost > COST_MAX and cost != EXCLUSIVE_COST:
-        return f"cost {cost} exceeds the largest cost {COST_MAX} (the most slots a key can have)"
-    return None
 
 
 def tokens_of(cost: int) -> int:

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger import claims, groups, keys, names, slots, waiting
 from celery_keyed.ledger.attempts import Promotion, Token
-from celery_keyed.ledger.bounds import is_exclusive, tokens_of
+from celery_keyed.ledger.bounds import tokens_of
 from celery_keyed.ledger.clock import clock_is_past
 from celery_keyed.ledger.keyspec import key_name
 
@@ -226,10 +226,7 @@ def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, ra
         return result
 
     name = key_name(key)
-    # An exclusive attempt takes row 0 of its key, whichever row was freed: its guard (slots.FITS) locks every row of
-    # the key without waiting and needs them all empty (D18).
-    rows = [0] if is_exclusive(cost) else shards
-    shard = next((sh for sh in rows if slots.slots_take(conn, key, name, sh, cost=cost, now=now)), None)
+    shard = next((sh for sh in shards if slots.slots_take(conn, key, name, sh, cost=cost, now=now)), None)
     if shard is None:
         return give_up()
     got = dict(zip(cand.reserved_keys or (), cand.reserved_shards or (), strict=True))
@@ -357,7 +354,7 @@ def promote_multi(
     rooms = dict(zip(cand.reserved_keys or (), cand.reserved_shards or (), strict=True))
     needed = [k for k in all_keys if k not in rooms]
     for k in needed:
-        room = slots.room_for(uses[k], cost)
+        room = next((u.shard for u in uses[k] if u.fits(cost)), None)
         if room is None or _someone_ahead(conn, k, cand, now=now):
             return []
         rooms[k] = room

@@ -4,11 +4,6 @@ Invariant (D1): ``used`` of (key, shard) equals the number of claims of (key, sh
 added by a guarded UPDATE ``used < share(effective limit)`` under the row's lock, in the transaction that
 inserts the claim. ``CHECK (used >= 0)`` (``keyed_slots_used_nonnegative``) catches a release without a claim.
 Lock order: rows of this table by (key, shard) before any ``keyed_keys`` or ``keyed_groups`` row.
-
-Readers and writers (D18, migration 0023): an exclusive attempt holds ``EXCLUSIVE_COST`` of row 0 of its key, taken only
-when every row of the key is empty and locked by its transaction; a shared attempt on another row reads row 0 under a
-``FOR KEY SHARE`` lock. Both locks out of the order above are taken without waiting (SKIP LOCKED: a busy row is "no
-room now"), so they can never close a cycle.
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ from celery_keyed.ledger.waiting import PROMOTABLE_EXISTS
 
 # slots_claim_any: the fast path. Take one slot on any shard of the key that has room, skipping shards other
 # transactions hold; no shard = no room seen without waiting (the caller then takes the slow path that locks
-# every shard, D2). The guard is repeated in the UPDATE so the bound holds even if the limit changed; it reads
-# ``keyed_key_room`` (no room beside an exclusive claim on any row of the key, D18). Shared attempts only. Also
+# every shard, D2). The guard is repeated in the UPDATE so the bound holds even if the limit changed. Also
 # answers the name's shard count (see admit._fast_claim).
 SLOTS_CLAIM_ANY = sa.text(
     f"""
@@ -33,7 +27,7 @@ SLOTS_CLAIM_ANY = sa.text(
         SELECT keyed_name_shards(:name) AS n
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim
-         WHERE s.key = :key AND s.used + :cost <= keyed_key_room(:key, {NOW}, lim.n, s.shard)
+         WHERE s.key = :key AND s.used + :cost <= keyed_key_share(:key, {NOW}, lim.n, s.shard)
            AND NOT {PROMOTABLE_EXISTS}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
@@ -41,7 +35,7 @@ SLOTS_CLAIM_ANY = sa.text(
         UPDATE keyed_slots s SET used = s.used + :cost
           FROM pick, lim
          WHERE s.key = :key AND s.shard = pick.shard
-           AND s.used + :cost <= keyed_key_room(:key, {NOW}, lim.n, s.shard)
+           AND s.used + :cost <= keyed_key_share(:key, {NOW}, lim.n, s.shard)
         RETURNING s.shard
     )
     SELECT (SELECT shard FROM took) AS shard, lim.n AS shards FROM lim
@@ -81,18 +75,14 @@ SLOTS_LOCK_ONE = sa.text(
     """
 )
 
-# The guard of a take of ``cost`` slots of row ``s`` (the bound, D1, across every row of the key, D18):
-# - shared: ``used + cost <= keyed_key_room(...)``: the row's share, 0 while an exclusive attempt holds the key (on
-#   row 0, read under a FOR KEY SHARE lock from any other row);
-# - exclusive (cost EXCLUSIVE_COST, readers and writers): only row 0, only while the key's limit is not 0, and only
-#   when every row of the key that exists holds nothing, each locked by this transaction (``keyed_key_idle``, which
-#   locks the rows without waiting) — whatever the name's shard count says. It then holds EXCLUSIVE_COST of row 0,
-#   which no shared guard passes until it is given back.
-_ROOM = f"keyed_key_room(:key, {NOW}, keyed_name_shards(:name), s.shard)"
-FITS = f"""(CASE WHEN CAST(:cost AS integer) < {EXCLUSIVE_COST} THEN s.used + :cost <= {_ROOM}
-                 WHEN s.shard <> 0 THEN false
-                 WHEN keyed_key_limit(:key, {NOW}) < 1 THEN false
-                 ELSE keyed_key_idle(:key) END)"""
+# The guard of a take of ``cost`` slots of row ``s`` (the bound, D1): ``used + cost <= share``; for an exclusive
+# attempt (cost EXCLUSIVE_COST, readers and writers) ``used = 0`` on an unsharded, unpaused name instead — it then
+# holds EXCLUSIVE_COST, which no other attempt's ``used + cost <= share`` passes until it is given back.
+_SHARE = f"keyed_key_share(:key, {NOW}, keyed_name_shards(:name), s.shard)"
+FITS = f"""(CASE WHEN CAST(:cost AS integer) >= {EXCLUSIVE_COST}
+                 THEN s.used = 0 AND keyed_name_shards(:name) = 1 AND {_SHARE} >= 1
+                 ELSE s.used + :cost <= {_SHARE} END)"""
+
 
 
 def in_flight(used: str) -> str:
@@ -181,21 +171,11 @@ class ShardUse:
     share: int
 
     def fits(self, cost: int) -> bool:
-        """Room on this row alone for ``cost`` shared slots (see ``room_for`` for the whole key)."""
+        """Room for ``cost`` slots (as FITS; an exclusive attempt needs the key idle — the caller rejects it on a
+        sharded name)."""
+        if is_exclusive(cost):
+            return self.used == 0 and self.share >= 1
         return self.used + cost <= self.share
-
-
-def room_for(uses: list[ShardUse], cost: int) -> int | None:
-    """The row of a key (its rows locked, as ``slots_lock_all`` answers them) an attempt of ``cost`` can take, or None:
-    as FITS decides it (D18). Exclusive: row 0, when every row holds nothing and the key's limit is not 0. Shared: the
-    first row with room, none while an exclusive attempt holds row 0."""
-    if is_exclusive(cost):
-        zero = next((u for u in uses if u.shard == 0), None)
-        idle = all(u.used == 0 for u in uses)
-        return 0 if zero is not None and idle and zero.share >= 1 else None
-    if any(is_exclusive(u.used) for u in uses):
-        return None
-    return next((u.shard for u in uses if u.fits(cost)), None)
 
 
 def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: datetime | None = None) -> list[ShardUse]:
@@ -212,8 +192,7 @@ def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: datetime | 
 def slots_take(
     conn: sa.Connection, key: str, name: str, shard: int, *, cost: int = 1, now: datetime | None = None
 ) -> bool:
-    """Take ``cost`` slots on a shard the caller holds locked; False when it has no room for them. An exclusive
-    attempt (``shard`` 0) needs every row of the key, which its guard locks without waiting (FITS)."""
+    """Take ``cost`` slots on a shard the caller holds locked; False when it has no room for them."""
     params = {"key": key, "name": name, "shard": shard, "cost": cost, "now": now}
     return conn.execute(SLOTS_TAKE, params).first() is not None
 

@@ -28,8 +28,6 @@ CREATE TABLE keyed_names (
     -- overwrites it (names.NAMES_UPSERT: ON CONFLICT ... WHERE config_version <= the worker's)
     config_version integer NOT NULL DEFAULT 0,
     CONSTRAINT keyed_names_limit_nonnegative CHECK (slot_limit >= 0),
-    -- a limit stays below the exclusive cost (0023, D18): a share of it can never admit a shared claim beside one
-    CONSTRAINT keyed_names_limit_below_exclusive CHECK (slot_limit < 1073741824),
     CONSTRAINT keyed_names_shards_range CHECK (shards BETWEEN 1 AND 1024),
     CONSTRAINT keyed_names_max_waiting_nonnegative CHECK (max_waiting >= 0),
     CONSTRAINT keyed_names_max_wait_positive CHECK (max_wait > 0),
@@ -51,7 +49,6 @@ CREATE TABLE keyed_overrides (
     expires_at timestamptz,
     set_at timestamptz NOT NULL,
     CONSTRAINT keyed_overrides_limit_nonnegative CHECK (slot_limit >= 0),
-    CONSTRAINT keyed_overrides_limit_below_exclusive CHECK (slot_limit < 1073741824),
     CONSTRAINT keyed_overrides_reason_present CHECK (btrim(reason) <> '')
 );
 
@@ -95,7 +92,6 @@ CREATE TABLE keyed_key_overrides (
     paused_at timestamptz,
     CONSTRAINT keyed_key_overrides_name_of_key CHECK (name = split_part(key, ':', 1)),
     CONSTRAINT keyed_key_overrides_limit_nonnegative CHECK (slot_limit >= 0),
-    CONSTRAINT keyed_key_overrides_limit_below_exclusive CHECK (slot_limit < 1073741824),
     -- a limit has its reason and time, a pause its own: neither without the other, never a blank reason
     CONSTRAINT keyed_key_overrides_limit_reason CHECK (
         (slot_limit IS NULL) = (reason IS NULL) AND (slot_limit IS NULL) = (set_at IS NULL) AND btrim(reason) <> ''),
@@ -148,10 +144,7 @@ CREATE TABLE keyed_slots (
     name text NOT NULL,
     used integer NOT NULL DEFAULT 0,
     PRIMARY KEY (key, shard),
-    CONSTRAINT keyed_slots_used_nonnegative CHECK (used >= 0),
-    -- an exclusive claim holds the exclusive cost of row 0 of its key, never of another row (0023, D18): a shared
-    -- claim on another row looks for it there (keyed_key_room)
-    CONSTRAINT keyed_slots_exclusive_on_row_zero CHECK (shard = 0 OR used < 1073741824)
+    CONSTRAINT keyed_slots_used_nonnegative CHECK (used >= 0)
 );
 
 -- Keys: one head row per key. waiting = parked attempts of the key (D1), bounded by max_waiting.
@@ -259,8 +252,6 @@ CREATE TABLE keyed_claims (
     CONSTRAINT keyed_claims_promoted_has_nonce CHECK (state <> 'promoted' OR (nonce IS NOT NULL AND parked IS NOT NULL)),
     CONSTRAINT keyed_claims_running_has_holder CHECK (state <> 'running' OR holder IS NOT NULL),
     CONSTRAINT keyed_claims_cost_positive CHECK (cost >= 1),
-    -- a cost is at most the exclusive cost (0023, D18): no arrival asks for more than a writer holds
-    CONSTRAINT keyed_claims_cost_at_most_exclusive CHECK (cost <= 1073741824),
     CONSTRAINT keyed_claims_extra_with_key CHECK (extra_keys IS NULL OR key IS NOT NULL),
     CONSTRAINT keyed_claims_extra_shards_match CHECK (
         cardinality(extra_keys) IS NOT DISTINCT FROM cardinality(extra_shards)),
@@ -313,7 +304,6 @@ CREATE TABLE keyed_waiting (
     CONSTRAINT keyed_waiting_waits_for_something CHECK (key IS NOT NULL OR group_key IS NOT NULL),
     CONSTRAINT keyed_waiting_group_seq_with_group CHECK ((group_key IS NULL) = (group_seq IS NULL)),
     CONSTRAINT keyed_waiting_cost_positive CHECK (cost >= 1),
-    CONSTRAINT keyed_waiting_cost_at_most_exclusive CHECK (cost <= 1073741824),
     CONSTRAINT keyed_waiting_keys_with_key CHECK (keys IS NULL OR key IS NOT NULL),
     CONSTRAINT keyed_waiting_reserved_shards_match CHECK (
         cardinality(reserved_keys) IS NOT DISTINCT FROM cardinality(reserved_shards)),
@@ -515,65 +505,6 @@ BEGIN
 END
 $$;
 
--- Readers and writers across every slot row of a key (0023, D18). An exclusive claim holds the exclusive cost
--- (1073741824, bounds.EXCLUSIVE_COST) of row 0 of its key (CHECK keyed_slots_exclusive_on_row_zero) and is taken only
--- when every row of the key that exists holds nothing (keyed_key_idle); a shared claim on row 0 is refused by its own
--- guard (used + cost <= share, and every limit is below the exclusive cost), one on another row reads row 0 first
--- (keyed_key_room). The guards look at the rows, never at the name's shard count: a change of shards, limit or mode
--- cannot put a writer beside a reader. The two sides never decide at once: an exclusive claim holds row 0 FOR UPDATE
--- (and every other row), a shared claim on another row holds row 0 FOR KEY SHARE, which conflicts only with that.
-
--- Whether no exclusive claim holds key p_key, for a shared claim on a row other than row 0: row 0's counter, read
--- under a FOR KEY SHARE lock kept to the end of the transaction (shared claims share it; an exclusive claim's FOR
--- UPDATE waits for them). Never waits: row 0 locked for the whole key by another transaction answers false (no room
--- now: the caller parks, or leaves the room to the lock holder or the sweep, D2). No row 0: no exclusive claim (a
--- key's rows are made together, row 0 first, and dropped together). VOLATILE: a fresh snapshot at every call, so a
--- guard re-checked after a lock wait reads the newest row 0.
-CREATE FUNCTION keyed_key_writer_free(p_key text) RETURNS boolean
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_used integer;
-BEGIN
-    SELECT s.used INTO v_used FROM keyed_slots s WHERE s.key = p_key AND s.shard = 0 FOR KEY SHARE SKIP LOCKED;
-    IF FOUND THEN
-        RETURN v_used < 1073741824;
-    END IF;
-    RETURN NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = p_key AND s.shard = 0);
-END
-$$;
-
--- The room a shared claim may fill on row p_shard of key p_key now: the row's share (as keyed_key_share computes it,
--- inlined: one call per guard, as before), or 0 while an exclusive claim holds the key. The bound-check fragment of
--- every shared claim: used + cost <= keyed_key_room(...) under the row's lock (D1).
-CREATE FUNCTION keyed_key_room(p_key text, p_now timestamptz, p_shards integer, p_shard integer) RETURNS integer
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_limit integer;
-BEGIN
-    IF p_shard >= p_shards OR (p_shard <> 0 AND NOT keyed_key_writer_free(p_key)) THEN
-        RETURN 0;
-    END IF;
-    v_limit := keyed_key_limit(p_key, p_now);
-    RETURN v_limit / p_shards + CASE WHEN p_shard < v_limit % p_shards THEN 1 ELSE 0 END;
-END
-$$;
-
--- Whether key p_key is idle for an exclusive claim: every slot row of the key that exists (whatever the name's
--- shard count says now) holds nothing, and this transaction holds each of them FOR UPDATE. Locks the rows without
--- waiting (rows the caller holds already are its own); a row another transaction holds — a claim or release in
--- progress on it, or a shared claim's FOR KEY SHARE on row 0 — answers false. The rows stay locked to the end of the
--- transaction, so no shared claim can take one of them (or read row 0 free) before the exclusive claim commits.
-CREATE FUNCTION keyed_key_idle(p_key text) RETURNS boolean
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_locked integer[];
-BEGIN
-    v_locked := ARRAY(SELECT s.shard FROM keyed_slots s WHERE s.key = p_key ORDER BY s.shard FOR UPDATE SKIP LOCKED);
-    RETURN NOT EXISTS (SELECT 1 FROM keyed_slots s
-                        WHERE s.key = p_key AND (s.used <> 0 OR NOT s.shard = ANY(v_locked)));
-END
-$$;
-
 -- Server-side paths (migration 0005): batches of claims and releases, and the hot path's multi-statement
 -- transactions as one function call each; the lock order and every guard of the statements they replace are kept
 -- inside them (docs/ledger.md: Server-side paths).
@@ -640,7 +571,7 @@ BEGIN
         IF NOT v_blocked AND v_new[r.ord] AND v_rate IS NULL AND (r.deadline IS NULL OR r.deadline > v_now) THEN
             IF v_shards = 1 THEN
                 SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_key_room(r.key, v_now, v_shards, s.shard)
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -649,7 +580,7 @@ BEGIN
                    FOR UPDATE OF s;
             ELSE
                 SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_key_room(r.key, v_now, v_shards, s.shard)
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -661,7 +592,7 @@ BEGIN
                 -- The guard again under the lock: the bound holds even if the limit changed (D1).
                 UPDATE keyed_slots s SET used = s.used + r.cost
                  WHERE s.key = r.key AND s.shard = v_shard
-                   AND s.used + r.cost <= keyed_key_room(r.key, v_now, v_shards, s.shard)
+                   AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
                 RETURNING s.shard INTO v_shard;
             END IF;
             IF v_shard IS NOT NULL THEN
@@ -887,11 +818,11 @@ BEGIN
              WHERE (s.key, s.shard) = (
                     SELECT s2.key, s2.shard FROM keyed_slots s2
                      WHERE s2.key = v_key AND s2.shard = ANY(v_shards)
-                       AND s2.used + w.cost <= keyed_key_room(v_key, v_now,
-                                                                keyed_name_shards(v_name), s2.shard)
+                       AND s2.used + w.cost <= keyed_key_share(v_key, v_now,
+                                                                 keyed_name_shards(v_name), s2.shard)
                      ORDER BY s2.shard LIMIT 1)
-               AND s.used + w.cost <= keyed_key_room(v_key, v_now,
-                                                       keyed_name_shards(v_name), s.shard)
+               AND s.used + w.cost <= keyed_key_share(v_key, v_now,
+                                                        keyed_name_shards(v_name), s.shard)
             RETURNING s.shard INTO v_shard;
             EXIT WHEN v_shard IS NULL;  -- the head of the line waits for room; the room is kept for it (D10)
             DELETE FROM keyed_waiting wt WHERE wt.task_id = w.task_id AND wt.attempt = w.attempt AND NOT wt.shadow
@@ -1122,7 +1053,6 @@ BEGIN
     v_limit := keyed_key_limit(p_key, v_now);
     SELECT s.shard INTO v_room FROM keyed_slots s
      WHERE s.key = p_key AND s.used + 1 <= keyed_shard_share(v_limit, v_shards, s.shard)
-       AND (s.shard = 0 OR keyed_key_writer_free(p_key))  -- D18: no exclusive claim on row 0 (all rows are locked)
      ORDER BY s.shard LIMIT 1;
     IF EXISTS (SELECT 1 FROM keyed_waiting w
                 WHERE w.key = p_key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -1142,7 +1072,6 @@ BEGIN
         -- The bound (D1): the guarded take under the row's lock.
         UPDATE keyed_slots s SET used = s.used + 1
          WHERE s.key = p_key AND s.shard = v_room AND s.used + 1 <= keyed_shard_share(v_limit, v_shards, s.shard)
-           AND (s.shard = 0 OR keyed_key_writer_free(p_key))
         RETURNING s.shard INTO v_room;
         IF v_room IS NOT NULL THEN
             INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
