@@ -58,7 +58,7 @@ EXPLAIN_OUTBOX = sa.text(
     f"SELECT registered_at, due_at, pending, republished, republished_at, due_at <= {NOW} AS due FROM keyed_outbox"
     " WHERE task_id = :task_id"
 )
-# explain_retry: a task between attempts whose retry was registered at its publish (migration 0024).
+# explain_retry: a task between attempts whose retry was registered at its publish (migration 0023).
 EXPLAIN_RETRY = sa.text(
     "SELECT attempt, registered_at, due_at, republished, message IS NOT NULL AS has_copy,"
     f" due_at <= {NOW} AS overdue FROM keyed_outbox WHERE task_id = :task_id AND attempt > 0"

@@ -8,7 +8,7 @@ path records the arrival. A row still here when it is due was not received by an
 it is late): ``outbox_take_due`` hands it to the relay, which publishes the stored copy again. If the first copy was
 only late, the second is a duplicate of a received task, and the worker drops it (D8: the same attempt token).
 
-A keyed retry is registered too (migration 0024), keyed by the attempt it starts (``attempt`` = its retry number;
+A keyed retry is registered too (migration 0023), keyed by the attempt it starts (``attempt`` = its retry number;
 0 for a first publish): its row goes when that attempt arrives (``keyed_outbox_attempt_arrived``, on the claim or
 waiting row the arrival inserts), or when the task is over otherwise (finished, or a later attempt ended). With the
 outbox on for the task it keeps a copy the relay publishes again, like a lost first publish; without it, no copy

@@ -5,9 +5,9 @@ from celery_keyed_django.schema import apply_core_migrations
 
 class Migration(migrations.Migration):
     atomic = False
-    dependencies = [("celery_keyed_django", "0023_rows_not_configuration")]
+    dependencies = [("celery_keyed_django", "0022_durable_batches")]
     operations = [
-        apply_core_migrations(),  # ledger migration 0024_retry_outbox
+        apply_core_migrations(),  # ledger migration 0023_retry_outbox
         migrations.AlterField(
             model_name="outbox",
             name="message",

@@ -1,4 +1,4 @@
--- 0024: a retry is a publish like any other. A retry's message can be lost between the worker that published it and
+-- 0023: a retry is a publish like any other. A retry's message can be lost between the worker that published it and
 -- the next one (a worker killed after taking it off the broker's list, before the broker counted it as unacked):
 -- the task would stay between attempts for ever. A keyed retry is registered in keyed_outbox when it is published,
 -- keyed by the attempt it starts: attempt = n for retry number n (0, the default, for a task's first publish). With
