@@ -76,8 +76,9 @@ def reconcile(app: Any) -> dict[str, Any]:
     return summary
 
 
-#: Result states that say a body ended for good, and the outcome each is booked as.
-_FINAL_STATES = {"SUCCESS": "completed", "FAILURE": "failed"}
+#: Result states that say a task ended for good, and the outcome each is booked as. REVOKED: Celery discarded it as
+#: revoked (a revoke reached the worker after its claim had gone back, e.g. a claim taken ahead given back unused).
+_FINAL_STATES = {"SUCCESS": "completed", "FAILURE": "failed", "REVOKED": "revoked"}
 
 
 def settle_from_results(app: Any, ledger: Ledger, *, age: float, limit: int = 100) -> int:
@@ -100,9 +101,8 @@ def settle_from_results(app: Any, ledger: Ledger, *, age: float, limit: int = 10
         outcome = _FINAL_STATES.get(state)
         if outcome is None:
             continue
-        done, promotions = ledger.settle(
-            task_id, outcome, detail=f"booked from its {state} result: its worker was lost before the release"
-        )
+        why = "revoked after its slot went back" if state == "REVOKED" else "its worker was lost before the release"
+        done, promotions = ledger.settle(task_id, outcome, detail=f"booked from its {state} result: {why}")
         for promotion in promotions:
             republish(app, promotion.message, nonce=str(promotion.nonce))
         if done:

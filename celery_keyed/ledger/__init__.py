@@ -1059,9 +1059,10 @@ class Ledger:
         self, task_id: str, outcome: str, *, detail: str, now: datetime | None = None
     ) -> tuple[bool, list[Promotion]]:
         """Record the final outcome of an open task with no attempt left in the ledger, from its stored result
-        (its body ended but its release never committed, D15): ``completed`` or ``failed``."""
-        if outcome not in (TaskOutcome.COMPLETED, TaskOutcome.FAILED):
-            raise ValueError(f"a task is settled as completed or failed, not {outcome!r}")
+        (its body ended but its release never committed, D15): ``completed`` or ``failed``; or ``revoked`` (Celery
+        discarded it as revoked after its claim had gone back)."""
+        if outcome not in (TaskOutcome.COMPLETED, TaskOutcome.FAILED, TaskOutcome.REVOKED):
+            raise ValueError(f"a task is settled as completed, failed or revoked, not {outcome!r}")
         final = TaskOutcome(outcome)
         return self.transaction(
             lambda conn: outcomes.settle(conn, task_id, final, detail=detail, dispatch=self.dispatch, now=now)

@@ -501,12 +501,17 @@ class Handoff:
         return prebound.fence
 
     def revoked_before_start(self, token: Token, key: str | None) -> None:
-        """A promotion bound to this worker (D4) whose request Celery discarded as revoked: give its slot back
-        with outcome ``revoked``."""
+        """A request Celery discards as revoked before it starts here (it stores REVOKED): a promotion bound to this
+        worker (D4) or a claim taken ahead gives its slot back with outcome ``revoked``. Without one — a claim taken
+        ahead that went back meanwhile (no pool process took it in time), or none at all — the revoke is stored in the
+        ledger by the heartbeat (``Revokes.pending``, never a round trip on the loop), which books the task revoked
+        unless an attempt of it still holds a claim: the books never stay open beside a REVOKED result (D11, D15)."""
         with self.lock:
             prebound = self.prebound.pop(token, None)
         if prebound is not None:
             self.gate.releaser.hand_over(token, prebound.fence, Outcome.REVOKED, key=key, name="", contended=True)
+            return
+        self.gate.revokes.pending.append(token.task_id)
 
     def give_back_prebound(self, stale: Callable[[Prebound], bool], why: str, *, on_loop: bool = True) -> None:
         """Promotions bound here (D4) whose request has not started go back in line (outcome "worker lost": the
