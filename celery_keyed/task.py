@@ -35,7 +35,7 @@ from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names 
     NOT_INHERITED,
     OPTION_OF_HEADER,
 )
-from celery_keyed.ledger import MAX_KEYS_PER_CALL, InvalidKey, normalize_key, validate_task_id
+from celery_keyed.ledger import COST_MAX, MAX_KEYS_PER_CALL, InvalidKey, normalize_key, validate_task_id
 
 logger = logging.getLogger("celery_keyed")
 
@@ -587,9 +587,16 @@ def check_on_newer(policy: Any, task: Any) -> str | None:
 
 
 def check_cost(cost: Any, task: Any) -> int:
-    """A concurrency cost must be a positive integer (``InvalidKey`` otherwise: bad input never waits)."""
+    """A concurrency cost must be a positive integer up to ``COST_MAX``, the most slots a key can have (``InvalidKey``
+    otherwise: bad input never waits, and never reaches the ledger's integer columns). The producer checks it before
+    it sends, the worker's intake again for a foreign producer's ``keyed_cost`` header."""
     if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
         raise InvalidKey(f"{getattr(task, 'name', task)}: concurrency_cost must be a positive integer, got {cost!r}")
+    if cost > COST_MAX:
+        raise InvalidKey(
+            f"{getattr(task, 'name', task)}: concurrency_cost {cost} exceeds the largest cost {COST_MAX}"
+            " (the most slots a key can have)"
+        )
     return cost
 
 
