@@ -52,8 +52,8 @@ def test_bad_name_is_a_key_error() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"limit": 10**12}, "x: limit must be at least 0 and at most 2147483647, got 1000000000000"),
-        ({"limit": 2**63}, "x: limit must be at least 0 and at most 2147483647"),
+        ({"limit": 10**12}, "x: limit must be at least 0 and at most 1073741823, got 1000000000000"),
+        ({"limit": 2**63}, "x: limit must be at least 0 and at most 1073741823"),
         ({"max_waiting": 2**40}, "x: max_waiting must be at least 0 and at most 2147483647"),
         ({"max_waiting": 1.5}, "x: max_waiting must be an integer"),
         ({"max_wait": 1e300}, r"x: max_wait must be a positive number of seconds, at most 3155760000, got 1e\+300"),
@@ -83,7 +83,7 @@ def test_numbers_past_what_the_ledger_can_hold_fail_at_configuration_naming_the_
 
 def test_the_largest_values_the_ledger_can_hold_are_accepted() -> None:
     config = NameConfig(
-        "x", limit=2**31 - 1, max_waiting=2**31 - 1, max_wait=3155760000, uncertain_hold=3155760000.0,
+        "x", limit=2**30 - 1, max_waiting=2**31 - 1, max_wait=3155760000, uncertain_hold=3155760000.0,
         rate="1000000000/s", burst=2**31 - 1,
     )  # fmt: skip
     assert config.rate == 1e9

@@ -47,7 +47,7 @@ def test_keyed_queues_rejects_anything_else(value: object) -> None:
         ("keyed_heartbeat_interval", float("nan"), "keyed_heartbeat_interval must be"),
         ("keyed_self_fence_margin", 1e300, "keyed_self_fence_margin must be"),
         ("keyed_concurrency_limits", {"acct": {"max_wait": 1e300}}, "acct: max_wait must be"),
-        ("keyed_concurrency_limits", {"acct": 10**12}, "acct: limit must be at least 0 and at most 2147483647"),
+        ("keyed_concurrency_limits", {"acct": 10**12}, "acct: limit must be at least 0 and at most 1073741823"),
     ],
 )
 def test_numeric_settings_are_bounded_by_what_timestamps_timers_and_postgres_hold(
