@@ -180,7 +180,7 @@ def test_override_with_expiry(admin_client: Client, ledger_engine: sa.Engine) ->
     ("name", "limit", "reason", "error"),
     [
         ("acct", -1, "x", "The limit cannot be negative"),
-        ("acct", 10**12, "x", "The limit can be at most 2147483647 (what the ledger can store)."),
+        ("acct", 10**12, "x", "The limit can be at most 1073741823 (what the ledger can store)."),
         ("acct", "1.5", "x", "Enter a whole number: 0 or more"),
         ("acct", "", "x", "Enter a limit: 0 pauses the name."),
         ("acct", 1, "   ", "Say why: the reason is kept in the audit trail."),

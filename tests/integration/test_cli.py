@@ -170,10 +170,10 @@ def test_set_limit_pause_until_and_human_output(app: Celery, ledger: Ledger, eng
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["set-limit", "api", "-1", "--reason", "x"], "-1 is not in the range 0<=x<=2147483647"),
+        (["set-limit", "api", "-1", "--reason", "x"], "-1 is not in the range 0<=x<=1073741823"),
         # issue 9: past the ledger's integer column, once a raw database error with a traceback (exit 1)
-        (["set-limit", "api", str(10**12), "--reason", "x"], "1000000000000 is not in the range 0<=x<=2147483647"),
-        (["set-limit", "api", str(2**63), "--reason", "x"], "9223372036854775808 is not in the range 0<=x<=2147483647"),
+        (["set-limit", "api", str(10**12), "--reason", "x"], "1000000000000 is not in the range 0<=x<=1073741823"),
+        (["set-limit", "api", str(2**63), "--reason", "x"], "9223372036854775808 is not in the range 0<=x<=1073741823"),
         (["set-limit", "api", "2", "--reason", "x", "--expires-in", "1e300"], "is not in the range 0<x<=3155760000"),
         (["set-limit", "api", "2", "--reason", "x", "--expires-in", "inf"], "is not in the range 0<x<=3155760000"),
         (["set-limit", "api", "2", "--reason", "x", "--expires-in", "nan"], "'nan' is not a finite number of seconds"),
