@@ -338,7 +338,7 @@ def test_the_celery_command_runs_the_plugin(database_url: str, ledger: Ledger, e
         assert conn.execute(sa.text("SELECT reason FROM keyed_override_log")).scalar() == "from a shell"
     bad = subprocess.run([*celery, "set-limit", "api", "-5", "--reason", "x"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
-    assert bad.returncode == 2 and "-5 is not in the range 0<=x<=2147483647" in bad.stderr
+    assert bad.returncode == 2 and "-5 is not in the range 0<=x<=1073741823" in bad.stderr
 
 
 def test_status_shows_rate_fair_and_uncertain_rules(app: Celery, ledger: Ledger) -> None:
