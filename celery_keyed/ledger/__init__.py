@@ -51,6 +51,7 @@ from celery_keyed.ledger.books import (
     books_unnotified,
 )
 from celery_keyed.ledger.bounds import (
+    COST_MAX,
     EXCLUSIVE_COST,
     INT_MAX,
     SECONDS_MAX,
@@ -142,6 +143,7 @@ from celery_keyed.ledger.status import (
 )
 
 __all__ = [
+    "COST_MAX",
     "DEFAULT_DISPATCH_TIMEOUT",
     "DEFAULT_RESERVE_TIMEOUT",
     "EXCLUSIVE_COST",

@@ -16,14 +16,18 @@ from celery_keyed.ledger.errors import InvalidConfig
 INT_MAX = 2**31 - 1
 #: The largest value of a ``bigint`` column (``group_seq``, ``fence``, ``arrival``).
 BIGINT_MAX = 2**63 - 1
-#: The largest slot limit (configured or override): the columns are ``integer``.
-SLOT_LIMIT_MAX = INT_MAX
 #: The cost an exclusive attempt (``concurrency_mode="exclusive"``) holds of its key: more than any shared holder's
 #: guard ``used + cost <= share`` can ever pass, so nothing else of the key starts while it runs whatever the limit
 #: does meanwhile (raised or lowered); it is taken only when the key's ``used`` is 0. Its release gives back exactly
 #: this (the claim row's cost). Below ``INT_MAX / 2`` so ``used + cost`` of a shared arrival never overflows; a limit
 #: above it would let shared attempts join an exclusive one (docs/ledger.md, Readers and writers).
 EXCLUSIVE_COST = 2**30
+#: The largest slot limit (configured, override or a key's own): below ``EXCLUSIVE_COST``, so that no share of a limit
+#: ever admits a shared attempt beside an exclusive one.
+SLOT_LIMIT_MAX = EXCLUSIVE_COST - 1
+#: The largest cost a shared attempt may ask for (``concurrency_cost``, the ``keyed_cost`` header): below the exclusive
+#: cost, so no cost a producer picks makes a task exclusive, and ``used + cost`` never overflows an ``integer``.
+COST_MAX = EXCLUSIVE_COST - 1
 #: The most counter rows per key of a sharded gate (CHECK keyed_names_shards_range).
 SHARDS_MAX = 1024
 #: The largest waiting room per key (``max_waiting``): an ``integer`` column.
