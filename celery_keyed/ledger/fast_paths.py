@@ -149,7 +149,8 @@ RELEASE_FAST = sa.text(
           FROM lk
          WHERE sl.key = lk.key AND sl.shard = lk.shard
         RETURNING sl.key, sl.shard,
-                  GREATEST(keyed_row_share(sl.key, {NOW}, sl.shards, keyed_name_shards(sl.name), sl.shard) - sl.used, 0) AS free
+                  GREATEST(keyed_row_share(sl.key, {NOW}, sl.shards, keyed_name_shards(sl.name), sl.shard)
+                           - sl.used, 0) AS free
     )
     SELECT c.task_id, c.attempt, c.key, c.shard, c.fence,
            ARRAY(SELECT s.key FROM s WHERE s.free > 0 ORDER BY s.key, s.shard) AS room_keys,

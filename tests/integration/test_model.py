@@ -418,11 +418,12 @@ class LedgerMachine(RuleBasedStateMachine):
                 del m.layout[key]
                 m.pending.discard(key)
         for key, n in seen.items():
+            target = m.shards(key_name(key))
             if key not in m.layout:
-                assert n == m.shards(key_name(key)), f"{key}: rows made for {n} shards, the name has {m.shards(key_name(key))}"
+                assert n == target, f"{key}: rows made for {n} shards, the name has {target}"
                 m.layout[key] = n
             elif m.layout[key] != n:
-                assert n == m.shards(key_name(key)), f"{key}: moved to {n} shards, the name has {m.shards(key_name(key))}"
+                assert n == target, f"{key}: moved to {n} shards, the name has {target}"
                 m.pending.add(key)
 
     def promoted_shards(self, actual: list[Promotion]) -> list[tuple[Token, str, int]]:
