@@ -126,17 +126,17 @@ class MixMachine(RuleBasedStateMachine):
         self.took(result.promotions)
 
     # -- rules ----------------------------------------------------------------------------------------------
-    @initialize(limit=st.integers(0, 4), shards=st.integers(1, 3))
-    def start(self, limit: int, shards: int) -> None:
-        self.ledger.configure({"doc": NameConfig("doc", limit=limit, shards=shards)}, now=self.now)
+    @initialize(limit=st.integers(0, 4), shards=st.integers(1, 3), fair=st.booleans())
+    def start(self, limit: int, shards: int, fair: bool) -> None:
+        self.ledger.configure({"doc": NameConfig("doc", limit=limit, shards=shards, fair=fair)}, now=self.now)
 
-    @rule(kind=KINDS, key=st.sampled_from(KEYS), ahead=st.booleans())
-    def arrive(self, kind: str, key: str, ahead: bool) -> None:
+    @rule(kind=KINDS, key=st.sampled_from(KEYS), tenant=st.sampled_from([None, "a", "b"]))
+    def arrive(self, kind: str, key: str, tenant: str | None) -> None:
         task_id = f"t{next(self.ids)}"
         other = KEYS[1] if key == KEYS[0] else KEYS[0]
         cost = {"weighted": 2, "writer": EXCLUSIVE_COST}.get(kind, 1)
         extra = (other,) if kind == "both" else ()
-        self.admit(Arrival(task_id, key=key, cost=cost, extra_keys=extra, message={"id": task_id}))
+        self.admit(Arrival(task_id, key=key, cost=cost, extra_keys=extra, fair_key=tenant, message={"id": task_id}))
 
     @precondition(lambda self: self.lost)
     @rule(data=st.data())
@@ -187,10 +187,16 @@ class MixMachine(RuleBasedStateMachine):
         self.track()
         self.took(self.ledger.revoke(task_id, now=self.now))
 
-    @rule(limit=st.integers(0, 4), shards=st.integers(1, 3))
-    def configure(self, limit: int, shards: int) -> None:
+    @rule(limit=st.integers(0, 4), shards=st.integers(1, 3), fair=st.booleans())
+    def configure(self, limit: int, shards: int, fair: bool) -> None:
         self.track()
-        self.took(self.ledger.configure({"doc": NameConfig("doc", limit=limit, shards=shards)}, now=self.now))
+        config = NameConfig("doc", limit=limit, shards=shards, fair=fair)
+        self.took(self.ledger.configure({"doc": config}, now=self.now))
+
+    @rule(tenant=st.sampled_from(["a", "b"]), weight=st.sampled_from([0.5, 1.0, 3.0]))
+    def fair_weight(self, tenant: str, weight: float) -> None:
+        """A runtime weight for a tenant of the (maybe) fair name: it makes no room, so it promotes nothing."""
+        self.ledger.set_fair_weight("doc", tenant, weight, reason="mix", now=self.now)
 
     @rule(limit=st.none() | st.integers(0, 4), expires_in=st.sampled_from([None, 3, 20]))
     def name_override(self, limit: int | None, expires_in: int | None) -> None:
