@@ -28,7 +28,7 @@ _CLAIM_NEW = """
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim, arr
          WHERE arr.new AND NOT arr.expired AND lim.rate IS NULL
-           AND s.key = :key AND s.used + :cost <= keyed_key_share(:key, {NOW}, lim.n, s.shard)
+           AND s.key = :key AND s.used + :cost <= keyed_row_share(:key, {NOW}, s.shards, lim.n, s.shard)
            AND NOT {PROMOTABLE}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s {lock_wait}
@@ -36,7 +36,7 @@ _CLAIM_NEW = """
         UPDATE keyed_slots s SET used = s.used + :cost
           FROM pick, lim
          WHERE s.key = :key AND s.shard = pick.shard
-           AND s.used + :cost <= keyed_key_share(:key, {NOW}, lim.n, s.shard)
+           AND s.used + :cost <= keyed_row_share(:key, {NOW}, s.shards, lim.n, s.shard)
         RETURNING s.shard
     ), claimed AS (
         INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
@@ -81,7 +81,7 @@ CLAIM_NEW_MULTI = sa.text(
         SELECT lim.key, lim.ord, p.shard
           FROM arr, lim, LATERAL (
                SELECT s.shard FROM keyed_slots s
-                WHERE s.key = lim.key AND s.used + :cost <= keyed_key_share(lim.key, {NOW}, lim.n, s.shard)
+                WHERE s.key = lim.key AND s.used + :cost <= keyed_row_share(lim.key, {NOW}, s.shards, lim.n, s.shard)
                   AND NOT EXISTS (
                       SELECT 1 FROM keyed_waiting w
                        WHERE w.key = lim.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= {NOW})
@@ -149,7 +149,8 @@ RELEASE_FAST = sa.text(
           FROM lk
          WHERE sl.key = lk.key AND sl.shard = lk.shard
         RETURNING sl.key, sl.shard,
-                  GREATEST(keyed_key_share(sl.key, {NOW}, keyed_name_shards(sl.name), sl.shard) - sl.used, 0) AS free
+                  GREATEST(keyed_row_share(sl.key, {NOW}, sl.shards, keyed_name_shards(sl.name), sl.shard)
+                           - sl.used, 0) AS free
     )
     SELECT c.task_id, c.attempt, c.key, c.shard, c.fence,
            ARRAY(SELECT s.key FROM s WHERE s.free > 0 ORDER BY s.key, s.shard) AS room_keys,

@@ -27,7 +27,7 @@ SLOTS_CLAIM_ANY = sa.text(
         SELECT keyed_name_shards(:name) AS n
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim
-         WHERE s.key = :key AND s.used + :cost <= keyed_key_share(:key, {NOW}, lim.n, s.shard)
+         WHERE s.key = :key AND s.used + :cost <= keyed_row_share(:key, {NOW}, s.shards, lim.n, s.shard)
            AND NOT {PROMOTABLE_EXISTS}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s SKIP LOCKED
@@ -35,29 +35,28 @@ SLOTS_CLAIM_ANY = sa.text(
         UPDATE keyed_slots s SET used = s.used + :cost
           FROM pick, lim
          WHERE s.key = :key AND s.shard = pick.shard
-           AND s.used + :cost <= keyed_key_share(:key, {NOW}, lim.n, s.shard)
+           AND s.used + :cost <= keyed_row_share(:key, {NOW}, s.shards, lim.n, s.shard)
         RETURNING s.shard
     )
     SELECT (SELECT shard FROM took) AS shard, lim.n AS shards FROM lim
     """
 )
 
-# slots_ensure: create the counter rows of every current shard of the key (first use, or after idle drop).
-SLOTS_ENSURE = sa.text(
-    """
-    INSERT INTO keyed_slots (key, shard, name, used)
-    SELECT :key, g, :name, 0 FROM generate_series(0, keyed_name_shards(:name) - 1) AS g
-    ON CONFLICT (key, shard) DO NOTHING
-    """
-)
+# slots_ensure: create the missing counter rows of the key (first use, or after idle drop) for the key's own layout
+# (row 0's shard count, the name's current count on first use: keyed_slots_ensure), answering the layout.
+SLOTS_ENSURE = sa.text("SELECT keyed_slots_ensure(:key, :name)")
+
+# slots_reshard: move the key's rows to the name's current shard count if every holding fits it (keyed_reshard; the
+# caller holds every row's lock). True when it moved.
+SLOTS_RESHARD = sa.text(f"SELECT keyed_reshard(:key, {NOW})")
 
 # slots_lock_all: lock every shard row of the key in shard order (the slow path; D2: lock unconditionally),
-# returning each shard's use and current share.
+# returning each shard's use and current share, the rows' layout and the name's configured shard count.
 SLOTS_LOCK_ALL = sa.text(
     f"""
     SELECT s.shard, s.used,
-           keyed_key_share(:key, {NOW}, keyed_name_shards(:name), s.shard) AS share,
-           keyed_name_shards(:name) AS shards
+           keyed_row_share(:key, {NOW}, s.shards, keyed_name_shards(:name), s.shard) AS share,
+           s.shards AS layout, keyed_name_shards(:name) AS target
       FROM keyed_slots s
      WHERE s.key = :key
      ORDER BY s.shard
@@ -69,18 +68,20 @@ SLOTS_LOCK_ALL = sa.text(
 SLOTS_LOCK_ONE = sa.text(
     f"""
     SELECT s.used,
-           keyed_key_share(:key, {NOW}, keyed_name_shards(:name), s.shard) AS share
+           keyed_row_share(:key, {NOW}, s.shards, keyed_name_shards(:name), s.shard) AS share
       FROM keyed_slots s WHERE s.key = :key AND s.shard = :shard
        FOR UPDATE
     """
 )
 
 # The guard of a take of ``cost`` slots of row ``s`` (the bound, D1): ``used + cost <= share``; for an exclusive
-# attempt (cost EXCLUSIVE_COST, readers and writers) ``used = 0`` on an unsharded, unpaused name instead — it then
-# holds EXCLUSIVE_COST, which no other attempt's ``used + cost <= share`` passes until it is given back.
-_SHARE = f"keyed_key_share(:key, {NOW}, keyed_name_shards(:name), s.shard)"
+# attempt (cost EXCLUSIVE_COST, readers and writers) ``used = 0`` on a key laid out for one shard (so row 0 is its
+# only row: every row of the key is empty, D18) of an unsharded, unpaused name instead — it then holds
+# EXCLUSIVE_COST, which no other attempt's ``used + cost <= share`` passes until it is given back, and which no
+# layout change accepts (keyed_reshard).
+_SHARE = f"keyed_row_share(:key, {NOW}, s.shards, keyed_name_shards(:name), s.shard)"
 FITS = f"""(CASE WHEN CAST(:cost AS integer) >= {EXCLUSIVE_COST}
-                 THEN s.used = 0 AND keyed_name_shards(:name) = 1 AND {_SHARE} >= 1
+                 THEN s.used = 0 AND s.shards = 1 AND keyed_name_shards(:name) = 1 AND {_SHARE} >= 1
                  ELSE s.used + :cost <= {_SHARE} END)"""
 
 
@@ -122,7 +123,7 @@ SLOTS_GIVE_BACK = sa.text(
     f"""
     UPDATE keyed_slots s SET used = s.used - :cost
      WHERE s.key = :key AND s.shard = :shard
-    RETURNING GREATEST(keyed_key_share(s.key, {NOW}, keyed_name_shards(s.name), s.shard)
+    RETURNING GREATEST(keyed_row_share(s.key, {NOW}, s.shards, keyed_name_shards(s.name), s.shard)
                        - s.used, 0) AS free
     """
 )
@@ -160,6 +161,23 @@ SLOTS_LOCK_COUNTERS = sa.text("SELECT shard, used FROM keyed_slots WHERE key = :
 # fresh snapshot), and one that holds one commits first. So once the override commits, no claim misses it.
 SLOTS_TOUCH = sa.text("UPDATE keyed_slots SET used = used WHERE key = :key")
 
+# slots_layouts_behind: keys whose slot rows follow another shard count than their name's current one (the sweep
+# moves them once their holdings fit: slots_lock_all, in promote_key). By keyed_slots_layout_idx, name by name: the
+# sweep asks it every interval, and a key's rows follow its name's count but for the moments after a change.
+SLOTS_LAYOUTS_BEHIND = sa.text(
+    """
+    SELECT b.key FROM keyed_names c
+     CROSS JOIN LATERAL (
+           SELECT s.key FROM keyed_slots s
+            WHERE s.shard = 0 AND s.name = c.name AND (s.shards < c.shards OR s.shards > c.shards)
+            LIMIT :batch) b
+    UNION
+    SELECT s.key FROM keyed_slots s
+     WHERE s.shard = 0 AND s.shards > 1 AND NOT EXISTS (SELECT 1 FROM keyed_names c WHERE c.name = s.name)
+    ORDER BY 1 LIMIT :batch
+    """
+)
+
 # slots_drop_idle: delete the counter rows of a key with nothing held (reconcile; the caller holds the locks).
 SLOTS_DROP_KEY = sa.text("DELETE FROM keyed_slots WHERE key = :key AND used = 0")
 
@@ -169,24 +187,28 @@ class ShardUse:
     shard: int
     used: int
     share: int
+    layout: int = 1  # the shard count the key's rows are laid out for (keyed_slots.shards)
 
     def fits(self, cost: int) -> bool:
-        """Room for ``cost`` slots (as FITS; an exclusive attempt needs the key idle — the caller rejects it on a
-        sharded name)."""
+        """Room for ``cost`` slots (as FITS; an exclusive attempt needs the key idle: one row, empty — the caller
+        rejects it on a sharded name)."""
         if is_exclusive(cost):
-            return self.used == 0 and self.share >= 1
+            return self.used == 0 and self.layout == 1 and self.share >= 1
         return self.used + cost <= self.share
 
 
 def slots_lock_all(conn: sa.Connection, key: str, name: str, *, now: datetime | None = None) -> list[ShardUse]:
-    """Lock every shard row of the key in shard order and return their use; rows missing (first use, idle
-    drop, more shards configured) are created first, then all are locked again."""
+    """Lock every shard row of the key in shard order and return their use; rows missing (first use, idle drop)
+    are created for the key's layout first (slots_ensure), then all are locked again. A key whose rows follow an
+    older shard count of its name moves to the current one here when every holding fits it (slots_reshard)."""
     params = {"key": key, "name": name, "now": now}
     rows = conn.execute(SLOTS_LOCK_ALL, params).all()
-    if not rows or not set(range(rows[0].shards)) <= {r.shard for r in rows}:
+    if not rows or rows[0].shard != 0 or not set(range(rows[0].layout)) <= {r.shard for r in rows}:
         conn.execute(SLOTS_ENSURE, {"key": key, "name": name})
         rows = conn.execute(SLOTS_LOCK_ALL, params).all()
-    return [ShardUse(r.shard, r.used, r.share) for r in rows]
+    if rows and rows[0].layout != rows[0].target and conn.execute(SLOTS_RESHARD, {"key": key, "now": now}).scalar():
+        rows = conn.execute(SLOTS_LOCK_ALL, params).all()
+    return [ShardUse(r.shard, r.used, r.share, r.layout) for r in rows]
 
 
 def slots_take(

@@ -334,7 +334,7 @@ WAITING_KEYS_PROMOTABLE = sa.text(
      WHERE ks.key IS NOT NULL
        AND (EXISTS (SELECT 1 FROM keyed_slots s
                      WHERE s.key = ks.key
-                       AND s.used + 1 <= keyed_key_share(s.key, {NOW}, keyed_name_shards(s.name), s.shard))
+                       AND s.used + 1 <= keyed_row_share(s.key, {NOW}, s.shards, keyed_name_shards(s.name), s.shard))
             OR NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = ks.key))
        AND EXISTS (SELECT 1 FROM keyed_waiting w
                     WHERE w.key = ks.key AND NOT w.shadow AND w.not_before IS NULL AND NOT w.group_blocked

@@ -183,6 +183,16 @@ class Model:
         self.arrivals = 0  # order of receipt of parked rows
         # (key, shard) -> the largest share in effect since the shard's oldest live claim (the bound, D1/D12).
         self.max_share: dict[tuple[str, int], int] = {}
+        # key -> the largest limit in effect since the key's oldest live claim: the bound of the key as a whole,
+        # whatever its shards did meanwhile (D18).
+        self.max_limit: dict[str, int] = {}
+        # key -> the shard count its slot rows are laid out for (rows exist). A key's shares follow its rows: the
+        # smaller of its share in that layout and in the name's current one; the key moves to the current count
+        # only when every holding fits it (``move``, D18).
+        self.layout: dict[str, int] = {}
+        # Moves the ledger made in the step being checked (seen in its rows afterwards), taken where the ledger
+        # locks all of a key's rows: its slow path, a promotion of the whole key, the sweep (``take_moves``).
+        self.pending: set[str] = set()
         # Keys whose due rows a promotion of one shard joined to the line (``promote_one``): the room their
         # not-before time made on the key's other shards waits for the next sweep, as the room of a lapsed
         # override does (§3.12 bounds the delay by the sweep interval). Cleared by a sweep and by a whole-key fill.
@@ -200,13 +210,36 @@ class Model:
 
     def share_of(self, key: str, shard: int, now: datetime) -> int:
         name = key_name(key)
-        return share(self.limit(name, now), self.shards(name), shard)
+        target = self.shards(name)
+        layout = self.layout.get(key, target)
+        limit = self.limit(name, now)
+        return min(share(limit, layout, shard), share(limit, target, shard))
+
+    def rows(self, key: str) -> range:
+        return range(self.layout.get(key, self.shards(key_name(key))))
+
+    def fits(self, key: str, now: datetime) -> bool:
+        """Every holding of the key fits the name's current shard count (the key may move to it)."""
+        name = key_name(key)
+        target, limit = self.shards(name), self.limit(name, now)
+        return all(self.used(key, s) <= share(limit, target, s) for s in self.rows(key))
+
+    def take_moves(self, now: datetime, only: str | None = None) -> None:
+        for key in sorted(self.pending):
+            if (only is None or key == only) and self.fits(key, now):
+                self.move(key, now)
+                self.pending.discard(key)
+
+    def move(self, key: str, now: datetime) -> None:
+        """The ledger moved the key's rows to the name's current shard count: legal only if every holding fits."""
+        assert self.fits(key, now), f"{key} moved to {self.shards(key_name(key))} shards while its holdings do not fit"
+        self.layout[key] = self.shards(key_name(key))
 
     def used(self, key: str, shard: int) -> int:
         return sum(1 for c in self.claims.values() if c.key == key and c.shard == shard)
 
     def room(self, key: str, now: datetime) -> list[int]:
-        return [s for s in range(self.shards(key_name(key))) if self.used(key, s) < self.share_of(key, s, now)]
+        return [s for s in self.rows(key) if self.used(key, s) < self.share_of(key, s, now)]
 
     def waiting_count(self, key: str) -> int:
         return sum(1 for w in self.waiting.values() if w.key == key)
@@ -220,6 +253,11 @@ class Model:
         return {n for n, o in self.overrides.items() if o.expires_at is not None and o.expires_at <= now}
 
     def track_bound(self, now: datetime) -> None:
+        for key, best in list(self.max_limit.items()):
+            if not any(c.key == key for c in self.claims.values()):
+                del self.max_limit[key]
+            else:
+                self.max_limit[key] = max(best, self.limit(key_name(key), now))
         for (key, shard), best in list(self.max_share.items()):
             if self.used(key, shard) == 0:
                 del self.max_share[(key, shard)]
@@ -232,6 +270,8 @@ class Model:
         used, cap = self.used(key, shard), self.share_of(key, shard, now)
         assert used < cap, f"claim on {key} shard {shard} with {used} used of share {cap}"
         self.max_share[(key, shard)] = max(self.max_share.get((key, shard), 0) if used else 0, cap)
+        held = any(c.key == key for c in self.claims.values())
+        self.max_limit[key] = max(self.max_limit.get(key, 0) if held else 0, self.limit(key_name(key), now))
 
     def park(
         self,
@@ -293,9 +333,10 @@ class Model:
         return out
 
     def promote_key(self, key: str, now: datetime) -> list[tuple[Token, str, int]]:
-        """Fill every free slot of the key, shard by shard, in waiting order."""
-        n = self.shards(key_name(key))
-        free = [s for s in range(n) for _ in range(max(0, self.share_of(key, s, now) - self.used(key, s)))]
+        """Fill every free slot of the key, shard by shard, in waiting order (its rows locked first: the key moves
+        to its name's shard count here if every holding fits it)."""
+        self.take_moves(now, only=key)
+        free = [s for s in self.rows(key) for _ in range(max(0, self.share_of(key, s, now) - self.used(key, s)))]
         if free:
             self.clear_due(key, now)
         self.time_joined.discard(key)
@@ -365,6 +406,26 @@ class LedgerMachine(RuleBasedStateMachine):
         self.fences_seen: set[tuple[Token, int]] = set()
 
     # -- helpers -------------------------------------------------------------------------------------------
+    def follow_layouts(self) -> None:
+        """Take the key layouts the ledger's last call left: rows created (for the name's current shard count) and
+        dropped (idle) at once; a move to another count is pending until the model reaches the point where the
+        ledger may make it, where it must be legal (``Model.take_moves``)."""
+        m = self.model
+        with self.engine.connect() as conn:
+            seen = dict(conn.execute(sa.text("SELECT key, shards FROM keyed_slots WHERE shard = 0")).all())
+        for key in list(m.layout):
+            if key not in seen:
+                del m.layout[key]
+                m.pending.discard(key)
+        for key, n in seen.items():
+            target = m.shards(key_name(key))
+            if key not in m.layout:
+                assert n == target, f"{key}: rows made for {n} shards, the name has {target}"
+                m.layout[key] = n
+            elif m.layout[key] != n:
+                assert n == target, f"{key}: moved to {n} shards, the name has {target}"
+                m.pending.add(key)
+
     def promoted_shards(self, actual: list[Promotion]) -> list[tuple[Token, str, int]]:
         """The promotions as (token, key, shard), the shard read from the claim (a Promotion does not carry it)."""
         with self.engine.connect() as conn:
@@ -428,6 +489,8 @@ class LedgerMachine(RuleBasedStateMachine):
         token = Token(task.task_id, attempt)
         if result is None:
             result = self.ledger.admit(self.arrival_of(task, attempt, not_before), now=now)
+        self.follow_layouts()
+        m.take_moves(now, only=task.key)  # the slow path locks every row of the key first
 
         known = task.task_id in m.tasks
         if known and (task.outcome is not None or task.finished_attempt >= attempt):
@@ -503,6 +566,7 @@ class LedgerMachine(RuleBasedStateMachine):
         """New settings: a raise promotes waiters in the same transaction (D2)."""
         promotions = self.ledger.configure({config.name: config}, now=self.now)
         self.model.configs[config.name] = Config(config.limit, config.shards, config.max_waiting, config.max_wait)
+        self.follow_layouts()
         self.accept_promotions(promotions, self.model.promote_name(config.name, self.now))
 
     @rule(burst=BURST)
@@ -596,6 +660,7 @@ class LedgerMachine(RuleBasedStateMachine):
         else:
             report = self.ledger.release(claim.token, claim.fence, outcome, contended=contended, now=now)
         assert report.released
+        self.follow_layouts()
         if outcome is Outcome.WORKER_LOST:
             assert report.finished == []
             self.accept_promotions(report.promotions, m.lose(claim, now))
@@ -721,10 +786,12 @@ class LedgerMachine(RuleBasedStateMachine):
             change.name, change.limit, reason="model", expires_at=expires_at, now=self.now
         )
         self.model.overrides[change.name] = Override(change.limit, expires_at)
+        self.follow_layouts()
         self.accept_promotions(promotions, self.model.promote_name(change.name, self.now))
 
     def clear_override(self, name: str) -> None:
         promotions = self.ledger.clear_override(name, reason="model", now=self.now)
+        self.follow_layouts()
         expected = []
         if self.model.overrides.pop(name, None) is not None:
             expected = self.model.promote_name(name, self.now)
@@ -741,6 +808,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def sweep(self) -> None:
         report = self.ledger.sweep(now=self.now)
+        self.follow_layouts()
         expected, finished = self.model_sweep()
         self.accept_promotions(report.promotions, expected, ordered=False)
         assert sorted(report.finished) == sorted(finished)
@@ -760,6 +828,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for name in sorted(m.lapsed_overrides(now)):
             del m.overrides[name]
             promoted += m.promote_name(name, now)
+        m.take_moves(now)  # the sweep moves every key whose holdings fit, then promotes them
         for key in sorted({w.key for w in m.waiting.values() if w.eligible(now)}):
             promoted += m.promote_key(key, now)
         return promoted, finished
@@ -771,6 +840,7 @@ class LedgerMachine(RuleBasedStateMachine):
         m, now = self.model, self.now
         report = self.ledger.reconcile(now=now, idle=idle)
         assert report.drift == [], report.drift
+        self.follow_layouts()
 
         expired = {c.token for c in m.claims.values() if c.state == "running" and c.lease_expires_at < now}
         assert set(report.reclaimed) == expired and len(report.reclaimed) == len(expired)
@@ -822,12 +892,15 @@ class LedgerMachine(RuleBasedStateMachine):
         for key in ready:
             if key_name(key) in skip or ((key in due or key in m.time_joined) and not strict):
                 continue
-            free = [s for s in range(m.shards(key_name(key))) if used.get((key, s), 0) < m.share_of(key, s, now)]
+            free = [s for s in m.rows(key) if used.get((key, s), 0) < m.share_of(key, s, now)]
             assert not free, f"lost wakeup: {key} has room on shards {free} and an eligible waiter"
 
     @invariant()
     def database_matches_model(self) -> None:
         m, now = self.model, self.now
+        self.follow_layouts()
+        m.take_moves(now)  # a key moved where the model does not look (a configure's key without waiters)
+        assert not m.pending, f"keys moved to a new shard count while their holdings do not fit: {m.pending}"
         m.track_bound(now)
         with self.engine.connect() as conn:
             claims = {
@@ -850,6 +923,9 @@ class LedgerMachine(RuleBasedStateMachine):
             slots = {
                 (r.key, r.shard): r.used for r in conn.execute(sa.text("SELECT key, shard, used FROM keyed_slots"))
             }
+            layouts: dict[str, dict[int, int]] = {}
+            for r in conn.execute(sa.text("SELECT key, shard, shards FROM keyed_slots")):
+                layouts.setdefault(r.key, {})[r.shard] = r.shards
             counted = conn.execute(sa.text("SELECT count(*) FROM keyed_claims WHERE key IS NOT NULL")).scalar_one()
             heads: dict[str, int] = dict(conn.execute(sa.text("SELECT key, waiting FROM keyed_keys")).all())
             rows_per_key: dict[str, int] = dict(
@@ -899,6 +975,17 @@ class LedgerMachine(RuleBasedStateMachine):
         for (key, shard), n in slots.items():
             if n:
                 assert n <= m.max_share[(key, shard)], f"{key} shard {shard}: {n} claims > {m.max_share}"
+        # ... and the key as a whole never holds more than the largest limit in effect since its oldest live claim,
+        # through any change of its name's shards (D18).
+        for key in {k for k, _ in slots}:
+            total = sum(n for (k, _), n in slots.items() if k == key)
+            if total:
+                assert total <= m.max_limit[key], f"{key}: {total} claims > limit {m.max_limit[key]}"
+        # Layouts: every row of a key carries one shard count, the rows are exactly 0 .. count - 1, and the model's.
+        for key, shards in layouts.items():
+            assert len(set(shards.values())) == 1, (key, shards)
+            assert sorted(shards) == list(range(next(iter(shards.values())))), (key, shards)
+        assert {k: next(iter(v.values())) for k, v in layouts.items()} == m.layout
 
         # Books (D11): one outcome per task id, and they balance. finished_attempt matters while a task is open
         # (it drops duplicates of attempts that are over, D8); once an outcome is recorded the outcome does, and

@@ -143,9 +143,15 @@ CREATE TABLE keyed_slots (
     shard integer NOT NULL,
     name text NOT NULL,
     used integer NOT NULL DEFAULT 0,
+    -- the shard count this key's rows are laid out for (every row of a key carries the same): shares follow the
+    -- rows, not the name's current configuration (keyed_row_share, keyed_reshard)
+    shards integer NOT NULL DEFAULT 1,
     PRIMARY KEY (key, shard),
     CONSTRAINT keyed_slots_used_nonnegative CHECK (used >= 0)
 );
+-- The keys whose rows follow another shard count than their name's (the sweep moves them: slots.py): by name,
+-- row 0 only, no column a claim or release writes (their updates stay HOT).
+CREATE INDEX keyed_slots_layout_idx ON keyed_slots (name, shards) WHERE shard = 0;
 
 -- Keys: one head row per key. waiting = parked attempts of the key (D1), bounded by max_waiting.
 CREATE TABLE keyed_keys (
@@ -505,6 +511,90 @@ BEGIN
 END
 $$;
 
+-- The share of slot row p_shard of key p_key now, for a row laid out for p_layout shards (keyed_slots.shards) while
+-- the name is configured for p_target: the smaller of the row's share in the two layouts, so that the shares of a
+-- key's rows never sum above its limit while its rows still follow an older shard count, and a row beyond either
+-- count only drains. Every row of a key carry one layout (keyed_slots_ensure, keyed_reshard); a holding taken
+-- under a layout fits that layout, and the key moves to the configured count only once every holding fits it
+-- (keyed_reshard): no change of shards can let a row admit past the bound (D18). VOLATILE like keyed_key_limit.
+CREATE FUNCTION keyed_row_share(p_key text, p_now timestamptz, p_layout integer, p_target integer, p_shard integer)
+RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_limit integer;
+BEGIN
+    IF p_shard >= p_layout OR p_shard >= p_target THEN
+        RETURN 0;
+    END IF;
+    v_limit := keyed_key_limit(p_key, p_now);
+    RETURN LEAST(v_limit / p_layout + CASE WHEN p_shard < v_limit % p_layout THEN 1 ELSE 0 END,
+                 v_limit / p_target + CASE WHEN p_shard < v_limit % p_target THEN 1 ELSE 0 END);
+END
+$$;
+
+-- keyed_slots_ensure: create the missing slot rows of a key and answer its layout. Row 0 is the anchor: it is
+-- created first, for the name's current shard count, and locked; the other rows are created for row 0's layout
+-- under that lock, so a key's rows never mix two layouts (keyed_reshard changes a layout under every row's lock).
+-- Lock order: row 0 first, as every path that locks a key's rows in shard order.
+CREATE FUNCTION keyed_slots_ensure(p_key text, p_name text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_layout integer;
+BEGIN
+    FOR i IN 1 .. 5 LOOP  -- row 0 can be dropped as idle between the insert and the lock: insert it again
+        INSERT INTO keyed_slots (key, shard, name, used, shards)
+        VALUES (p_key, 0, p_name, 0, keyed_name_shards(p_name))
+        ON CONFLICT (key, shard) DO NOTHING;
+        SELECT s.shards INTO v_layout FROM keyed_slots s WHERE s.key = p_key AND s.shard = 0 FOR UPDATE;
+        EXIT WHEN v_layout IS NOT NULL;
+    END LOOP;
+    INSERT INTO keyed_slots (key, shard, name, used, shards)
+    SELECT p_key, g, p_name, 0, v_layout FROM generate_series(1, v_layout - 1) AS g
+    ON CONFLICT (key, shard) DO NOTHING;
+    RETURN v_layout;
+END
+$$;
+
+-- keyed_reshard: move a key's slot rows to its name's current shard count, if every holding fits the new layout
+-- (a row beyond the new count holds nothing; every other row holds at most its new share; an exclusive holding never
+-- fits a change). Locks every row of the key in shard order (callers hold them already). Answers whether it moved.
+-- Until it moves, keyed_row_share gives each row the smaller of its two shares, so the key drains toward the new
+-- layout; slots.slots_lock_all (the slow path and the promotion of a key) and reconcile call this.
+CREATE FUNCTION keyed_reshard(p_key text, p_now timestamptz) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_name text;
+    v_target integer;
+    v_limit integer;
+    v_layout integer;
+    r record;
+BEGIN
+    FOR r IN SELECT s.shard, s.used, s.shards, s.name FROM keyed_slots s WHERE s.key = p_key ORDER BY s.shard
+               FOR UPDATE
+    LOOP
+        IF v_layout IS NULL THEN
+            v_layout := r.shards;
+            v_name := r.name;
+            v_target := keyed_name_shards(r.name);
+            EXIT WHEN v_layout = v_target;
+            v_limit := keyed_key_limit(p_key, COALESCE(p_now, now()));
+        END IF;
+        IF r.used > 0 AND (r.shard >= v_target OR r.used > keyed_shard_share(v_limit, v_target, r.shard)) THEN
+            RETURN false;
+        END IF;
+    END LOOP;
+    IF v_layout IS NULL OR v_layout = v_target THEN
+        RETURN false;
+    END IF;
+    DELETE FROM keyed_slots s WHERE s.key = p_key AND s.shard >= v_target;
+    UPDATE keyed_slots s SET shards = v_target WHERE s.key = p_key;
+    INSERT INTO keyed_slots (key, shard, name, used, shards)
+    SELECT p_key, g, v_name, 0, v_target FROM generate_series(0, v_target - 1) AS g
+    ON CONFLICT (key, shard) DO NOTHING;
+    RETURN true;
+END
+$$;
+
 -- Server-side paths (migration 0005): batches of claims and releases, and the hot path's multi-statement
 -- transactions as one function call each; the lock order and every guard of the statements they replace are kept
 -- inside them (docs/ledger.md: Server-side paths).
@@ -571,7 +661,7 @@ BEGIN
         IF NOT v_blocked AND v_new[r.ord] AND v_rate IS NULL AND (r.deadline IS NULL OR r.deadline > v_now) THEN
             IF v_shards = 1 THEN
                 SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -580,7 +670,7 @@ BEGIN
                    FOR UPDATE OF s;
             ELSE
                 SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
+                 WHERE s.key = r.key AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -592,7 +682,7 @@ BEGIN
                 -- The guard again under the lock: the bound holds even if the limit changed (D1).
                 UPDATE keyed_slots s SET used = s.used + r.cost
                  WHERE s.key = r.key AND s.shard = v_shard
-                   AND s.used + r.cost <= keyed_key_share(r.key, v_now, v_shards, s.shard)
+                   AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
                 RETURNING s.shard INTO v_shard;
             END IF;
             IF v_shard IS NOT NULL THEN
@@ -714,7 +804,7 @@ BEGIN
             v_waits := EXISTS (SELECT 1 FROM keyed_keys k WHERE k.key = v_key AND k.waiting > 0);
         END IF;
         CONTINUE WHEN NOT v_waits;
-        SELECT GREATEST(keyed_key_share(sl.key, v_now, keyed_name_shards(sl.name), sl.shard)
+        SELECT GREATEST(keyed_row_share(sl.key, v_now, sl.shards, keyed_name_shards(sl.name), sl.shard)
                         - sl.used, 0)
           INTO v_free
           FROM keyed_slots sl WHERE sl.key = v_key AND sl.shard = w_shard[i];
@@ -785,7 +875,7 @@ BEGIN
          GROUP BY x.key ORDER BY x.key
     LOOP
         v_name := split_part(v_key, ':', 1);
-        SELECT COALESCE(sum(GREATEST(keyed_key_share(v_key, v_now,
+        SELECT COALESCE(sum(GREATEST(keyed_row_share(v_key, v_now, s.shards,
                                                        keyed_name_shards(v_name), s.shard) - s.used, 0)), 0)
           INTO v_budget
           FROM keyed_slots s WHERE s.key = v_key AND s.shard = ANY(v_shards);
@@ -818,10 +908,10 @@ BEGIN
              WHERE (s.key, s.shard) = (
                     SELECT s2.key, s2.shard FROM keyed_slots s2
                      WHERE s2.key = v_key AND s2.shard = ANY(v_shards)
-                       AND s2.used + w.cost <= keyed_key_share(v_key, v_now,
+                       AND s2.used + w.cost <= keyed_row_share(v_key, v_now, s2.shards,
                                                                  keyed_name_shards(v_name), s2.shard)
                      ORDER BY s2.shard LIMIT 1)
-               AND s.used + w.cost <= keyed_key_share(v_key, v_now,
+               AND s.used + w.cost <= keyed_row_share(v_key, v_now, s.shards,
                                                         keyed_name_shards(v_name), s.shard)
             RETURNING s.shard INTO v_shard;
             EXIT WHEN v_shard IS NULL;  -- the head of the line waits for room; the room is kept for it (D10)
@@ -964,7 +1054,7 @@ BEGIN
            AND (EXISTS (
                     SELECT 1 FROM keyed_slots s
                      WHERE s.key = p_key
-                       AND s.used + 1 <= keyed_key_share(p_key, p_now, p_shards, s.shard))
+                       AND s.used + 1 <= keyed_row_share(p_key, p_now, s.shards, p_shards, s.shard))
                 OR NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = p_key));
 END
 $$;
@@ -996,6 +1086,7 @@ DECLARE
     v_shards integer := keyed_name_shards(split_part(p_key, ':', 1));
     v_limit integer;
     v_locked integer;
+    v_layout integer;
     v_room integer;
     v_fence bigint;
     v_policy text;
@@ -1039,20 +1130,19 @@ BEGIN
         RETURN QUERY SELECT 'general'::text, v_new, NULL::bigint, NULL::integer, ''::text;
         RETURN;
     END IF;
-    -- Every shard row of the key, created on first use, locked in shard order.
-    SELECT count(*) INTO v_locked FROM (
-        SELECT 1 FROM keyed_slots s WHERE s.key = p_key ORDER BY s.shard FOR UPDATE) l;
-    IF v_locked < v_shards THEN
-        INSERT INTO keyed_slots (key, shard, name, used)
-        SELECT p_key, g, v_name, 0 FROM generate_series(0, v_shards - 1) AS g
-        ON CONFLICT (key, shard) DO NOTHING;
+    -- Every slot row of the key, created on first use (keyed_slots_ensure: the key's own layout), locked in shard
+    -- order.
+    SELECT count(*), min(s.shards) INTO v_locked, v_layout FROM (
+        SELECT s.shards FROM keyed_slots s WHERE s.key = p_key ORDER BY s.shard FOR UPDATE) s;
+    IF v_locked = 0 OR v_locked < v_layout THEN
+        PERFORM keyed_slots_ensure(p_key, v_name);
         PERFORM 1 FROM keyed_slots s WHERE s.key = p_key ORDER BY s.shard FOR UPDATE;
     END IF;
     INSERT INTO keyed_keys (key, name, waiting, active_at) VALUES (p_key, v_name, 0, v_now)
     ON CONFLICT (key) DO UPDATE SET active_at = excluded.active_at;
     v_limit := keyed_key_limit(p_key, v_now);
     SELECT s.shard INTO v_room FROM keyed_slots s
-     WHERE s.key = p_key AND s.used + 1 <= keyed_shard_share(v_limit, v_shards, s.shard)
+     WHERE s.key = p_key AND s.used + 1 <= LEAST(keyed_shard_share(v_limit, s.shards, s.shard), keyed_shard_share(v_limit, v_shards, s.shard))
      ORDER BY s.shard LIMIT 1;
     IF EXISTS (SELECT 1 FROM keyed_waiting w
                 WHERE w.key = p_key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
@@ -1071,7 +1161,7 @@ BEGIN
     ELSIF v_room IS NOT NULL THEN
         -- The bound (D1): the guarded take under the row's lock.
         UPDATE keyed_slots s SET used = s.used + 1
-         WHERE s.key = p_key AND s.shard = v_room AND s.used + 1 <= keyed_shard_share(v_limit, v_shards, s.shard)
+         WHERE s.key = p_key AND s.shard = v_room AND s.used + 1 <= LEAST(keyed_shard_share(v_limit, s.shards, s.shard), keyed_shard_share(v_limit, v_shards, s.shard))
         RETURNING s.shard INTO v_room;
         IF v_room IS NOT NULL THEN
             INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
