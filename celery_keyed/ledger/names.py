@@ -239,36 +239,3 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, n
 
 def names_newest_version(conn: sa.Connection) -> int:
     return int(conn.execute(NAMES_NEWEST_VERSION).scalar_one())
-
-
-@dataclass
-class Configured:
-    """What ``configure_names`` did: the names written, the names kept because a newer configuration stored them
-    (``kept``), the newest version the ledger holds afterwards, and the promotions a raised limit made."""
-
-    written: list[str]
-    kept: list[str]
-    newest_version: int
-    promotions: list[Any]
-
-
-def configure_names(
-    conn: sa.Connection,
-    configs: Mapping[str, NameConfig],
-    *,
-    version: int = 0,
-    dispatch: float = 30.0,
-    now: datetime | None = None,
-) -> Configured:
-    """Store every config as ``version`` (a worker does this at start; a name stored by a newer version is kept)
-    and promote waiters a raised limit lets in (D2)."""
-    from celery_keyed.ledger.overrides import promote_name  # overrides builds on promote, which reads names
-
-    written: list[str] = []
-    kept: list[str] = []
-    for name in sorted(configs):
-        (written if names_upsert(conn, configs[name], version=version, now=now) else kept).append(name)
-    promotions: list[Any] = []
-    for name in written:
-        promotions += promote_name(conn, name, dispatch=dispatch, now=now)
-    return Configured(written, kept, names_newest_version(conn), promotions)

@@ -138,6 +138,16 @@ def promote_key(
     return promote_waiters(conn, key, free, dispatch=dispatch, now=now)
 
 
+def promote_name(
+    conn: sa.Connection, name: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
+) -> list[Promotion]:
+    """Promote waiters of every key of ``name`` that has room now (D2: run wherever room may appear)."""
+    promotions: list[Promotion] = []
+    for key in conn.execute(keys.KEYS_OF_NAME_WAITING, {"name": name}).scalars().all():
+        promotions += promote_key(conn, key, dispatch=dispatch, now=now)
+    return promotions
+
+
 def promote_waiters(
     conn: sa.Connection,
     key: str,
