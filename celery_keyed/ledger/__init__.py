@@ -95,6 +95,7 @@ from celery_keyed.ledger.outbox import (
     outbox_register_retry,
     outbox_take_due,
 )
+from celery_keyed.ledger.outcome_kinds import NEVER_RAN_KINDS, OUTCOME_KINDS, OutcomeKind
 from celery_keyed.ledger.overrides import clear_override, override_get, set_override
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT
 from celery_keyed.ledger.reconcile import (
@@ -129,6 +130,8 @@ __all__ = [
     "FAIR_WEIGHT_MIN",
     "INT_MAX",
     "MAX_KEYS_PER_CALL",
+    "NEVER_RAN_KINDS",
+    "OUTCOME_KINDS",
     "SECONDS_MAX",
     "SLOT_LIMIT_MAX",
     "STATEMENT_TIMEOUT_MAX",
@@ -145,6 +148,7 @@ __all__ = [
     "NameConfig",
     "NameStatus",
     "Outcome",
+    "OutcomeKind",
     "Promotion",
     "ReleaseReport",
     "ReleaseRequest",
