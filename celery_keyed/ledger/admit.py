@@ -279,71 +279,152 @@ def admit(
 
     The bound is enforced by the guarded slot UPDATE (D1). A parked attempt's row is committed with this
     transaction; the caller acks the broker message only after the commit.
+
+    The steps, in order: the fast claim of a known key or the arrival's row (``_arrive``); a known attempt token
+    (``_known_attempt``, D8); its group number; an expiry or a refusal decided before any slot is looked at
+    (``_refused_at_arrival``); the fast claim of a later attempt (``_claim_later_attempt``); newest wins
+    (``_cancel_older``); the locks on every key's slots and head rows, in lock order (``_lock_rooms``); whether it
+    may start now (``_ready_to_start``); the claim (``_claim_locked``), else the park (``_park``).
     """
-    token = arrival.token
     name = key_name(arrival.key) if arrival.key else None
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
-    fast = (
+    fast = _fast_path_applies(arrival, name)
+    row, admitted = _arrive(conn, name, params, claim=fast and not fresh)
+    if admitted is not None:
+        return admitted
+    # A fresh arrival still looks for its token: a concurrent delivery of the same task may have won.
+    known = None if row.new else _known_attempt(conn, arrival, row, name=name, now=now)
+    if known is not None:
+        return known
+
+    group_seq = _group_seq(conn, arrival, now=now) if arrival.group_key else None
+
+    refused = _refused_at_arrival(conn, arrival, expired=row.expired, now=now)
+    if refused is not None:
+        return refused
+
+    # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
+    if fast and not row.new and not fresh and arrival.key and name:
+        admitted = _claim_later_attempt(conn, arrival, name, params, holder=holder, lease=lease, now=now)
+        if admitted is not None:
+            return admitted
+
+    # Newest wins: ask for the cancellation of the older attempt of its key and supersede key. Its claim row is
+    # locked before the slot rows, the order a release takes them in (claim, task, slots): no cycle.
+    cancels = _cancel_older(conn, arrival, now=now)
+    rooms, promoted = _lock_rooms(conn, arrival, dispatch=dispatch, now=now)
+    is_head, ready = _ready_to_start(conn, arrival, rooms, group_seq=group_seq, now=now)
+    if ready:
+        admitted, arrival = _claim_locked(
+            conn, arrival, rooms, holder=holder, lease=lease, promoted=promoted, cancels=cancels, now=now
+        )
+        if admitted is not None:
+            return admitted
+    return _park(
+        conn, arrival, rooms, name=name, group_seq=group_seq, is_head=is_head, promoted=promoted, cancels=cancels,
+        now=now,
+    )
+
+
+Cancels = tuple[tuple[str, int, str | None], ...]
+
+
+def _fast_path_applies(arrival: Arrival, name: str | None) -> bool:
+    """Whether a one-statement claim may decide ``arrival``: one key, no group, no not-before time, not exclusive,
+    not debounced, not newest-wins."""
+    return (
         arrival.key is not None
         and name is not None
         and not arrival.group_key
         and arrival.not_before is None
         and not arrival.extra_keys
         and not arrival.exclusive
+        and arrival.debounce is None
+        and arrival.on_newer is None
     )
-    fast = fast and arrival.debounce is None and arrival.on_newer is None
+
+
+def _arrive(
+    conn: sa.Connection, name: str | None, params: dict[str, Any], *, claim: bool
+) -> tuple[Any, Admission | None]:
+    """The fast claim of a known key with room (``claim``: ADMITTED, decided), else the arrival's row in the books,
+    recorded or locked (``books_arrive_or_lock``; the fast claim's row when it recorded it)."""
     row: Any = None
-    if fast and not fresh:
+    if claim:
         assert name is not None
         row = _fast_claim(conn, name, lambda: conn.execute(fast_paths.CLAIM_NEW, params).one())
         if row is not None and row.shard is not None:
-            return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
+            return row, Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
     if row is None:
         row = conn.execute(books.BOOKS_ARRIVE_OR_LOCK, params).one()
-    # A fresh arrival still looks for its token: a concurrent delivery of the same task may have won.
-    if not row.new:
-        if row.outcome is not None or row.finished_attempt >= arrival.attempt:
-            books.books_count_duplicate(conn, arrival.task_id)
-            return Admission(Verdict.DUPLICATE, detail=f"finished ({row.outcome or 'attempt over'})")
-        held = conn.execute(claims.CLAIMS_TOKEN_STATE, {"task_id": token.task_id, "attempt": token.attempt}).first()
-        if held is not None:
-            return _duplicate(conn, arrival, held.kind, held.detail, name=name, now=now)
+    return row, None
 
-    group_seq = _group_seq(conn, arrival, now=now) if arrival.group_key else None
 
-    if row.expired:
-        finish_never_ran(conn, token, TaskOutcome.EXPIRED, detail="expired before start", now=now)
+def _known_attempt(
+    conn: sa.Connection, arrival: Arrival, row: Any, *, name: str | None, now: datetime | None
+) -> Admission | None:
+    """DUPLICATE when the task finished or this attempt is over, or when its token holds a claim or a waiting row
+    already (D8); None: a new attempt."""
+    if row.outcome is not None or row.finished_attempt >= arrival.attempt:
+        books.books_count_duplicate(conn, arrival.task_id)
+        return Admission(Verdict.DUPLICATE, detail=f"finished ({row.outcome or 'attempt over'})")
+    token = arrival.token
+    held = conn.execute(claims.CLAIMS_TOKEN_STATE, {"task_id": token.task_id, "attempt": token.attempt}).first()
+    if held is not None:
+        return _duplicate(conn, arrival, held.kind, held.detail, name=name, now=now)
+    return None
+
+
+def _refused_at_arrival(
+    conn: sa.Connection, arrival: Arrival, *, expired: bool, now: datetime | None
+) -> Admission | None:
+    """EXPIRED (its latest start passed) or REJECTED (an exclusive attempt no key can hold), recorded; else None."""
+    if expired:
+        finish_never_ran(conn, arrival.token, TaskOutcome.EXPIRED, detail="expired before start", now=now)
         return Admission(Verdict.EXPIRED, detail="expired before start")
-
     refused = _exclusive_refused(conn, arrival) if arrival.exclusive else None
     if refused is not None:
-        finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=refused, now=now)
+        finish_never_ran(conn, arrival.token, TaskOutcome.REJECTED, detail=refused, now=now)
         return Admission(Verdict.REJECTED, detail=refused)
+    return None
 
-    # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
-    if fast and not row.new and not fresh and arrival.key and name:
-        key = arrival.key
-        claim = _fast_claim(conn, name, lambda: conn.execute(slots.SLOTS_CLAIM_ANY, params).one())
-        if claim is not None and claim.shard is not None:
-            fence = claims.claims_insert_running(
-                conn,
-                token,
-                key=key,
-                shard=claim.shard,
-                group_key=None,
-                holder=holder,
-                lease=lease,
-                holding=claims.Holding(key, claim.shard, cost=arrival.cost, fair_key=arrival.fair_key),
-                now=now,
-            )
-            return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
 
-    # Newest wins: ask for the cancellation of the older attempt of its key and supersede key. Its claim row is
-    # locked before the slot rows, the order a release takes them in (claim, task, slots): no cycle.
-    cancels = _cancel_older(conn, arrival, now=now)
+def _claim_later_attempt(
+    conn: sa.Connection,
+    arrival: Arrival,
+    name: str,
+    params: dict[str, Any],
+    *,
+    holder: str,
+    lease: float,
+    now: datetime | None,
+) -> Admission | None:
+    """The fast claim of a later attempt (a retry, a redelivery) on any shard with room: ADMITTED, or None."""
+    key = arrival.key
+    assert key is not None
+    claim = _fast_claim(conn, name, lambda: conn.execute(slots.SLOTS_CLAIM_ANY, params).one())
+    if claim is None or claim.shard is None:
+        return None
+    fence = claims.claims_insert_running(
+        conn,
+        arrival.token,
+        key=key,
+        shard=claim.shard,
+        group_key=None,
+        holder=holder,
+        lease=lease,
+        holding=claims.Holding(key, claim.shard, cost=arrival.cost, fair_key=arrival.fair_key),
+        now=now,
+    )
+    return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
 
-    # Slow path: lock everything the decision depends on, in lock order (every key's shard rows, keys sorted,
-    # then their head rows), then decide. Several keys: all have room or the attempt parks (all-or-nothing).
+
+def _lock_rooms(
+    conn: sa.Connection, arrival: Arrival, *, dispatch: float, now: datetime | None
+) -> tuple[dict[str, int | None], list[Promotion]]:
+    """Slow path: lock everything the decision depends on, in lock order (every key's shard rows, keys sorted,
+    then their head rows). Per key, the shard with room for the arrival (None: no room), and the promotions made
+    on the way (a line next to room, see below). Several keys: all have room or the attempt parks (all-or-nothing)."""
     rooms: dict[str, int | None] = {}
     uses: dict[str, list[slots.ShardUse]] = {}
     for k in sorted(arrival.keys):
@@ -365,7 +446,15 @@ def admit(
                 waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}
             ).scalar():
                 rooms[k] = None
-    room = rooms.get(arrival.key) if arrival.key else None
+    return rooms, promoted
+
+
+def _ready_to_start(
+    conn: sa.Connection, arrival: Arrival, rooms: dict[str, int | None], *, group_seq: int | None,
+    now: datetime | None,
+) -> tuple[bool, bool]:
+    """(Whether the arrival heads its group — True without a group —, whether it may start now: room on every key,
+    its group's head and not busy, due, not debounced). Locks its group's row."""
     has_room = all(shard is not None for shard in rooms.values())
     head_ready = True
     is_head = True
@@ -377,32 +466,64 @@ def admit(
     not_due = arrival.not_before is not None and clock_is_future(conn, arrival.not_before, now)
     if arrival.debounce is not None:
         not_due = True  # a debounced arrival always waits out its quiet period, room or not (_debounce)
+    return is_head, (arrival.key is None or has_room) and head_ready and not not_due
 
-    if (arrival.key is None or has_room) and head_ready and not not_due:
-        # The guarded UPDATEs are the authority: the limit may have changed since the rows were read.
-        holding, wait_for = (
-            _take_locked(conn, arrival, rooms, now=now) if arrival.key else (claims.Holding(None, None), None)
-        )
-        if wait_for is not None:  # a rate limit: park until its tokens exist (no polling, no broker churn)
-            arrival = dataclasses.replace(arrival, not_before=wait_for[1])
-            rooms[wait_for[0]] = None
-        if holding is not None:
-            fence = claims.claims_insert_running(
-                conn,
-                token,
-                key=arrival.key,
-                shard=room if arrival.key else None,
-                group_key=arrival.group_key,
-                holder=holder,
-                lease=lease,
-                holding=holding,
-                supersede_key=arrival.supersede_key if arrival.on_newer else None,
-                now=now,
-            )
-            return Admission(
-                Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted), cancels=cancels
-            )
 
+def _claim_locked(
+    conn: sa.Connection,
+    arrival: Arrival,
+    rooms: dict[str, int | None],
+    *,
+    holder: str,
+    lease: float,
+    promoted: list[Promotion],
+    cancels: Cancels,
+    now: datetime | None,
+) -> tuple[Admission | None, Arrival]:
+    """Claim the rooms found under the locks: ADMITTED; or None when a guarded UPDATE took nothing after all, or a
+    rate limit has no tokens yet (then the arrival, returned with its not-before time set to when they exist, parks:
+    no polling, no broker churn; its key has no room in ``rooms``)."""
+    room = rooms.get(arrival.key) if arrival.key else None
+    # The guarded UPDATEs are the authority: the limit may have changed since the rows were read.
+    holding, wait_for = (
+        _take_locked(conn, arrival, rooms, now=now) if arrival.key else (claims.Holding(None, None), None)
+    )
+    if wait_for is not None:  # a rate limit: park until its tokens exist (no polling, no broker churn)
+        arrival = dataclasses.replace(arrival, not_before=wait_for[1])
+        rooms[wait_for[0]] = None
+    if holding is None:
+        return None, arrival
+    fence = claims.claims_insert_running(
+        conn,
+        arrival.token,
+        key=arrival.key,
+        shard=room if arrival.key else None,
+        group_key=arrival.group_key,
+        holder=holder,
+        lease=lease,
+        holding=holding,
+        supersede_key=arrival.supersede_key if arrival.on_newer else None,
+        now=now,
+    )
+    admitted = Admission(Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted), cancels=cancels)
+    return admitted, arrival
+
+
+def _park(
+    conn: sa.Connection,
+    arrival: Arrival,
+    rooms: dict[str, int | None],
+    *,
+    name: str | None,
+    group_seq: int | None,
+    is_head: bool,
+    promoted: list[Promotion],
+    cancels: Cancels,
+    now: datetime | None,
+) -> Admission:
+    """Park the arrival durably (PARKED), or record why it cannot wait (REJECTED: a cost no key can hold, a full
+    waiting room; a debounce may decide it SUPERSEDED)."""
+    token = arrival.token
     too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 and not arrival.exclusive else None
     if too_heavy is not None:
         _withdraw_cancels(conn, arrival, cancels)
