@@ -81,6 +81,19 @@ class FastKeys:
                     del self._keys[next(iter(self._keys))]
 
 
+class _BatchState:
+    """What ``admit_many`` knows of each arrival of its batch, by input position: its answer so far, whether a call
+    recorded its first arrival (``fresh``), whether the batch claim tried it (``tried``), whether it needs the
+    general transaction (``general``)."""
+
+    def __init__(self, arrivals: list[Arrival]) -> None:
+        self.arrivals = arrivals
+        self.answers: list[Admission | None] = [None] * len(arrivals)
+        self.fresh = [False] * len(arrivals)
+        self.tried = [False] * len(arrivals)
+        self.general = [False] * len(arrivals)
+
+
 class Batches:
     """The admission and release policy of one ledger session (see the module docstring)."""
 
@@ -172,9 +185,23 @@ class Batches:
         for the whole batch; arrivals decided before the error are committed (their claims are reclaimed by the
         reaper if the caller cannot use them, their parked rows are kept)."""
         arrivals = list(arrivals)
-        answers: list[Admission | None] = [None] * len(arrivals)
-        fresh = [False] * len(arrivals)
-        tried = [False] * len(arrivals)
+        state = _BatchState(arrivals)
+        self._claim_together(state, now=now)
+        self._admit_plain_in_order(state, now=now)
+        for i, arrival in enumerate(arrivals):
+            if state.answers[i] is None:
+                if state.general[i]:
+                    state.answers[i] = self._admit_general(arrival, fresh=state.fresh[i], now=now)
+                else:
+                    state.answers[i] = self._admit_isolated(
+                        arrival, tried=state.tried[i], fresh=state.fresh[i], now=now
+                    )
+        return [a for a in state.answers if a is not None]
+
+    def _claim_together(self, state: _BatchState, *, now: datetime | None) -> None:
+        """The first step of ``admit_many``: the arrivals with one key, no group and no not-before time, claimed in
+        one call (``keyed_claim_many``) — up to the first of each key that is decided on its own (FIFO, D10)."""
+        arrivals = state.arrivals
         batch: list[int] = []
         behind: set[str] = set()  # keys with an earlier arrival that is decided on its own (FIFO, D10)
         for i, arrival in enumerate(arrivals):
@@ -182,53 +209,47 @@ class Batches:
                 batch.append(i)
             else:
                 behind.update(arrival.keys)
-        if batch:
-            chosen = [arrivals[i] for i in batch]
-            try:
-                decided = self.autocommitted(
-                    lambda conn: admit.claim_many(conn, chosen, holder=self.holder, lease=self.lease, now=now)
-                )
-            except REFUSED:
-                decided = None  # one value refused fails the call (nothing committed): decide each on its own
-            if decided is not None:
-                for i, (admission, new) in zip(batch, decided, strict=True):
-                    answers[i], fresh[i], tried[i] = admission, new, True
-        general = [False] * len(arrivals)
-        rest = [i for i in range(len(arrivals)) if answers[i] is None]
+        if not batch:
+            return
+        chosen = [arrivals[i] for i in batch]
+        try:
+            decided = self.autocommitted(
+                lambda conn: admit.claim_many(conn, chosen, holder=self.holder, lease=self.lease, now=now)
+            )
+        except REFUSED:
+            return  # one value refused fails the call (nothing committed): decide each on its own
+        for i, (admission, new) in zip(batch, decided, strict=True):
+            state.answers[i], state.fresh[i], state.tried[i] = admission, new, True
+
+    def _admit_plain_in_order(self, state: _BatchState, *, now: datetime | None) -> None:
+        """The second step of ``admit_many``: the plain arrivals left, up to the first that is not (no room seen, a
+        key's first use), in one round trip, one transaction each (``keyed_admit_plain_many``), in input order up
+        to the first it leaves undecided; that one and everything after it are decided one by one, in input order —
+        so parked rows are numbered in input order, as one-by-one calls number them."""
+        arrivals = state.arrivals
         plain_rest: list[int] = []
-        for i in rest:
+        for i in (i for i in range(len(arrivals)) if state.answers[i] is None):
             if not admit.plain(arrivals[i]):
                 break
             plain_rest.append(i)
-        if len(plain_rest) > 1:
-            # The plain ones left up to the first that is not (no room seen, a key's first use): one round trip, one
-            # transaction each (keyed_admit_plain_many), in input order up to the first it leaves undecided; that one
-            # and everything after it are decided below, in input order — so parked rows are numbered in input
-            # order, as one-by-one calls number them.
-            chosen = [arrivals[i] for i in plain_rest]
-            try:
-                decisions = self.autocommitted(
-                    lambda conn: admit.admit_plain_many(
-                        conn, chosen, holder=self.holder, lease=self.lease, park_only=False, in_order=True, now=now
-                    ),
-                    attempts=1,
-                )
-            except REFUSED:
-                decisions = None  # one value refused fails the call before any arrival: decide each on its own
-            if decisions is not None:
-                for i, decision in zip(plain_rest, decisions, strict=True):
-                    fresh[i] = fresh[i] or decision.new
-                    if decision.admission is not None:
-                        answers[i] = decision.admission
-                    elif decision.verdict == "general":
-                        general[i] = True
-        for i, arrival in enumerate(arrivals):
-            if answers[i] is None:
-                if general[i]:
-                    answers[i] = self._admit_general(arrival, fresh=fresh[i], now=now)
-                else:
-                    answers[i] = self._admit_isolated(arrival, tried=tried[i], fresh=fresh[i], now=now)
-        return [a for a in answers if a is not None]
+        if len(plain_rest) <= 1:
+            return
+        chosen = [arrivals[i] for i in plain_rest]
+        try:
+            decisions = self.autocommitted(
+                lambda conn: admit.admit_plain_many(
+                    conn, chosen, holder=self.holder, lease=self.lease, park_only=False, in_order=True, now=now
+                ),
+                attempts=1,
+            )
+        except REFUSED:
+            return  # one value refused fails the call before any arrival: decide each on its own
+        for i, decision in zip(plain_rest, decisions, strict=True):
+            state.fresh[i] = state.fresh[i] or decision.new
+            if decision.admission is not None:
+                state.answers[i] = decision.admission
+            elif decision.verdict == "general":
+                state.general[i] = True
 
     def park_many_at_receipt(
         self, arrivals: Sequence[Arrival], *, now: datetime | None = None
