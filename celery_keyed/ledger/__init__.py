@@ -1,19 +1,23 @@
 """The slot ledger: pure Postgres (SQLAlchemy Core + psycopg 3). It imports neither Celery nor Django.
 
-Each table module (names, overrides, slots, keys, claims, waiting, groups, books, holders, events) owns one table
-and its guarded statements; ``fast_paths`` holds the one-statement claims and releases that span tables. The
-transactions compose them, each layer importing only those below it (no cycle):
+Each table module (names, overrides, slots, keys, claims, waiting, groups, books, holders, events, sent, outbox)
+owns one table and its guarded statements; ``fast_paths`` holds the one-statement claims and releases that span
+tables. The transactions compose them, each layer importing only those below it (no cycle):
 
-    tables, fast_paths < promote < outcomes < admit, release < revoke < reconcile < Ledger (this module)
+    tables, fast_paths < promote < outcomes, configure < parking < admit, release < revoke < reconcile
+        < session < batches, controls, producers < Ledger (this module)
 
 ``promote`` gives free slots to waiters; ``outcomes`` records a task's final outcome and moves its group on;
-``admit`` is admit-or-park and bind; ``release`` the release-and-promote; ``revoke`` the stored revoke;
-``reconcile`` the background repairs.
+``configure`` stores the names' configuration; ``admit`` is admit-or-park and bind (``parking``,
+``redeliveries``, ``newest_wins``: its steps); ``release`` the release-and-promote; ``revoke`` the stored revoke;
+``reconcile`` the background repairs; ``outcome_kinds`` the one table of final outcomes.
+
 ``Ledger`` (this module, the facade: one method per operation) is a ``session.LedgerSession`` — an engine, a
 holder, connections and pins, each operation in its own transaction, retried on a detected deadlock or
 serialization failure (both are safe to retry: nothing was committed) — whose admissions and releases follow the
-batch policy of ``batches``. docs/ledger.md draws the layout. Callers outside the ledger import from here only
-(``__all__``); modules inside it import from each other.
+batch policy of ``batches``, with the operator's controls (``controls``) and the producers' calls
+(``producers``). docs/ledger.md draws the layout. Callers outside the ledger import from here only (``__all__``);
+modules inside it import from each other.
 """
 
 from __future__ import annotations
