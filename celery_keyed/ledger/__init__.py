@@ -92,7 +92,7 @@ from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_k
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
 from celery_keyed.ledger.names import NameConfig, names_newest_version, parse_limits
 from celery_keyed.ledger.outbox import outbox_by_name, outbox_register
-from celery_keyed.ledger.outcome_kinds import NEVER_RAN_KINDS, OUTCOME_KINDS, OutcomeKind
+from celery_keyed.ledger.outcome_kinds import NEVER_RAN_KINDS, OUTCOME_KINDS
 from celery_keyed.ledger.overrides import clear_override, override_get, set_override
 from celery_keyed.ledger.producers import ProducerCalls
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT
@@ -146,7 +146,6 @@ __all__ = [
     "NameConfig",
     "NameStatus",
     "Outcome",
-    "OutcomeKind",
     "Promotion",
     "ReleaseReport",
     "ReleaseRequest",
