@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The type check of make test and make lint: the package and the Django app (its generated migrations aside).
+MYPY := $(VPY) -m mypy celery_keyed django_app --exclude '/migrations/'
 
 .PHONY: venv test test-slow lint bench demo testbed clean chaos
 
@@ -25,6 +27,7 @@ $(STAMP): pyproject.toml
 TEST_WORKERS ?= 3
 test: venv
 	$(VPY) -m ruff check .
+	$(MYPY)
 	$(VPY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 # Long-running tests (stress, soak). pytest exits 5 when none are collected yet: not a failure here.
@@ -51,7 +54,7 @@ matrix-smoke: venv
 
 lint: venv
 	$(VPY) -m ruff check .
-	$(VPY) -m mypy celery_keyed
+	$(MYPY)
 
 bench: venv
 	$(VPY) -m bench.ledger

@@ -107,19 +107,15 @@ def install(app: Celery) -> None:
 
 
 def _ledger(app: Any) -> Any:
-    from celery_keyed.ledger import Ledger
-    from celery_keyed.publisher import publisher_for
+    from celery_keyed.access import ledger_for
 
-    publisher = publisher_for(app, required=True)
-    assert publisher is not None  # required: a configuration error was raised
-    return Ledger(publisher.engine, lease=publisher.settings.lease, dispatch=publisher.settings.dispatch_timeout)
+    return ledger_for(app)
 
 
 def _dispatch(app: Any, promotions: list[Any]) -> None:
-    from celery_keyed.messages import republish
+    from celery_keyed.access import dispatch
 
-    for promotion in promotions:
-        republish(app, promotion.message, nonce=str(promotion.nonce))
+    dispatch(app, promotions)
 
 
 def set_limit(

@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 from celery_keyed import metrics
+from celery_keyed.access import dispatch, publisher_for
 from celery_keyed.ledger import Ledger
-from celery_keyed.messages import republish
-from celery_keyed.publisher import arrival_timeout, publisher_for, relay_outbox
+from celery_keyed.publisher import arrival_timeout, relay_outbox
 
 logger = logging.getLogger("celery_keyed")
 
@@ -27,7 +27,7 @@ def reconcile(app: Any) -> dict[str, Any]:
     publisher = publisher_for(app, required=True)  # a configuration error says what is wrong
     assert publisher is not None
     settings = publisher.settings
-    ledger = Ledger(publisher.engine, lease=settings.lease, dispatch=settings.dispatch_timeout)
+    ledger = publisher.ledger
     try:
         if time.monotonic() - _last_unreachable < settings.lease:
             report = ledger.sweep(
@@ -47,8 +47,7 @@ def reconcile(app: Any) -> dict[str, Any]:
     except Exception:
         _last_unreachable = time.monotonic()
         raise
-    for promotion in report.promotions:
-        republish(app, promotion.message, nonce=str(promotion.nonce))
+    dispatch(app, report.promotions)
     settled = settle_from_results(app, ledger, age=settings.lease)
     outbox = relay_outbox(
         app,
@@ -103,8 +102,7 @@ def settle_from_results(app: Any, ledger: Ledger, *, age: float, limit: int = 10
             continue
         why = "revoked after its slot went back" if state == "REVOKED" else "its worker was lost before the release"
         done, promotions = ledger.settle(task_id, outcome, detail=f"booked from its {state} result: {why}")
-        for promotion in promotions:
-            republish(app, promotion.message, nonce=str(promotion.nonce))
+        dispatch(app, promotions)
         if done:
             settled += 1
             logger.warning("celery-keyed reconcile: %s booked %s from its stored result", task_id, outcome)

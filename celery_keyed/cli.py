@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import click
 import sqlalchemy as sa
 
+from celery_keyed.access import dispatch, ledger_on
 from celery_keyed.ledger import (
     FAIR_WEIGHT_MAX,
     FAIR_WEIGHT_MIN,
@@ -89,28 +90,17 @@ class Operator:
 
     @property
     def ledger(self) -> Ledger:
-        return Ledger(self.engine, lease=self.settings.lease, dispatch=self.settings.dispatch_timeout)
+        return ledger_on(self.engine, self.settings)
 
     def dispatch(self, promotions: list[Promotion]) -> None:
-        """Publish promoted attempts with their admission nonce (as the beat task does). The ledger change is
-        committed already: a promotion that cannot be published stays in the ledger and goes back in line after
-        ``keyed_dispatch_timeout``, so a broker error is a warning, not a failure of the command."""
-        from celery_keyed.messages import republish
-
-        failed = 0
-        error: Exception | None = None
-        for promotion in promotions:
-            if promotion.nonce is None:
-                continue
-            try:
-                republish(self.app, promotion.message, nonce=str(promotion.nonce))
-            except Exception as exc:  # the broker's errors are many (kombu, redis, amqp): report any
-                failed += 1
-                error = exc
-        if failed:
+        """Publish promoted attempts with their admission nonce (``access.dispatch``, as the beat task does). The
+        ledger change is committed already: a promotion that cannot be published stays in the ledger and goes back
+        in line after ``keyed_dispatch_timeout``, so a broker error is a warning, not a failure of the command."""
+        done = dispatch(self.app, promotions)
+        if done.failed:
             click.echo(
-                f"warning: {failed} promoted task(s) could not be published ({error}); they go back in line "
-                f"after keyed_dispatch_timeout ({self.settings.dispatch_timeout:g}s)",
+                f"warning: {len(done.failed)} promoted task(s) could not be published ({done.error}); they go back "
+                f"in line after keyed_dispatch_timeout ({self.settings.dispatch_timeout:g}s)",
                 err=True,
             )
 

@@ -44,6 +44,7 @@ from celery.worker import state as worker_state
 from celery.worker.strategy import default as default_strategy
 
 from celery_keyed import exceptions, metrics, signals
+from celery_keyed.access import ledger_on
 from celery_keyed.engine import create_ledger_engine
 from celery_keyed.headers import HEADER_FENCE, HEADER_KEY, HEADER_NONCE, HEADER_ON_NEWER, HEADER_SUPERSEDE
 from celery_keyed.ledger import (
@@ -51,7 +52,6 @@ from celery_keyed.ledger import (
     Arrival,
     HeldClaim,
     InvalidKey,
-    Ledger,
     LedgerError,
     Outcome,
     Promotion,
@@ -167,12 +167,7 @@ class GateService:
         self.consumer = consumer
         self.settings = settings
         self.engine = create_ledger_engine(settings, pinned=PINNED_THREADS)
-        self.ledger = Ledger(
-            self.engine,
-            holder=new_holder(getattr(consumer, "hostname", None)),
-            lease=settings.lease,
-            dispatch=settings.dispatch_timeout,
-        )
+        self.ledger = ledger_on(self.engine, settings, holder=new_holder(getattr(consumer, "hostname", None)))
         self.lock = threading.Lock()
         self.pid = os.getpid()  # the worker's main process (pool processes forked later inherit a copy of the gate)
         self.running: dict[Token, Running] = {}

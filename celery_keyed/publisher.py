@@ -1,48 +1,28 @@
-"""The producer side's access to the ledger (group registration at publish, D10; refusal at send, issue 14
-item 3; the outbox, issue 14 item 8): one engine per process and app, created on first use (a forked pool child
-creates its own)."""
+"""The producer side's calls to the ledger (group registration at publish, D10; refusal at send, issue 14
+item 3; the outbox, issue 14 item 8), through the app's ledger access of this process (``access.publisher_for``:
+one engine per process and app, created on first use; a forked pool child creates its own)."""
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
 from celery_keyed import metrics
-from celery_keyed.engine import create_ledger_engine
+from celery_keyed.access import Publisher as Publisher  # re-exported: the app's ledger access lives in access.py
+from celery_keyed.access import close_publisher as close_publisher
+from celery_keyed.access import publisher_for
 from celery_keyed.exceptions import KeyedRejected
 from celery_keyed.headers import HEADER_GROUP, HEADER_KEY
 from celery_keyed.ledger import Ledger, SendVerdict, outbox_register, sent_admit
 from celery_keyed.messages import record_published, republish
-from celery_keyed.settings import KeyedSettings, read_settings
+from celery_keyed.settings import KeyedSettings
 
 logger = logging.getLogger("celery_keyed")
-
-_lock = threading.Lock()
-
-
-@dataclass
-class Publisher:
-    settings: KeyedSettings
-    engine: sa.Engine
-    pid: int
-    _ledger: Ledger | None = field(default=None, repr=False)
-
-    @property
-    def ledger(self) -> Ledger:
-        """A ledger on this publisher's engine (producer calls hold no claim: no holder of their own matters)."""
-        ledger = self._ledger
-        if ledger is None:
-            ledger = Ledger(self.engine, lease=self.settings.lease, dispatch=self.settings.dispatch_timeout)
-            self._ledger = ledger
-        return ledger
 
 
 class SendRefused(KeyedRejected):
@@ -330,34 +310,3 @@ def _eta(value: Any) -> datetime | None:
         return datetime.fromisoformat(value)
     except ValueError:
         return None
-
-
-def publisher_for(app: Any, *, required: bool = False) -> Publisher | None:
-    """The ledger access of ``app`` in this process, or None when the app has no usable ledger configuration
-    (publishing goes on without the ledger). ``required``: raise the configuration error instead (an operator's
-    call such as ``set_limit`` must say what is wrong: a missing URL, a non-PostgreSQL URL, a value out of range)."""
-    current: Publisher | None = getattr(app, "_keyed_publisher", None)
-    if current is not None and current.pid == os.getpid():
-        return current
-    with _lock:
-        current = getattr(app, "_keyed_publisher", None)
-        if current is not None and current.pid == os.getpid():
-            return current
-        try:
-            settings = read_settings(app.conf)
-            engine = create_ledger_engine(settings)
-        except Exception:
-            if required:
-                raise
-            return None
-        current = Publisher(settings, engine, os.getpid())
-        app._keyed_publisher = current
-        return current
-
-
-def close_publisher(app: Any) -> None:
-    """Dispose of ``app``'s ledger connections in this process (tests, or an app that is being closed)."""
-    current: Publisher | None = getattr(app, "_keyed_publisher", None)
-    if current is not None:
-        app._keyed_publisher = None
-        current.engine.dispose()

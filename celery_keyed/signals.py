@@ -22,35 +22,27 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
+from celery_keyed.ledger import NEVER_RAN_KINDS
+
 keyed_parked = Signal(name="keyed_parked", providing_args={"task_id", "task_name", "key"})
 keyed_promoted = Signal(name="keyed_promoted", providing_args={"task_id", "task_name", "key", "local"})
-keyed_rejected = Signal(name="keyed_rejected", providing_args={"task_id", "task_name", "key", "detail"})
-keyed_expired = Signal(name="keyed_expired", providing_args={"task_id", "task_name", "key", "detail"})
-keyed_superseded = Signal(name="keyed_superseded", providing_args={"task_id", "task_name", "key", "detail"})
-keyed_revoked = Signal(name="keyed_revoked", providing_args={"task_id", "task_name", "key", "detail"})
-keyed_lost = Signal(name="keyed_lost", providing_args={"task_id", "task_name", "key", "detail"})
-keyed_dead_lettered = Signal(name="keyed_dead_lettered", providing_args={"task_id", "task_name", "key", "detail"})
 
-#: The signal of each final outcome a task can get without running.
+#: The signal of each final outcome a task can get without running (``ledger/outcome_kinds.py``).
 BY_OUTCOME: dict[str, Signal] = {
-    "rejected": keyed_rejected,
-    "expired": keyed_expired,
-    "superseded": keyed_superseded,
-    "revoked": keyed_revoked,
-    "lost": keyed_lost,
-    "dead_lettered": keyed_dead_lettered,
+    kind.outcome.value: Signal(name=kind.signal, providing_args={"task_id", "task_name", "key", "detail"})
+    for kind in NEVER_RAN_KINDS
 }
+keyed_rejected = BY_OUTCOME["rejected"]
+keyed_expired = BY_OUTCOME["expired"]
+keyed_superseded = BY_OUTCOME["superseded"]
+keyed_revoked = BY_OUTCOME["revoked"]
+keyed_lost = BY_OUTCOME["lost"]
+keyed_dead_lettered = BY_OUTCOME["dead_lettered"]
 
-#: The Celery event each never-ran outcome is announced with, as Celery's own semantics fit: a task turned away
-#: is ``task-rejected``; one that expired, was revoked or replaced is ``task-revoked`` (``expired`` set for the
-#: first); one that was lost or dead-lettered is ``task-failed``. Every one carries ``keyed_outcome``.
+#: The Celery event each never-ran outcome is announced with (``ledger/outcome_kinds.py``: ``expired`` is set for
+#: an expiry). Every one carries ``keyed_outcome``.
 EVENT_BY_OUTCOME: dict[str, str] = {
-    "rejected": "task-rejected",
-    "expired": "task-revoked",
-    "superseded": "task-revoked",
-    "revoked": "task-revoked",
-    "lost": "task-failed",
-    "dead_lettered": "task-failed",
+    kind.outcome.value: kind.event for kind in NEVER_RAN_KINDS if kind.event is not None
 }
 
 __all__ = [

@@ -382,18 +382,16 @@ class KeyedTask(Task):
         """Give back this attempt's concurrency slots now, from inside the task; the rest of the run is unkeyed
         (a group keeps its order: its head is still running). True when slots were given back; False when
         there were none (not keyed, already released, or not running under a worker's gate)."""
-        from celery_keyed.ledger import Ledger, Token
-        from celery_keyed.messages import republish
-        from celery_keyed.publisher import publisher_for
+        from celery_keyed.access import dispatch, publisher_for
+        from celery_keyed.ledger import Token
 
         fence = getattr(self.request, "keyed_fence", None)
         publisher = publisher_for(self.app)
         if fence is None or publisher is None or self.request.id is None:
             return False
-        ledger = Ledger(publisher.engine, lease=publisher.settings.lease, dispatch=publisher.settings.dispatch_timeout)
-        released, promotions = ledger.release_early(Token(self.request.id, int(self.request.retries or 0)), fence)
-        for promotion in promotions:
-            republish(self.app, promotion.message, nonce=str(promotion.nonce))
+        token = Token(self.request.id, int(self.request.retries or 0))
+        released, promotions = publisher.ledger.release_early(token, fence)
+        dispatch(self.app, promotions)
         return released
 
     # -- a key that throttles itself (issue 14 item 4; README "A key that throttles itself") ----------------------

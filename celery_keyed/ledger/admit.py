@@ -30,8 +30,11 @@ from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, TaskOutc
 from celery_keyed.ledger.bounds import tokens_of
 from celery_keyed.ledger.clock import clock_is_future
 from celery_keyed.ledger.keyspec import key_name
+from celery_keyed.ledger.newest_wins import Cancels, cancel_older
 from celery_keyed.ledger.outcomes import finish_never_ran
+from celery_keyed.ledger.parking import park
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_waiters
+from celery_keyed.ledger.redeliveries import known_attempt
 
 #: Shard counts by name seen by this process, with the monotonic time they go stale (see _fast_claim).
 _shards_seen: dict[str, tuple[int, float]] = {}
@@ -279,71 +282,135 @@ def admit(
 
     The bound is enforced by the guarded slot UPDATE (D1). A parked attempt's row is committed with this
     transaction; the caller acks the broker message only after the commit.
+
+    The steps, in order: the fast claim of a known key or the arrival's row (``_arrive``); a known attempt token
+    (``redeliveries.known_attempt``, D8); its group number; an expiry or a refusal decided before any slot is looked
+    at (``_refused_at_arrival``); the fast claim of a later attempt (``_claim_later_attempt``); newest wins
+    (``newest_wins.cancel_older``); the locks on every key's slots and head rows, in lock order (``_lock_rooms``);
+    whether it may start now (``_ready_to_start``); the claim (``_claim_locked``), else the park (``parking.park``).
     """
-    token = arrival.token
     name = key_name(arrival.key) if arrival.key else None
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
-    fast = (
+    fast = _fast_path_applies(arrival, name)
+    row, admitted = _arrive(conn, name, params, claim=fast and not fresh)
+    if admitted is not None:
+        return admitted
+    # A fresh arrival still looks for its token: a concurrent delivery of the same task may have won.
+    known = None if row.new else known_attempt(conn, arrival, row, name=name, now=now)
+    if known is not None:
+        return known
+
+    group_seq = _group_seq(conn, arrival, now=now) if arrival.group_key else None
+
+    refused = _refused_at_arrival(conn, arrival, expired=row.expired, now=now)
+    if refused is not None:
+        return refused
+
+    # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
+    if fast and not row.new and not fresh and arrival.key and name:
+        admitted = _claim_later_attempt(conn, arrival, name, params, holder=holder, lease=lease, now=now)
+        if admitted is not None:
+            return admitted
+
+    # Newest wins: ask for the cancellation of the older attempt of its key and supersede key. Its claim row is
+    # locked before the slot rows, the order a release takes them in (claim, task, slots): no cycle.
+    cancels = cancel_older(conn, arrival, now=now)
+    rooms, promoted = _lock_rooms(conn, arrival, dispatch=dispatch, now=now)
+    is_head, ready = _ready_to_start(conn, arrival, rooms, group_seq=group_seq, now=now)
+    if ready:
+        admitted, arrival = _claim_locked(
+            conn, arrival, rooms, holder=holder, lease=lease, promoted=promoted, cancels=cancels, now=now
+        )
+        if admitted is not None:
+            return admitted
+    return park(
+        conn, arrival, rooms, name=name, group_seq=group_seq, is_head=is_head, promoted=promoted, cancels=cancels,
+        now=now,
+    )
+
+
+
+def _fast_path_applies(arrival: Arrival, name: str | None) -> bool:
+    """Whether a one-statement claim may decide ``arrival``: one key, no group, no not-before time, not exclusive,
+    not debounced, not newest-wins."""
+    return (
         arrival.key is not None
         and name is not None
         and not arrival.group_key
         and arrival.not_before is None
         and not arrival.extra_keys
         and not arrival.exclusive
+        and arrival.debounce is None
+        and arrival.on_newer is None
     )
-    fast = fast and arrival.debounce is None and arrival.on_newer is None
+
+
+def _arrive(
+    conn: sa.Connection, name: str | None, params: dict[str, Any], *, claim: bool
+) -> tuple[Any, Admission | None]:
+    """The fast claim of a known key with room (``claim``: ADMITTED, decided), else the arrival's row in the books,
+    recorded or locked (``books_arrive_or_lock``; the fast claim's row when it recorded it)."""
     row: Any = None
-    if fast and not fresh:
+    if claim:
         assert name is not None
         row = _fast_claim(conn, name, lambda: conn.execute(fast_paths.CLAIM_NEW, params).one())
         if row is not None and row.shard is not None:
-            return Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
+            return row, Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard)
     if row is None:
         row = conn.execute(books.BOOKS_ARRIVE_OR_LOCK, params).one()
-    # A fresh arrival still looks for its token: a concurrent delivery of the same task may have won.
-    if not row.new:
-        if row.outcome is not None or row.finished_attempt >= arrival.attempt:
-            books.books_count_duplicate(conn, arrival.task_id)
-            return Admission(Verdict.DUPLICATE, detail=f"finished ({row.outcome or 'attempt over'})")
-        held = conn.execute(claims.CLAIMS_TOKEN_STATE, {"task_id": token.task_id, "attempt": token.attempt}).first()
-        if held is not None:
-            return _duplicate(conn, arrival, held.kind, held.detail, name=name, now=now)
+    return row, None
 
-    group_seq = _group_seq(conn, arrival, now=now) if arrival.group_key else None
 
-    if row.expired:
-        finish_never_ran(conn, token, TaskOutcome.EXPIRED, detail="expired before start", now=now)
+def _refused_at_arrival(
+    conn: sa.Connection, arrival: Arrival, *, expired: bool, now: datetime | None
+) -> Admission | None:
+    """EXPIRED (its latest start passed) or REJECTED (an exclusive attempt no key can hold), recorded; else None."""
+    if expired:
+        finish_never_ran(conn, arrival.token, TaskOutcome.EXPIRED, detail="expired before start", now=now)
         return Admission(Verdict.EXPIRED, detail="expired before start")
-
     refused = _exclusive_refused(conn, arrival) if arrival.exclusive else None
     if refused is not None:
-        finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=refused, now=now)
+        finish_never_ran(conn, arrival.token, TaskOutcome.REJECTED, detail=refused, now=now)
         return Admission(Verdict.REJECTED, detail=refused)
+    return None
 
-    # Fast path of a later attempt (retry, redelivery), now that D8 has been checked.
-    if fast and not row.new and not fresh and arrival.key and name:
-        key = arrival.key
-        claim = _fast_claim(conn, name, lambda: conn.execute(slots.SLOTS_CLAIM_ANY, params).one())
-        if claim is not None and claim.shard is not None:
-            fence = claims.claims_insert_running(
-                conn,
-                token,
-                key=key,
-                shard=claim.shard,
-                group_key=None,
-                holder=holder,
-                lease=lease,
-                holding=claims.Holding(key, claim.shard, cost=arrival.cost, fair_key=arrival.fair_key),
-                now=now,
-            )
-            return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
 
-    # Newest wins: ask for the cancellation of the older attempt of its key and supersede key. Its claim row is
-    # locked before the slot rows, the order a release takes them in (claim, task, slots): no cycle.
-    cancels = _cancel_older(conn, arrival, now=now)
+def _claim_later_attempt(
+    conn: sa.Connection,
+    arrival: Arrival,
+    name: str,
+    params: dict[str, Any],
+    *,
+    holder: str,
+    lease: float,
+    now: datetime | None,
+) -> Admission | None:
+    """The fast claim of a later attempt (a retry, a redelivery) on any shard with room: ADMITTED, or None."""
+    key = arrival.key
+    assert key is not None
+    claim = _fast_claim(conn, name, lambda: conn.execute(slots.SLOTS_CLAIM_ANY, params).one())
+    if claim is None or claim.shard is None:
+        return None
+    fence = claims.claims_insert_running(
+        conn,
+        arrival.token,
+        key=key,
+        shard=claim.shard,
+        group_key=None,
+        holder=holder,
+        lease=lease,
+        holding=claims.Holding(key, claim.shard, cost=arrival.cost, fair_key=arrival.fair_key),
+        now=now,
+    )
+    return Admission(Verdict.ADMITTED, fence=fence, shard=claim.shard)
 
-    # Slow path: lock everything the decision depends on, in lock order (every key's shard rows, keys sorted,
-    # then their head rows), then decide. Several keys: all have room or the attempt parks (all-or-nothing).
+
+def _lock_rooms(
+    conn: sa.Connection, arrival: Arrival, *, dispatch: float, now: datetime | None
+) -> tuple[dict[str, int | None], list[Promotion]]:
+    """Slow path: lock everything the decision depends on, in lock order (every key's shard rows, keys sorted,
+    then their head rows). Per key, the shard with room for the arrival (None: no room), and the promotions made
+    on the way (a line next to room, see below). Several keys: all have room or the attempt parks (all-or-nothing)."""
     rooms: dict[str, int | None] = {}
     uses: dict[str, list[slots.ShardUse]] = {}
     for k in sorted(arrival.keys):
@@ -365,7 +432,15 @@ def admit(
                 waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}
             ).scalar():
                 rooms[k] = None
-    room = rooms.get(arrival.key) if arrival.key else None
+    return rooms, promoted
+
+
+def _ready_to_start(
+    conn: sa.Connection, arrival: Arrival, rooms: dict[str, int | None], *, group_seq: int | None,
+    now: datetime | None,
+) -> tuple[bool, bool]:
+    """(Whether the arrival heads its group — True without a group —, whether it may start now: room on every key,
+    its group's head and not busy, due, not debounced). Locks its group's row."""
     has_room = all(shard is not None for shard in rooms.values())
     head_ready = True
     is_head = True
@@ -376,141 +451,48 @@ def admit(
         head_ready = is_head and not busy
     not_due = arrival.not_before is not None and clock_is_future(conn, arrival.not_before, now)
     if arrival.debounce is not None:
-        not_due = True  # a debounced arrival always waits out its quiet period, room or not (_debounce)
+        not_due = True  # a debounced arrival always waits out its quiet period, room or not (parking._debounce)
+    return is_head, (arrival.key is None or has_room) and head_ready and not not_due
 
-    if (arrival.key is None or has_room) and head_ready and not not_due:
-        # The guarded UPDATEs are the authority: the limit may have changed since the rows were read.
-        holding, wait_for = (
-            _take_locked(conn, arrival, rooms, now=now) if arrival.key else (claims.Holding(None, None), None)
-        )
-        if wait_for is not None:  # a rate limit: park until its tokens exist (no polling, no broker churn)
-            arrival = dataclasses.replace(arrival, not_before=wait_for[1])
-            rooms[wait_for[0]] = None
-        if holding is not None:
-            fence = claims.claims_insert_running(
-                conn,
-                token,
-                key=arrival.key,
-                shard=room if arrival.key else None,
-                group_key=arrival.group_key,
-                holder=holder,
-                lease=lease,
-                holding=holding,
-                supersede_key=arrival.supersede_key if arrival.on_newer else None,
-                now=now,
-            )
-            return Admission(
-                Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted), cancels=cancels
-            )
 
-    too_heavy = _too_heavy(conn, arrival) if arrival.cost > 1 and not arrival.exclusive else None
-    if too_heavy is not None:
-        _withdraw_cancels(conn, arrival, cancels)
-        finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=too_heavy, now=now)
-        return Admission(Verdict.REJECTED, detail=too_heavy, promotions=tuple(promoted))
-    # Park in the line of the first key (in the task's order) without room for it; an attempt that waits for
-    # its group or its not-before time stands in its first key's line.
-    line = next((k for k in arrival.keys if rooms[k] is None), arrival.key)
-    replaced: list[str] = []
-    debounce_cap: Any = None
-    if arrival.debounce is not None:  # it stands in its first key's line, where its burst is found
-        line = arrival.key
-        debounced = _debounce(conn, arrival, promoted, now=now)
-        if isinstance(debounced, Admission):
-            return debounced
-        replaced, debounce_cap = debounced
-    superseded: list[str] | None = []
-    if line is not None and not replaced:  # a replacing arrival takes the replaced one's place in the room
-        superseded = _make_place(conn, arrival, line, now=now)
-        if superseded is None:
-            _withdraw_cancels(conn, arrival, cancels)
-            detail = f"waiting room of {line} is full"
-            finish_never_ran(conn, token, TaskOutcome.REJECTED, detail=detail, now=now)
-            return Admission(Verdict.REJECTED, detail=detail, promotions=tuple(promoted))
-    waiting.waiting_insert(
-        conn, arrival, name=name, group_seq=group_seq, group_blocked=not is_head, line=line,
-        debounce_cap=debounce_cap, now=now,
+def _claim_locked(
+    conn: sa.Connection,
+    arrival: Arrival,
+    rooms: dict[str, int | None],
+    *,
+    holder: str,
+    lease: float,
+    promoted: list[Promotion],
+    cancels: Cancels,
+    now: datetime | None,
+) -> tuple[Admission | None, Arrival]:
+    """Claim the rooms found under the locks: ADMITTED; or None when a guarded UPDATE took nothing after all, or a
+    rate limit has no tokens yet (then the arrival, returned with its not-before time set to when they exist, parks:
+    no polling, no broker churn; its key has no room in ``rooms``)."""
+    room = rooms.get(arrival.key) if arrival.key else None
+    # The guarded UPDATEs are the authority: the limit may have changed since the rows were read.
+    holding, wait_for = (
+        _take_locked(conn, arrival, rooms, now=now) if arrival.key else (claims.Holding(None, None), None)
     )
-    if cancels:  # newest wins: the slot the cancelled attempt frees goes to the newest
-        conn.execute(waiting.WAITING_TO_HEAD, {"task_id": arrival.task_id, "attempt": arrival.attempt})
-    return Admission(
-        Verdict.PARKED,
-        superseded=(*replaced, *(superseded or ())),
-        promotions=tuple(promoted),
-        debounced=arrival.debounce is not None,
-        cancels=cancels,
+    if wait_for is not None:  # a rate limit: park until its tokens exist (no polling, no broker churn)
+        arrival = dataclasses.replace(arrival, not_before=wait_for[1])
+        rooms[wait_for[0]] = None
+    if holding is None:
+        return None, arrival
+    fence = claims.claims_insert_running(
+        conn,
+        arrival.token,
+        key=arrival.key,
+        shard=room if arrival.key else None,
+        group_key=arrival.group_key,
+        holder=holder,
+        lease=lease,
+        holding=holding,
+        supersede_key=arrival.supersede_key if arrival.on_newer else None,
+        now=now,
     )
-
-
-def _cancel_older(
-    conn: sa.Connection, arrival: Arrival, *, now: datetime | None
-) -> tuple[tuple[str, int, str | None], ...]:
-    """Newest wins (``on_newer="cancel_running"``, issue 14 item 1): ask for the cancellation of the attempts of the
-    arrival's first key and supersede key that hold a slot, in the arrival's transaction: the request commits with
-    the arrival's claim or park, or not at all. The UPDATE waits for a release of that claim in progress: an attempt
-    that released first has no row and is not cancelled. The newest itself is admitted or parked as any arrival: it
-    starts only when the bound lets it (on a mutex, when the cancelled attempt's release promotes it)."""
-    if arrival.on_newer is None or arrival.key is None or arrival.supersede_key is None:
-        return ()
-    return tuple(
-        claims.claims_request_cancel(
-            conn,
-            key=arrival.key,
-            supersede_key=arrival.supersede_key,
-            task_id=arrival.task_id,
-            detail=_cancel_detail(arrival),
-            now=now,
-        )
-    )
-
-
-def _cancel_detail(arrival: Arrival) -> str:
-    return f"superseded by {arrival.task_id} (newest wins)"
-
-
-def _withdraw_cancels(conn: sa.Connection, arrival: Arrival, cancels: Sequence[tuple[str, int, str | None]]) -> None:
-    """A newest that is refused after all (its waiting room is full of other work) cancels nothing: the requests it
-    made in this transaction (rows it holds locked) are taken back."""
-    for task_id, attempt, _ in cancels:
-        conn.execute(
-            claims.CLAIMS_WITHDRAW_CANCEL,
-            {"task_id": task_id, "attempt": attempt, "detail": _cancel_detail(arrival)},
-        )
-
-
-def _debounce(
-    conn: sa.Connection, arrival: Arrival, promoted: list[Promotion], *, now: datetime | None
-) -> tuple[list[str], Any] | Admission:
-    """Debounce per key (issue 14 item 2), with the key's slot and head rows locked (every arrival of the key takes
-    them first, so the arrivals of one burst are decided one after the other and one of them survives). A burst is
-    *open* while its waiting row's due time (``not_before``) is in the future; a due row waits for a slot like any
-    other and absorbs no arrival (a new burst begins).
-
-    - Keep last: the open burst's row is removed and recorded ``superseded`` (replaced by this arrival), and this
-      arrival parks in its place, due after a new quiet period but never after the replaced burst's cap (its first
-      arrival + ``debounce_max``). Returns (the replaced task ids, that cap) — ([], None) when no burst was open.
-    - Keep first: the open burst's row keeps its arguments and its due time moves to the end of a new quiet period
-      (never past its cap: the quiet period counts from the latest arrival, whichever arguments run), and this
-      arrival is recorded ``superseded`` at once: returns its Admission (SUPERSEDED). ([], None): no burst was open,
-      this arrival opens one."""
-    assert arrival.key is not None
-    params = {"key": arrival.key, "debounce_key": arrival.debounce_key, "debounce": arrival.debounce, "now": now}
-    if arrival.debounce_keep == "first":
-        kept = conn.execute(waiting.WAITING_DEBOUNCE_EXTEND, params).first()
-        if kept is None:
-            return [], None
-        detail = f"debounced: {kept.task_id} runs instead (keep first), due {kept.not_before.isoformat()}"
-        finish_never_ran(conn, arrival.token, TaskOutcome.SUPERSEDED, detail=detail, now=now)
-        return Admission(Verdict.SUPERSEDED, detail=detail, promotions=tuple(promoted), debounced=True)
-    rows = conn.execute(waiting.WAITING_DEBOUNCE_REPLACE, params).all()
-    for r in rows:
-        finish_never_ran(
-            conn, Token(r.task_id, r.attempt), TaskOutcome.SUPERSEDED,
-            detail=f"debounced: replaced by {arrival.task_id}", now=now,
-        )
-    if len(rows) > 1:  # one place in the room goes to this arrival, the others are given back
-        keys.keys_remove_waiting(conn, arrival.key, len(rows) - 1, now=now)
-    return [r.task_id for r in rows], min((r.debounce_cap for r in rows), default=None)
+    admitted = Admission(Verdict.ADMITTED, fence=fence, shard=room, promotions=tuple(promoted), cancels=cancels)
+    return admitted, arrival
 
 
 def _take_locked(
@@ -540,16 +522,6 @@ def _take_locked(
         cost=arrival.cost,
         fair_key=arrival.fair_key,
     ), None
-
-
-def _too_heavy(conn: sa.Connection, arrival: Arrival) -> str | None:
-    """Why an attempt of this cost can never start (it needs more slots than a key of its name can have), or
-    None. Bad input gets a recorded rejection instead of waiting for ever."""
-    wanted = sorted({key_name(k) for k in arrival.keys})
-    for row in conn.execute(names.NAMES_LARGEST_SHARE, {"names": wanted}):
-        if arrival.cost > row.share:
-            return f"cost {arrival.cost} exceeds the {row.share} slots (or tokens) a key of {row.name} can have"
-    return None
 
 
 def _exclusive_refused(conn: sa.Connection, arrival: Arrival) -> str | None:
@@ -582,74 +554,3 @@ def _group_seq(conn: sa.Connection, arrival: Arrival, *, now: datetime | None) -
             conn.execute(groups.MEMBERS_MARK_RECEIVED, {"task_id": arrival.task_id})
         return int(member.seq)
     return groups.groups_register(conn, arrival.group_key, arrival.task_id, received=True, now=now)
-
-
-def _duplicate(
-    conn: sa.Connection, arrival: Arrival, kind: str, detail: str, *, name: str | None, now: datetime | None
-) -> Admission:
-    """A known attempt token arrived again (D8): count it; a duplicate of a running attempt is kept as its
-    shadow (promoted if that attempt's lease is reclaimed, dropped when it finishes)."""
-    books.books_count_duplicate(conn, arrival.task_id)
-    if kind == "claim" and detail in ("running", "uncertain"):
-        if arrival.key and name:
-            keys.keys_lock(conn, arrival.key, name, now=now)
-        inserted = waiting.waiting_insert(
-            conn,
-            arrival,
-            name=name,
-            group_seq=None if not arrival.group_key else _member_seq(conn, arrival.task_id),
-            shadow=True,
-            now=now,
-        )
-        if inserted is not None and arrival.key:
-            keys.keys_add_waiting(conn, arrival.key, force=True)
-        return Admission(Verdict.DUPLICATE, detail="shadow of a running attempt")
-    return Admission(Verdict.DUPLICATE, detail=f"already {detail}")
-
-
-def _member_seq(conn: sa.Connection, task_id: str) -> int | None:
-    member = groups.members_get(conn, task_id)
-    return None if member is None else int(member.seq)
-
-
-def _make_place(conn: sa.Connection, arrival: Arrival, line: str, *, now: datetime | None) -> list[str] | None:
-    """Count the arrival in its key's waiting room (max_waiting). Under the overflow policy 'supersede' a
-    newer arrival first replaces the parked attempt with the same supersede key, and when the room is full,
-    the oldest parked attempt of the lowest priority. Returns the replaced task ids, or None when there is no
-    place. (The policy is only read when it can matter.) ``line``: the key whose waiting room it enters."""
-    name = key_name(line)
-    replaced: list[str] = []
-    policy: str | None = None
-    if arrival.supersede_key:
-        policy = _overflow_policy(conn, name)
-        if policy == "supersede" or arrival.on_newer is not None:  # newest wins replaces the parked ones too
-            rows = conn.execute(
-                waiting.WAITING_DELETE_SUPERSEDED, {"key": line, "supersede_key": arrival.supersede_key}
-            ).all()
-            replaced += _supersede(conn, arrival, line, rows, now=now)
-    if keys.keys_add_waiting(conn, line):
-        return replaced
-    if (policy or _overflow_policy(conn, name)) != "supersede":
-        return None
-    rows = conn.execute(waiting.WAITING_DELETE_OLDEST, {"key": line}).all()
-    if not rows:
-        return None
-    replaced += _supersede(conn, arrival, line, rows, now=now)
-    keys.keys_add_waiting(conn, line, force=True)
-    return replaced
-
-
-def _overflow_policy(conn: sa.Connection, name: str) -> str | None:
-    return conn.execute(names.NAMES_OVERFLOW, {"name": name}).scalar_one_or_none()
-
-
-def _supersede(
-    conn: sa.Connection, arrival: Arrival, line: str, rows: Sequence[Any], *, now: datetime | None
-) -> list[str]:
-    if rows:
-        keys.keys_remove_waiting(conn, line, len(rows), now=now)
-    for r in rows:
-        finish_never_ran(
-            conn, Token(r.task_id, r.attempt), TaskOutcome.SUPERSEDED, detail=f"replaced by {arrival.task_id}", now=now
-        )
-    return [r.task_id for r in rows]

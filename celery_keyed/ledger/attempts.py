@@ -69,27 +69,43 @@ class Arrival:
 
     def __post_init__(self) -> None:
         if self.on_newer is not None:
-            check_on_newer(self.on_newer)
-            if self.key is None:
-                raise ValueError("on_newer='cancel_running' needs a concurrency key")
-            if self.debounce is not None:
-                raise ValueError("on_newer='cancel_running' and debounce do not combine")
-            if self.supersede_key is None:  # newest of the same task on the key, unless a supersede key is given
-                object.__setattr__(self, "supersede_key", self.task_name or None)
-            if self.supersede_key is None:
-                raise ValueError("on_newer='cancel_running' needs a supersede key or a task name")
+            self._check_newest_wins()
         if self.debounce is not None:
-            check_debounce(self.debounce, self.debounce_max, self.debounce_keep)
-            if self.key is None or self.group_key is not None:
-                raise ValueError("debounce needs a concurrency key and no group key")
-            if self.debounce_max is None:
-                object.__setattr__(self, "debounce_max", max(DEBOUNCE_MAX_DEFAULT, float(self.debounce)))
+            self._check_debounce()
+        self._check_keys()
+        self._check_numbers()
+
+    def _check_newest_wins(self) -> None:
+        """``on_newer``: a key, no debounce, and a supersede key (default: the task name, set here)."""
+        assert self.on_newer is not None
+        check_on_newer(self.on_newer)
+        if self.key is None:
+            raise ValueError("on_newer='cancel_running' needs a concurrency key")
+        if self.debounce is not None:
+            raise ValueError("on_newer='cancel_running' and debounce do not combine")
+        if self.supersede_key is None:  # newest of the same task on the key, unless a supersede key is given
+            object.__setattr__(self, "supersede_key", self.task_name or None)
+        if self.supersede_key is None:
+            raise ValueError("on_newer='cancel_running' needs a supersede key or a task name")
+
+    def _check_debounce(self) -> None:
+        """``debounce``: a key and no group; ``debounce_max`` defaults here."""
+        assert self.debounce is not None
+        check_debounce(self.debounce, self.debounce_max, self.debounce_keep)
+        if self.key is None or self.group_key is not None:
+            raise ValueError("debounce needs a concurrency key and no group key")
+        if self.debounce_max is None:
+            object.__setattr__(self, "debounce_max", max(DEBOUNCE_MAX_DEFAULT, float(self.debounce)))
+
+    def _check_keys(self) -> None:
         if self.key is None and self.group_key is None:
             raise ValueError("an arrival needs a concurrency key or a group key")
         if self.extra_keys and self.key is None:
             raise ValueError("extra_keys need a first key")
         if len(set(self.keys)) != len(self.keys):
             raise ValueError(f"an attempt cannot hold the same key twice: {self.keys!r}")
+
+    def _check_numbers(self) -> None:
         if not isinstance(self.cost, int) or isinstance(self.cost, bool) or self.cost < 1:
             raise ValueError(f"cost must be a positive integer, got {self.cost!r}")
         if self.fair_weight is not None and (

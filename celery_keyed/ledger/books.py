@@ -21,16 +21,10 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger.attempts import TaskOutcome
 from celery_keyed.ledger.clock import NOW
+from celery_keyed.ledger.outcome_kinds import NEVER_RAN_KINDS
 
 #: Outcomes of tasks that never ran: their result is stored through the result backend as a failure (D11).
-NEVER_RAN = (
-    TaskOutcome.DEAD_LETTERED,
-    TaskOutcome.EXPIRED,
-    TaskOutcome.REJECTED,
-    TaskOutcome.SUPERSEDED,
-    TaskOutcome.REVOKED,
-    TaskOutcome.LOST,
-)
+NEVER_RAN: tuple[TaskOutcome, ...] = tuple(kind.outcome for kind in NEVER_RAN_KINDS)
 
 # books_arrive_or_lock: record the arrival of a task id, or lock its existing row, so that two deliveries of one
 # task are admitted one after the other (the second sees the first's claim or park: D8). xmax = 0 ⇔ inserted.
@@ -46,7 +40,9 @@ BOOKS_ARRIVE_OR_LOCK = sa.text(
 
 # books_lock_task: the task's row, first in the lock order: serialises the deliveries, releases, revokes and
 # settlements of one task (D1, D8); answers its outcome and last finished attempt.
-BOOKS_LOCK_TASK = sa.text("SELECT outcome, finished_attempt FROM keyed_tasks WHERE task_id = :task_id FOR UPDATE")
+BOOKS_LOCK_TASK = sa.text(
+    "SELECT outcome, finished_attempt, group_key FROM keyed_tasks WHERE task_id = :task_id FOR UPDATE"
+)
 
 # books_attempt_is_over: whether an attempt of a task is over (its task finished, or a later attempt ran): its
 # shadows are dropped, not made live (D8).
@@ -224,13 +220,12 @@ BOOKS_OPEN_IDLE = sa.text(
 
 # books_settle: the outcome of a task whose body ended but whose release never committed (its worker died after
 # the result was stored, D15). Guarded like books_finish, and only while the task has no claim and no waiting row
-# (the caller locks the task's row first: an arrival of the task locks it too, so neither misses the other).
+# (the caller locks the task's row first: an arrival of the task locks it too, so neither misses the other; the
+# caller reads the row's group_key under that lock to give a group member's failure as a dead-letter, D11).
 BOOKS_SETTLE = sa.text(
     f"""
     UPDATE keyed_tasks t
-       SET outcome = CASE WHEN t.group_key IS NOT NULL AND :outcome = 'failed' THEN 'dead_lettered'
-                          ELSE :outcome END,  -- a group head's final failure is a dead-letter (D11)
-           finished_at = {NOW}, detail = :detail
+       SET outcome = :outcome, finished_at = {NOW}, detail = :detail
      WHERE t.task_id = :task_id AND t.outcome IS NULL
        AND NOT EXISTS (SELECT 1 FROM keyed_claims c WHERE c.task_id = t.task_id)
        AND NOT EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = t.task_id)

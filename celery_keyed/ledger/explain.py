@@ -79,55 +79,14 @@ class Explanation:
 
 
 def explain(conn: sa.Connection, task_id: str, *, now: datetime | None = None) -> Explanation:
+    """Where ``task_id`` is and why, in the order a task moves: not received yet (``_explain_not_received``), an
+    uncertain hold, finished, holding a claim (``_explain_claim``), between attempts (``_explain_between_attempts``),
+    or waiting (``_explain_waiting``)."""
     validate_task_id(task_id)  # a wrong type or text PostgreSQL cannot hold: InvalidKey, not a driver error
     task = conn.execute(EXPLAIN_TASK, {"task_id": task_id}).mappings().first()
     member = conn.execute(EXPLAIN_MEMBER, {"task_id": task_id}).mappings().first()
     if task is None:
-        outbox = conn.execute(EXPLAIN_OUTBOX, {"task_id": task_id, "now": now}).mappings().first()
-        if outbox is not None:
-            group = f" (number {member['seq']} of group {member['group_key']})" if member is not None else ""
-            if outbox["pending"]:
-                then = "not published yet: the relay publishes it once the transaction that registered it commits"
-            else:
-                times = outbox["republished"]
-                then = (
-                    f"republished {times} time{'' if times == 1 else 's'}; "
-                    + ("due to be published again now" if outbox["due"] else f"published again at {outbox['due_at']}")
-                    + " if still not received"
-                )
-            return Explanation(
-                task_id,
-                "outbox",
-                f"registered at publish at {outbox['registered_at']}{group}, not received by a worker yet, {then}",
-                dict(outbox),
-            )
-        if member is not None:
-            return Explanation(
-                task_id,
-                "registered",
-                f"registered as number {member['seq']} of group {member['group_key']}, not received by a worker yet",
-                dict(member),
-            )
-        sent = conn.execute(EXPLAIN_SENT, {"task_id": task_id, "now": now}).mappings().first()
-        if sent is not None:
-            dedupe = f" (dedupe key {sent['dedupe_key']})" if sent["dedupe_key"] else ""
-            hold = (
-                f"it holds a place in the waiting room of {sent['key']}{dedupe} until {sent['expires_at']}"
-                if sent["holding"]
-                else f"its place in the waiting room of {sent['key']} lapsed at {sent['expires_at']} (lost in transit?)"
-            )
-            return Explanation(
-                task_id,
-                "sent",
-                f"accepted at send at {sent['sent_at']}, not received by a worker yet: {hold}",
-                dict(sent),
-            )
-        return Explanation(
-            task_id,
-            "unknown",
-            "the ledger has no record of this task id (not keyed, not received yet, or finished longer ago than"
-            " keyed_books_retention)",
-        )
+        return _explain_not_received(conn, task_id, member, now=now)
     claim = conn.execute(EXPLAIN_CLAIM, {"task_id": task_id, "now": now}).mappings().first()
     if claim is not None and claim["state"] == "uncertain":
         return Explanation(
@@ -146,44 +105,108 @@ def explain(conn: sa.Connection, task_id: str, *, now: datetime | None = None) -
             dict(task),
         )
     if claim is not None:
-        holds = _holds(claim)
-        # Newest wins: a newer arrival asked this attempt to stop; its worker ends it and records it superseded.
-        cancel = (
-            f"; cancel requested at {claim['cancel_requested_at']:%Y-%m-%d %H:%M:%S%z}: {claim['cancel_detail']}"
-            if claim["cancel_requested_at"] is not None
-            else ""
-        )
-        if claim["state"] == "promoted":
-            return Explanation(
-                task_id,
-                "promoted",
-                f"attempt {claim['attempt']} was given a slot of {holds} and "
-                f"is being dispatched (deadline {claim['dispatch_deadline']}){cancel}",
-                {**claim, "mode": _mode(claim)},
+        return _explain_claim(task_id, claim)
+    wait = conn.execute(EXPLAIN_WAITING, {"task_id": task_id, "now": now}).mappings().first()
+    if wait is None:
+        return _explain_between_attempts(conn, task_id, task, now=now)
+    return _explain_waiting(conn, task_id, wait, now=now)
+
+
+def _explain_not_received(conn: sa.Connection, task_id: str, member: Any, *, now: datetime | None) -> Explanation:
+    """A task id the books do not hold: in the outbox, registered in a group, accepted at send, or unknown."""
+    outbox = conn.execute(EXPLAIN_OUTBOX, {"task_id": task_id, "now": now}).mappings().first()
+    if outbox is not None:
+        group = f" (number {member['seq']} of group {member['group_key']})" if member is not None else ""
+        if outbox["pending"]:
+            then = "not published yet: the relay publishes it once the transaction that registered it commits"
+        else:
+            times = outbox["republished"]
+            then = (
+                f"republished {times} time{'' if times == 1 else 's'}; "
+                + ("due to be published again now" if outbox["due"] else f"published again at {outbox['due_at']}")
+                + " if still not received"
             )
         return Explanation(
             task_id,
-            "running",
-            f"attempt {claim['attempt']} is running under {holds}, fence "
-            f"{claim['fence']}, holder {claim['holder']}, lease left "
-            f"{float(claim['lease_left']):.1f}s{cancel}",
+            "outbox",
+            f"registered at publish at {outbox['registered_at']}{group}, not received by a worker yet, {then}",
+            dict(outbox),
+        )
+    if member is not None:
+        return Explanation(
+            task_id,
+            "registered",
+            f"registered as number {member['seq']} of group {member['group_key']}, not received by a worker yet",
+            dict(member),
+        )
+    sent = conn.execute(EXPLAIN_SENT, {"task_id": task_id, "now": now}).mappings().first()
+    if sent is not None:
+        dedupe = f" (dedupe key {sent['dedupe_key']})" if sent["dedupe_key"] else ""
+        hold = (
+            f"it holds a place in the waiting room of {sent['key']}{dedupe} until {sent['expires_at']}"
+            if sent["holding"]
+            else f"its place in the waiting room of {sent['key']} lapsed at {sent['expires_at']} (lost in transit?)"
+        )
+        return Explanation(
+            task_id,
+            "sent",
+            f"accepted at send at {sent['sent_at']}, not received by a worker yet: {hold}",
+            dict(sent),
+        )
+    return Explanation(
+        task_id,
+        "unknown",
+        "the ledger has no record of this task id (not keyed, not received yet, or finished longer ago than"
+        " keyed_books_retention)",
+    )
+
+
+def _explain_claim(task_id: str, claim: Any) -> Explanation:
+    """An attempt that holds a claim: promoted (being dispatched) or running."""
+    holds = _holds(claim)
+    # Newest wins: a newer arrival asked this attempt to stop; its worker ends it and records it superseded.
+    cancel = (
+        f"; cancel requested at {claim['cancel_requested_at']:%Y-%m-%d %H:%M:%S%z}: {claim['cancel_detail']}"
+        if claim["cancel_requested_at"] is not None
+        else ""
+    )
+    if claim["state"] == "promoted":
+        return Explanation(
+            task_id,
+            "promoted",
+            f"attempt {claim['attempt']} was given a slot of {holds} and "
+            f"is being dispatched (deadline {claim['dispatch_deadline']}){cancel}",
             {**claim, "mode": _mode(claim)},
         )
-    wait = conn.execute(EXPLAIN_WAITING, {"task_id": task_id, "now": now}).mappings().first()
-    if wait is None:
-        retry = conn.execute(EXPLAIN_RETRY, {"task_id": task_id, "now": now}).mappings().first()
-        text = "no attempt is running or waiting: between attempts (retry backoff or in transit)"
-        facts = dict(task)
-        if retry is not None:
-            facts["retry"] = dict(retry)
-            if not (retry["overdue"] or retry["republished"]):
-                then = f"expected by {retry['due_at']}"
-            elif retry["has_copy"]:
-                then = f"not received in time: published again from the outbox {retry['republished']} times"
-            else:
-                then = "not received in time, no copy to publish again (reported by reconcile)"
-            text += f"; retry {retry['attempt']} published at {retry['registered_at']}, {then}"
-        return Explanation(task_id, "between_attempts", text, facts)
+    return Explanation(
+        task_id,
+        "running",
+        f"attempt {claim['attempt']} is running under {holds}, fence "
+        f"{claim['fence']}, holder {claim['holder']}, lease left "
+        f"{float(claim['lease_left']):.1f}s{cancel}",
+        {**claim, "mode": _mode(claim)},
+    )
+
+
+def _explain_between_attempts(conn: sa.Connection, task_id: str, task: Any, *, now: datetime | None) -> Explanation:
+    """An open task with no attempt running or waiting: between attempts, with its registered retry if any."""
+    retry = conn.execute(EXPLAIN_RETRY, {"task_id": task_id, "now": now}).mappings().first()
+    text = "no attempt is running or waiting: between attempts (retry backoff or in transit)"
+    facts = dict(task)
+    if retry is not None:
+        facts["retry"] = dict(retry)
+        if not (retry["overdue"] or retry["republished"]):
+            then = f"expected by {retry['due_at']}"
+        elif retry["has_copy"]:
+            then = f"not received in time: published again from the outbox {retry['republished']} times"
+        else:
+            then = "not received in time, no copy to publish again (reported by reconcile)"
+        text += f"; retry {retry['attempt']} published at {retry['registered_at']}, {then}"
+    return Explanation(task_id, "between_attempts", text, facts)
+
+
+def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datetime | None) -> Explanation:
+    """A waiting attempt: a shadow, debounced, not due yet, blocked by its group, or waiting for slots."""
     facts = {**wait, "mode": _mode(wait)}
     own = key_override_get(conn, wait["key"], now=now) if wait["key"] is not None else None
     if own is not None:  # a key override (issue 14 item 4): the key's own limit, its pause
@@ -206,22 +229,32 @@ def explain(conn: sa.Connection, task_id: str, *, now: datetime | None = None) -
         )
     if wait["not_due"]:
         return Explanation(task_id, "not_before", f"not before {wait['not_before']}", facts)
-    if wait["group_key"] is not None:
-        head = conn.execute(EXPLAIN_GROUP, {"group_key": wait["group_key"]}).mappings().first()
-        if head is not None and (head["seq"] != wait["group_seq"] or head["running"] is not None):
-            blocker = head["running"] or head["task_id"]
-            facts["blocked_by"] = blocker
-            why = (
-                "is running"
-                if head["running"]
-                else ("has not arrived yet" if not head["received"] else "has not finished")
-            )
-            return Explanation(
-                task_id,
-                "blocked",
-                f"number {wait['group_seq']} of group {wait['group_key']}: the group head, task {blocker}, {why}",
-                facts,
-            )
+    blocked = _blocked_by_group(conn, task_id, wait, facts) if wait["group_key"] is not None else None
+    if blocked is not None:
+        return blocked
+    return _waiting_for_slots(conn, task_id, wait, own, facts, now=now)
+
+
+def _blocked_by_group(conn: sa.Connection, task_id: str, wait: Any, facts: dict[str, Any]) -> Explanation | None:
+    """A group member behind its group's head (running, not arrived or not finished); None: not blocked."""
+    head = conn.execute(EXPLAIN_GROUP, {"group_key": wait["group_key"]}).mappings().first()
+    if head is None or (head["seq"] == wait["group_seq"] and head["running"] is None):
+        return None
+    blocker = head["running"] or head["task_id"]
+    facts["blocked_by"] = blocker
+    why = "is running" if head["running"] else ("has not arrived yet" if not head["received"] else "has not finished")
+    return Explanation(
+        task_id,
+        "blocked",
+        f"number {wait['group_seq']} of group {wait['group_key']}: the group head, task {blocker}, {why}",
+        facts,
+    )
+
+
+def _waiting_for_slots(
+    conn: sa.Connection, task_id: str, wait: Any, own: Any, facts: dict[str, Any], *, now: datetime | None
+) -> Explanation:
+    """A waiter for slots: of several keys at once, of a paused key, of a fair name, of one key; or for its group."""
     if wait["keys"]:
         return Explanation(
             task_id,

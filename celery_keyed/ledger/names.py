@@ -86,6 +86,13 @@ class NameConfig:
         # Every number is checked against what its column and the clock can hold (ledger/bounds.py), so a value
         # out of range fails here, at configuration time, naming the name and the option.
         validate_name(self.name)
+        self._check_room()
+        self._check_rate()
+        self._check_flags()
+        self._check_producer_side()
+
+    def _check_room(self) -> None:
+        """The limit, shards, waiting room size and durations."""
         check_int(self.limit, f"{self.name}: limit", maximum=SLOT_LIMIT_MAX)
         check_int(self.shards, f"{self.name}: shards", minimum=1, maximum=SHARDS_MAX)
         if self.max_waiting is not None:
@@ -93,6 +100,9 @@ class NameConfig:
         for option in ("max_wait", "uncertain_hold"):
             if getattr(self, option) is not None:
                 check_seconds(getattr(self, option), f"{self.name}: {option}")
+
+    def _check_rate(self) -> None:
+        """The token bucket (a rate given as "100/m" is parsed here)."""
         if isinstance(self.rate, str):
             object.__setattr__(self, "rate", parse_rate(self.name, self.rate))
         if self.rate is not None:
@@ -102,6 +112,9 @@ class NameConfig:
             raise InvalidConfig(f"{self.name}: burst needs a rate")
         if self.burst is not None:
             check_number(self.burst, f"{self.name}: burst", minimum=1, maximum=BURST_MAX, unit="a number of tokens")
+
+    def _check_flags(self) -> None:
+        """Fairness and its weights, the producer-side switches, the overflow policy."""
         if not isinstance(self.fair, bool):
             raise InvalidConfig(f"{self.name}: fair must be True or False, got {self.fair!r}")
         if self.fair_weights is not None:
@@ -116,6 +129,9 @@ class NameConfig:
             )
         if self.overflow not in ("reject", "supersede"):
             raise InvalidConfig(f"{self.name}: overflow must be 'reject' or 'supersede', got {self.overflow!r}")
+
+    def _check_producer_side(self) -> None:
+        """Debounce and newest wins (producer-side policies, not stored in the ledger)."""
         if self.debounce is not None or self.debounce_max is not None or self.debounce_keep != "last":
             try:
                 check_debounce(self.debounce, self.debounce_max, self.debounce_keep)
@@ -239,36 +255,3 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, n
 
 def names_newest_version(conn: sa.Connection) -> int:
     return int(conn.execute(NAMES_NEWEST_VERSION).scalar_one())
-
-
-@dataclass
-class Configured:
-    """What ``configure_names`` did: the names written, the names kept because a newer configuration stored them
-    (``kept``), the newest version the ledger holds afterwards, and the promotions a raised limit made."""
-
-    written: list[str]
-    kept: list[str]
-    newest_version: int
-    promotions: list[Any]
-
-
-def configure_names(
-    conn: sa.Connection,
-    configs: Mapping[str, NameConfig],
-    *,
-    version: int = 0,
-    dispatch: float = 30.0,
-    now: datetime | None = None,
-) -> Configured:
-    """Store every config as ``version`` (a worker does this at start; a name stored by a newer version is kept)
-    and promote waiters a raised limit lets in (D2)."""
-    from celery_keyed.ledger.overrides import promote_name  # overrides builds on promote, which reads names
-
-    written: list[str] = []
-    kept: list[str] = []
-    for name in sorted(configs):
-        (written if names_upsert(conn, configs[name], version=version, now=now) else kept).append(name)
-    promotions: list[Any] = []
-    for name in written:
-        promotions += promote_name(conn, name, dispatch=dispatch, now=now)
-    return Configured(written, kept, names_newest_version(conn), promotions)

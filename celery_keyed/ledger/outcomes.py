@@ -16,13 +16,17 @@ from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_group
 
 
 def final_outcome(outcome: Outcome, *, grouped: bool) -> TaskOutcome | None:
-    """The task's final outcome for an attempt outcome, or None when the task goes on (retry, worker lost).
-    A group head's final failure is a dead-letter (D11): the group moves on."""
+    """The task's final outcome for an attempt outcome, or None when the task goes on (retry, worker lost)."""
     if outcome in (Outcome.RETRY, Outcome.WORKER_LOST):
         return None
-    if outcome is Outcome.FAILED and grouped:
-        return TaskOutcome.DEAD_LETTERED
-    return TaskOutcome(outcome.value)
+    return dead_letter_rule(TaskOutcome(outcome.value), grouped=grouped)
+
+
+def dead_letter_rule(final: TaskOutcome, *, grouped: bool) -> TaskOutcome:
+    """The dead-letter rule (D11), written here only: a group member's final failure is a dead-letter, and its group
+    moves on. Every path that records a final outcome of a task that may be grouped passes through it (the
+    release's ``final_outcome``, ``settle``); the server-side release paths take their finals from it."""
+    return TaskOutcome.DEAD_LETTERED if final is TaskOutcome.FAILED and grouped else final
 
 
 def finish_never_ran(
@@ -57,8 +61,12 @@ def settle(
     """Record the final ``outcome`` of a task that has no attempt in the ledger any more (its result says its
     body ended, but its release never committed: D15); its group moves on. (False, []) when the task is not
     open and idle any more (an attempt arrived meanwhile, or its outcome is recorded)."""
-    conn.execute(books.BOOKS_LOCK_TASK, {"task_id": task_id})  # lock order: the task's row first, then look (D1)
-    params = {"task_id": task_id, "outcome": outcome, "detail": detail, "now": now}
+    # lock order: the task's row first, then look (D1); its group is read under the lock
+    locked = conn.execute(books.BOOKS_LOCK_TASK, {"task_id": task_id}).first()
+    if locked is None:
+        return False, []
+    final = dead_letter_rule(outcome, grouped=locked.group_key is not None)
+    params = {"task_id": task_id, "outcome": final, "detail": detail, "now": now}
     row = conn.execute(books.BOOKS_SETTLE, params).first()
     if row is None:
         return False, []

@@ -15,14 +15,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import keys
 from celery_keyed.ledger.attempts import Promotion
 from celery_keyed.ledger.bounds import SLOT_LIMIT_MAX
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.ledger.keyspec import validate_name
 from celery_keyed.ledger.operator_input import check_audit_text, check_expiry
-from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_key
+from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_name
 
 # overrides_lock: the current override of a name, locked, for the audit's "old" value. (A CTE in the upsert
 # cannot read it: the row the statement itself updates is invisible to its own FOR UPDATE, so it read NULL.)
@@ -159,16 +158,6 @@ def expire_overrides(
             },
         )
         promotions += promote_name(conn, row.name, dispatch=dispatch, now=now)
-    return promotions
-
-
-def promote_name(
-    conn: sa.Connection, name: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
-) -> list[Promotion]:
-    """Promote waiters of every key of ``name`` that has room now (D2: run wherever room may appear)."""
-    promotions: list[Promotion] = []
-    for key in conn.execute(keys.KEYS_OF_NAME_WAITING, {"name": name}).scalars().all():
-        promotions += promote_key(conn, key, dispatch=dispatch, now=now)
     return promotions
 
 

@@ -138,6 +138,16 @@ def promote_key(
     return promote_waiters(conn, key, free, dispatch=dispatch, now=now)
 
 
+def promote_name(
+    conn: sa.Connection, name: str, *, dispatch: float = DEFAULT_DISPATCH_TIMEOUT, now: datetime | None = None
+) -> list[Promotion]:
+    """Promote waiters of every key of ``name`` that has room now (D2: run wherever room may appear)."""
+    promotions: list[Promotion] = []
+    for key in conn.execute(keys.KEYS_OF_NAME_WAITING, {"name": name}).scalars().all():
+        promotions += promote_key(conn, key, dispatch=dispatch, now=now)
+    return promotions
+
+
 def promote_waiters(
     conn: sa.Connection,
     key: str,
@@ -231,18 +241,7 @@ def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, ra
         return give_up()
     got = dict(zip(cand.reserved_keys or (), cand.reserved_shards or (), strict=True))
     got[key] = shard
-    taken_now = [(key, shard)]
-    missing: str | None = None
-    for other in sorted(k for k in (cand.keys or ()) if k not in got):
-        if _someone_ahead(conn, other, cand, now=now):
-            missing = other
-            break
-        taken = slots.slots_take_nowait(conn, other, key_name(other), cost=cost, now=now)
-        if taken is None:
-            missing = other
-            break
-        got[other] = taken
-        taken_now.append((other, taken))
+    missing = _take_others_nowait(conn, cand, got, cost=cost, now=now)
     if missing is None:
         lacking = _take_tokens(conn, cand, key, rated=rated, now=now)
         if lacking is None:
@@ -259,6 +258,32 @@ def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, ra
     # Cannot start: keep the slots of keys listed before the missing one, give back the rest taken now.
     if conn.execute(keys.KEYS_LOCK_NOWAIT, {"key": missing}).first() is None:
         return give_up()  # the missing key's head row is busy (or not there yet): the sweep moves or starts it
+    _move_to_line(conn, cand, key, missing, got, cost=cost, now=now)
+    if savepoint is not None:
+        savepoint.commit()
+    return _MOVED
+
+
+def _take_others_nowait(
+    conn: sa.Connection, cand: Any, got: dict[str, int], *, cost: int, now: datetime | None
+) -> str | None:
+    """Take a slot of each other key the attempt lacks (sorted), without waiting and only where no one stands
+    before it in that key's line, into ``got``; the first key it could not take (None: it has them all)."""
+    for other in sorted(k for k in (cand.keys or ()) if k not in got):
+        if _someone_ahead(conn, other, cand, now=now):
+            return other
+        taken = slots.slots_take_nowait(conn, other, key_name(other), cost=cost, now=now)
+        if taken is None:
+            return other
+        got[other] = taken
+    return None
+
+
+def _move_to_line(
+    conn: sa.Connection, cand: Any, key: str, missing: str, got: dict[str, int], *, cost: int, now: datetime | None
+) -> None:
+    """Move the attempt from the line of ``key`` to the line of ``missing`` (whose head row the caller holds),
+    reserving the slots of the keys listed before ``missing`` in the task's order and giving back the others."""
     order = list(cand.keys)
     keep = {k: sh for k, sh in got.items() if order.index(k) < order.index(missing)}
     for k, sh in got.items():  # taken now, or reserved before for a line it no longer stands in
@@ -279,9 +304,6 @@ def _take_for(conn: sa.Connection, cand: Any, key: str, shards: list[int], *, ra
     )
     keys.keys_remove_waiting(conn, key, now=now)
     keys.keys_add_waiting(conn, missing, force=True)
-    if savepoint is not None:
-        savepoint.commit()
-    return _MOVED
 
 
 #: ``_take_tokens``'s answer when a token bucket's row is busy (taken without waiting: out of lock order).
@@ -334,7 +356,9 @@ def promote_multi(
 ) -> list[Promotion]:
     """Promote one parked attempt with several keys if every key has room for it and it is first in every
     key's line — taking every lock in lock order, so it never has to skip a busy row (the sweep's backstop
-    for multi-key waiters, D2)."""
+    for multi-key waiters, D2). The steps: lock every key's slot rows, then head rows, then the waiting row and
+    its group (``_multi_candidate``); find room on every key it lacks (``_multi_rooms``); take the slots and the
+    tokens, all or none (``_multi_take``); promote."""
     row = conn.execute(waiting.WAITING_KEYS_OF_TOKEN, {"task_id": token.task_id, "attempt": token.attempt}).first()
     if row is None or not row.keys:
         return []
@@ -342,27 +366,61 @@ def promote_multi(
     uses = {k: slots.slots_lock_all(conn, k, key_name(k), now=now) for k in all_keys}
     for k in all_keys:
         keys.keys_lock(conn, k, key_name(k), now=now)
+    cand = _multi_candidate(conn, token, now=now)
+    if cand is None:
+        return []
+    rooms = _multi_rooms(conn, cand, uses, now=now)
+    if rooms is None or not _multi_take(conn, cand, all_keys, rooms, now=now):
+        return []
+    holding = _holding(cand, rooms)
+    promotion = _promote_row(
+        conn, cand, key=holding.key, shard=holding.shard, holding=holding, dispatch=dispatch, now=now
+    )
+    keys.keys_remove_waiting(conn, cand.key, now=now)
+    return [promotion]
+
+
+def _multi_candidate(conn: sa.Connection, token: Token, *, now: datetime | None) -> Any:
+    """The waiting row of ``token``, locked, when it may start now: due, not past its deadline, its group's head
+    and the group not busy (the group row locked); else None."""
     cand = conn.execute(waiting.WAITING_GET_LOCKED, {"task_id": token.task_id, "attempt": token.attempt}).first()
     if cand is None or cand.not_before is not None or cand.group_blocked or clock_is_past(conn, cand.deadline, now):
-        return []
+        return None
     if cand.group_key is not None:
         groups.groups_lock(conn, cand.group_key)
         head, busy = groups.groups_head(conn, cand.group_key)
         if busy or head != cand.group_seq:
-            return []
+            return None
+    return cand
+
+
+def _multi_rooms(
+    conn: sa.Connection, cand: Any, uses: dict[str, list[slots.ShardUse]], *, now: datetime | None
+) -> dict[str, int] | None:
+    """Per key, the shard the attempt holds (reserved before) or would take (room for its cost, nobody ahead of it
+    in that key's line); None when a key it lacks has no room for it or a waiter ahead."""
     cost = int(cand.cost or 1)
     rooms = dict(zip(cand.reserved_keys or (), cand.reserved_shards or (), strict=True))
-    needed = [k for k in all_keys if k not in rooms]
-    for k in needed:
+    for k in sorted(k for k in uses if k not in rooms):
         room = next((u.shard for u in uses[k] if u.fits(cost)), None)
         if room is None or _someone_ahead(conn, k, cand, now=now):
-            return []
+            return None
         rooms[k] = room
+    return rooms
+
+
+def _multi_take(
+    conn: sa.Connection, cand: Any, all_keys: list[str], rooms: dict[str, int], *, now: datetime | None
+) -> bool:
+    """Take the slots of the keys not reserved before and a token of every rated key, all or none (a savepoint);
+    an empty bucket gives the attempt a not-before time (out of the line until its tokens exist, D2)."""
+    cost = int(cand.cost or 1)
+    reserved = set(cand.reserved_keys or ())
     savepoint = conn.begin_nested()
-    for k in needed:
-        if not slots.slots_take(conn, k, key_name(k), rooms[k], cost=cost, now=now):
+    for k in all_keys:
+        if k not in reserved and not slots.slots_take(conn, k, key_name(k), rooms[k], cost=cost, now=now):
             savepoint.rollback()
-            return []
+            return False
     wait_until = None
     for k in all_keys:  # every head row is held: the buckets are taken in lock order
         tokens = keys.keys_take_tokens(conn, k, key_name(k), cost, now=now)
@@ -373,14 +431,9 @@ def promote_multi(
         conn.execute(
             waiting.WAITING_NOT_BEFORE, {"task_id": cand.task_id, "attempt": cand.attempt, "not_before": wait_until}
         )
-        return []
+        return False
     savepoint.commit()
-    holding = _holding(cand, rooms)
-    promotion = _promote_row(
-        conn, cand, key=holding.key, shard=holding.shard, holding=holding, dispatch=dispatch, now=now
-    )
-    keys.keys_remove_waiting(conn, cand.key, now=now)
-    return [promotion]
+    return True
 
 
 def promote_group(

@@ -84,11 +84,34 @@ def sweep_once(
     """Everything time makes happen (D2): not-before times that passed, waiters past their latest start,
     reservations held longer than ``reserve_timeout``, uncertain holds that are over, overrides that lapse,
     registered group numbers never received, and — as the backstop for any wakeup a lock-order skip left
-    behind — promotion of every key and group that has promotable waiters."""
+    behind — promotion of every key and group that has promotable waiters. Each step is its own function, in
+    this order; each row is handled in a transaction of its own."""
     report = Report()
     with engine.begin() as conn:
         due = conn.execute(waiting.WAITING_CLEAR_DUE, {"batch": _BATCH, "now": now}).all()
     report.due = len(due)
+    _expire_waiters(engine, report, dispatch=dispatch, now=now)
+    _lapse_reservations(engine, report, reserve_timeout=reserve_timeout, dispatch=dispatch, now=now)
+    with engine.begin() as conn:
+        report.promotions += overrides.expire_overrides(conn, dispatch=dispatch, now=now)
+        fair_weights.expire_fair_weights(conn, now=now)  # read as lapsed already; this writes the audit row
+    _settle_orphan_shadows(engine, now=now)
+    while True:  # key overrides (0014): a key pause that ended, a key limit that lapsed: the key's waiters start (D2)
+        with engine.begin() as conn:
+            found, promoted = lapse_one_key_override(conn, dispatch=dispatch, now=now)
+            report.promotions += promoted
+        if not found:
+            break
+    _record_lost_members(engine, report, group_arrival_timeout=group_arrival_timeout, dispatch=dispatch, now=now)
+    _end_uncertain_holds(engine, report, dispatch=dispatch, now=now)
+    report.merge(reshard_once(engine, dispatch=dispatch, now=now))
+    report.merge(promote_all(engine, now=now, dispatch=dispatch))
+    return report
+
+
+def _expire_waiters(engine: sa.Engine, report: Report, *, dispatch: float, now: datetime | None) -> None:
+    """Waiters past their latest start: recorded expired (a shadow is only removed), their reservations given
+    back and promoted."""
     while True:
         with engine.begin() as conn:
             rows = conn.execute(waiting.WAITING_DELETE_EXPIRED, {"batch": 1, "now": now}).all()
@@ -110,6 +133,12 @@ def sweep_once(
             report.promotions += promote_freed(conn, freed, dispatch=dispatch, now=now)
         if not rows:
             break
+
+
+def _lapse_reservations(
+    engine: sa.Engine, report: Report, *, reserve_timeout: float, dispatch: float, now: datetime | None
+) -> None:
+    """Reservations held longer than ``reserve_timeout``: given back, and what they held promoted."""
     while True:
         with engine.begin() as conn:
             lapsed = conn.execute(
@@ -119,9 +148,10 @@ def sweep_once(
             report.promotions += promote_freed(conn, freed, dispatch=dispatch, now=now)
         if not lapsed:
             break
-    with engine.begin() as conn:
-        report.promotions += overrides.expire_overrides(conn, dispatch=dispatch, now=now)
-        fair_weights.expire_fair_weights(conn, now=now)  # read as lapsed already; this writes the audit row
+
+
+def _settle_orphan_shadows(engine: sa.Engine, *, now: datetime | None) -> None:
+    """Shadows (D8) whose claim is gone: dropped when their attempt is over, else made live."""
     with engine.connect() as conn:
         orphans = conn.execute(waiting.WAITING_ORPHAN_SHADOWS, {"batch": _BATCH}).all()
     for o in orphans:
@@ -140,12 +170,13 @@ def sweep_once(
                     keys.keys_remove_waiting(conn, o.key, dropped, now=now)
             else:
                 conn.execute(waiting.WAITING_SHADOW_LIVE, params)
-    while True:  # key overrides (0014): a key pause that ended, a key limit that lapsed: the key's waiters start (D2)
-        with engine.begin() as conn:
-            found, promoted = lapse_one_key_override(conn, dispatch=dispatch, now=now)
-            report.promotions += promoted
-        if not found:
-            break
+
+
+def _record_lost_members(
+    engine: sa.Engine, report: Report, *, group_arrival_timeout: float, dispatch: float, now: datetime | None
+) -> None:
+    """Registered group numbers never received within ``group_arrival_timeout``: recorded lost (D10), and their
+    group moves on."""
     while True:
         with engine.begin() as conn:
             lost = conn.execute(
@@ -166,6 +197,10 @@ def sweep_once(
                 report.promotions += promote_group(conn, m.group_key, dispatch=dispatch, now=now)
         if not lost:
             break
+
+
+def _end_uncertain_holds(engine: sa.Engine, report: Report, *, dispatch: float, now: datetime | None) -> None:
+    """Uncertain holds that are over: their claims removed with the outcome they were held with."""
     while True:
         with engine.begin() as conn:
             over = conn.execute(claims.CLAIMS_DELETE_UNCERTAIN_DUE, {"batch": 1, "now": now}).all()
@@ -177,9 +212,6 @@ def sweep_once(
                 report.finished += released.finished
         if not over:
             break
-    report.merge(reshard_once(engine, dispatch=dispatch, now=now))
-    report.merge(promote_all(engine, now=now, dispatch=dispatch))
-    return report
 
 
 def promote_all(

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
@@ -30,6 +31,8 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from sqlalchemy.pool import NullPool
 
+from celery_keyed.access import dispatch as dispatch_promotions
+from celery_keyed.access import ledger_on
 from celery_keyed.ledger import DEFAULT_DISPATCH_TIMEOUT, Ledger, Promotion
 from celery_keyed.ledger.bounds import check_seconds
 
@@ -99,14 +102,21 @@ def _float_setting(name: str, default: float) -> float:
     return default if value is None else check_seconds(value, name)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """The lease and dispatch timeout of the ledger, from Django's settings (``access.Timing``)."""
+
+    lease: float
+    dispatch_timeout: float
+
+
 def get_ledger() -> Ledger:
     """The ledger facade on the Django database (each call of its methods is one transaction)."""
-    return Ledger(
-        ledger_engine(),
-        holder="django-admin:0:0",
+    timing = Timing(
         lease=_float_setting("CELERY_KEYED_LEASE", 60.0),
-        dispatch=_float_setting("CELERY_KEYED_DISPATCH_TIMEOUT", DEFAULT_DISPATCH_TIMEOUT),
+        dispatch_timeout=_float_setting("CELERY_KEYED_DISPATCH_TIMEOUT", DEFAULT_DISPATCH_TIMEOUT),
     )
+    return ledger_on(ledger_engine(), timing, holder="django-admin:0:0")
 
 
 def configured_names() -> set[str]:
@@ -131,21 +141,13 @@ def celery_app() -> Any | None:
 
 
 def dispatch(promotions: Iterable[Promotion]) -> int:
-    """Start promoted attempts: republish each with its admission nonce (D5) through the Celery app.
-    Returns how many were published; the others start through a worker's sweeper after their deadline."""
+    """Start promoted attempts: republish each with its admission nonce (D5) through the Celery app
+    (``access.dispatch``: a broker error is a warning). Returns how many were published; the others start through a
+    worker's sweeper after their deadline."""
     promotions = [p for p in promotions if p.nonce is not None]
     if not promotions:
         return 0
     app = celery_app()
     if app is None:
         return 0
-    from celery_keyed.messages import republish
-
-    published = 0
-    for promotion in promotions:
-        try:
-            republish(app, promotion.message, nonce=str(promotion.nonce))
-            published += 1
-        except Exception:  # the broker is down: the sweeper of some worker starts it after the deadline
-            logger.exception("celery-keyed: could not republish promoted task %s", promotion.task_id)
-    return published
+    return dispatch_promotions(app, promotions).published

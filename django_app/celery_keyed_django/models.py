@@ -12,17 +12,11 @@ from __future__ import annotations
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
 
-#: Final outcomes a task can have in the books (``keyed_tasks.outcome``); NULL while it waits or runs.
-OUTCOMES = (
-    ("completed", "completed"),
-    ("failed", "failed"),
-    ("dead_lettered", "dead-lettered"),
-    ("expired", "expired before start"),
-    ("rejected", "rejected (waiting room full)"),
-    ("superseded", "superseded"),
-    ("revoked", "revoked"),
-    ("lost", "lost (never received)"),
-)
+from celery_keyed.ledger import OUTCOME_KINDS
+
+#: Final outcomes a task can have in the books (``keyed_tasks.outcome``); NULL while it waits or runs. From the
+#: core's one table of outcome kinds.
+OUTCOMES = tuple((kind.outcome.value, kind.label) for kind in OUTCOME_KINDS)
 
 
 class LedgerMigration(models.Model):

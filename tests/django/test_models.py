@@ -142,3 +142,11 @@ def test_router_keeps_the_app_on_the_ledger_database(settings: object) -> None:
     assert router.allow_migrate("default", "auth") is None
     assert router.db_for_read(User) is None
 
+
+
+def test_the_outcome_choices_are_the_cores_table_of_outcome_kinds() -> None:
+    from celery_keyed.ledger import OUTCOME_KINDS
+
+    expected = [(kind.outcome.value, kind.label) for kind in OUTCOME_KINDS]
+    assert list(apps.get_model("celery_keyed_django", "TaskRecord")._meta.get_field("outcome").choices) == expected
+    assert list(apps.get_model("celery_keyed_django", "PrunedTasks")._meta.get_field("outcome").choices) == expected

@@ -234,7 +234,7 @@ def test_a_claim_racing_a_pause_never_starts_after_the_pause_committed(engine: s
     warm = ledger.admit(Arrival("warm", key="api:1"))  # the key's slot row exists; one slot of two is free
     pausing = engine.connect()
     tx = pausing.begin()
-    from celery_keyed.ledger import pause_key
+    from celery_keyed.ledger.key_overrides import pause_key
 
     pause_key(pausing, "api:1", 60, reason="429")
     arrival = Arrival("late", key="api:1", message={"id": "late"})

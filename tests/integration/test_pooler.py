@@ -20,7 +20,8 @@ import pytest
 import sqlalchemy as sa
 
 from celery_keyed.engine import create_ledger_engine
-from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, books_balance, driver
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, driver
+from celery_keyed.ledger.books import books_balance
 from celery_keyed.ledger.migrations import _MIGRATION_LOCK_ID, migrate, migration_files
 from celery_keyed.settings import read_settings
 from celery_keyed.testbed import PgBouncerServer
@@ -136,7 +137,7 @@ def test_a_lost_prepared_statement_is_an_outage_not_a_refusal(database_url: str)
     what the worker treats as an unreachable ledger (the task is held and admitted again), not a refusal of the
     task's data. (Found: through PgBouncer in transaction mode, valid tasks were booked as rejected with a
     KeyedRejected result.)"""
-    from celery_keyed.ledger import _REFUSED
+    from celery_keyed.ledger.batches import REFUSED as _REFUSED
 
     engine = sa.create_engine(database_url, connect_args={"prepare_threshold": 0})
     ledger = Ledger(engine, holder="test-host:1:prep", lease=30.0)
