@@ -193,6 +193,7 @@ class Slot(models.Model):
     shard = models.IntegerField()
     name = models.TextField()
     used = models.IntegerField()
+    shards = models.IntegerField(help_text="the shard count this key's rows are laid out for")
 
     class Meta:
         managed = False
