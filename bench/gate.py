@@ -2,7 +2,7 @@
 
     python -m bench.gate [--quick] [--tasks 2000] [--pairs 5] [--keyed-pairs 3] [--control] [--loop-admission]
 
-Starts its own durable PostgreSQL (fsync on) and a Redis broker (``celery_keyed.testbed``) unless
+Starts its own durable PostgreSQL (fsync on) and a Redis broker (``celery_keyed.testing``) unless
 ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL`` name servers; creates and migrates a database of its own. Every
 worker is a real ``celery worker -P prefork`` subprocess of the app defined in this module (``-A bench.gate``),
 either plain Celery (variant A) or the same tasks with ``celery_keyed.install(app)`` and a configured gate
@@ -438,7 +438,7 @@ def servers() -> Iterator[tuple[str, str, str]]:
     from sqlalchemy.engine import make_url
 
     from celery_keyed.ledger import migrate
-    from celery_keyed.testbed import start_postgres, start_redis
+    from celery_keyed.testing import start_postgres, start_redis
 
     with start_postgres(durable=True) as pg, start_redis() as rd:
         admin_url = make_url(pg.url).set(drivername="postgresql").render_as_string(hide_password=False)

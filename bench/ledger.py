@@ -2,7 +2,7 @@
 
     python -m bench.ledger [--seconds 5] [--rounds 1] [--clients 4]
 
-Starts its own durable PostgreSQL (fsync on; ``celery_keyed.testbed.start_postgres(durable=True)``) unless
+Starts its own durable PostgreSQL (fsync on; ``celery_keyed.testing.start_postgres(durable=True)``) unless
 ``KEYED_DATABASE_URL`` names a server, creates and migrates a database of its own, and drives every scenario
 with the same client processes (spawned once, each with its own SQLAlchemy Core engine on psycopg 3 and one
 connection):
@@ -295,7 +295,7 @@ class Clients:
 @contextmanager
 def bench_database() -> Iterator[tuple[str, str]]:
     """A fresh migrated database on a durable server; yields (SQLAlchemy URL, server description)."""
-    from celery_keyed.testbed import start_postgres
+    from celery_keyed.testing import start_postgres
 
     with start_postgres(durable=True) as server:
         admin_url = make_url(server.url).set(drivername="postgresql").render_as_string(hide_password=False)

@@ -14,7 +14,7 @@ worker consumes, with ``apply_async`` and the app's producer pool, in three ways
 
 Reports calls per second (median of the pairs, with min-max), each variant's ratio to plain in the same pair, and
 p50 / p99 of one call's latency. Servers: a durable PostgreSQL (fsync on) and a Redis started by the benchmark
-(``celery_keyed.testbed``) unless ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL`` name servers. A run holds
+(``celery_keyed.testing``) unless ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL`` name servers. A run holds
 ``flock $HOME/.celery-keyed-bench.lock`` and records the load average before and after. Benchmarks are not tests:
 nothing here asserts a time.
 """

@@ -108,7 +108,7 @@ class Server:
 
 @contextlib.contextmanager
 def server() -> Iterator[tuple[Server, str]]:
-    from celery_keyed.testbed import start_postgres
+    from celery_keyed.testing import start_postgres
 
     with start_postgres(durable=True) as pg:
         admin = make_url(pg.url).set(drivername="postgresql").render_as_string(hide_password=False)
@@ -443,7 +443,7 @@ class MemoryRun:
 def memory(srv: Server, *, parked: int, pairs: int, sweep_seconds: float, spread_keys: int,
            real_parks: int) -> tuple[list[MemoryRun], tuple[str, str]]:
     from bench.gate import Bench, Worker
-    from celery_keyed.testbed import start_redis
+    from celery_keyed.testing import start_redis
 
     load0 = load()
     runs: list[MemoryRun] = []

@@ -77,14 +77,14 @@ if prometheus_client is not None:
     )
     DEBOUNCED: Any = prometheus_client.Counter(
         "celery_keyed_debounced",
-        "Debounced arrivals (issue 14 item 2) by what admission did: 'parked' (waits out its key's quiet period), "
+        "Debounced arrivals by what admission did: 'parked' (waits out its key's quiet period), "
         "'replaced' (an earlier arrival of its burst was recorded superseded in its favour, keep last), 'superseded' "
         "(recorded superseded at arrival: the burst's first arrival runs, keep first).",
         ["kind"],
     )
     NEWEST_WINS: Any = prometheus_client.Counter(
         "celery_keyed_newest_wins",
-        "Newest wins (on_newer='cancel_running', issue 14 item 1): 'requested' (an arrival admitted or parked by this "
+        "Newest wins (on_newer='cancel_running'): 'requested' (an arrival admitted or parked by this "
         "worker asked for the cancellation of an older attempt of its key and supersede key), 'cancelled' (this "
         "worker passed a request on to an attempt it runs: terminated its pool process, or raised its "
         "keyed_cancelled() flag), 'superseded' (such an attempt ended and was released as superseded).",
@@ -92,7 +92,7 @@ if prometheus_client is not None:
     )
     SENDS: Any = prometheus_client.Counter(
         "celery_keyed_sends",
-        "Calls this process asked the ledger about before publishing (refusal at send, issue 14 item 3): verdict "
+        "Calls this process asked the ledger about before publishing (refusal at send): verdict "
         "'accepted' (a place reserved, published), 'known' (a retry of a task id that had its place), 'room_full' "
         "or 'duplicate' (refused: KeyedRejected raised, nothing published).",
         ["verdict"],

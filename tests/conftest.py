@@ -1,6 +1,6 @@
 """Fixtures on real servers: one PostgreSQL and one Redis per test session, a fresh database per test.
 
-- ``postgres_server`` / ``redis_server`` (session): throwaway servers from ``celery_keyed.testbed``, or the
+- ``postgres_server`` / ``redis_server`` (session): throwaway servers from ``celery_keyed.testing``, or the
   servers named by ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL``.
 - ``database_url`` (function): a new database copied from a template that has the ledger schema (migrated once
   per session), dropped after the test.
@@ -33,7 +33,7 @@ import pytest
 import sqlalchemy
 from sqlalchemy.engine import make_url
 
-from celery_keyed.testbed import (
+from celery_keyed.testing import (
     AMQP_URL_ENV,
     BROKER_URL_ENV,
     PgBouncerServer,

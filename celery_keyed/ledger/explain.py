@@ -23,14 +23,16 @@ EXPLAIN_CLAIM = sa.text(
     f"""
     SELECT attempt, key, shard, group_key, state, fence, holder, dispatch_deadline,
            EXTRACT(EPOCH FROM lease_expires_at - {NOW}) AS lease_left, cost, extra_keys, held_outcome,
-           lease_expires_at, cancel_requested_at, cancel_detail
-      FROM keyed_claims WHERE task_id = :task_id ORDER BY attempt DESC LIMIT 1
+           lease_expires_at, cancel_requested_at, cancel_detail, claimed_at,
+           (SELECT COALESCE(sum({in_flight('s.used')}), 0) FROM keyed_slots s WHERE s.key = c.key) AS in_flight,
+           CASE WHEN key IS NOT NULL THEN keyed_key_limit(key, {NOW}) END AS k
+      FROM keyed_claims c WHERE task_id = :task_id ORDER BY attempt DESC LIMIT 1
     """
 )
 EXPLAIN_WAITING = sa.text(
     f"""
     SELECT w.attempt, w.key, w.keys, w.cost, w.group_key, w.group_seq, w.shadow, w.group_blocked, w.deadline,
-           w.priority, w.debounce_key, w.debounce_cap, w.fair_key,
+           w.priority, w.debounce_key, w.debounce_cap, w.fair_key, w.arrived_at,
            COALESCE((SELECT c.fair FROM keyed_names c WHERE c.name = split_part(w.key, ':', 1)), false) AS fair,
            w.not_before, w.not_before > {NOW} AS not_due,
            (SELECT count(*) FROM keyed_waiting o

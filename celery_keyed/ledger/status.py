@@ -102,6 +102,7 @@ STATUS_NAMES = sa.text(
            w.oldest AS oldest_waiting_at,
            {_AGE} AS oldest_waiting_age,
            c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version,
+           COALESCE(c.shards, 1) AS shards, c.max_waiting, c.max_wait, COALESCE(c.overflow, 'reject') AS overflow,
            COALESCE(w.debounced, 0) AS debounced,
            COALESCE(k.paused_keys, 0) AS paused_keys, COALESCE(k.limited_keys, 0) AS limited_keys
       FROM names n
@@ -192,6 +193,12 @@ class NameStatus:
     debounced: int = 0  # of the waiting: debounced tasks still in their key's quiet period (issue 14 item 2)
     paused_keys: int = 0  # keys of the name paused on their own now (issue 14 item 4: keyed_pause, pause-key)
     limited_keys: int = 0  # keys of the name with a limit of their own now (keyed_set_limit, set-key-limit)
+    # the rules that refuse or end a task besides the limit: counter rows per key, the waiting room's size and what
+    # a full one does (reject, or supersede the oldest), the longest wait before a task expires (None: no bound)
+    shards: int = 1
+    max_waiting: int | None = None
+    overflow: str = "reject"
+    max_wait: float | None = None
 
     @property
     def paused(self) -> bool:
@@ -266,6 +273,10 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             debounced=int(r["debounced"]),
             paused_keys=int(r["paused_keys"]),
             limited_keys=int(r["limited_keys"]),
+            shards=int(r["shards"]),
+            max_waiting=r["max_waiting"],
+            overflow=r["overflow"],
+            max_wait=r["max_wait"],
         )
         for r in rows
     ]

@@ -191,7 +191,7 @@ def producer(cluster: Cluster) -> Iterator[Any]:
 @pytest.fixture
 def own_postgres() -> Iterator[Any]:
     """A Postgres of this test's own, so it can be stopped without disturbing the other tests."""
-    from celery_keyed.testbed import PostgresServer, start_postgres
+    from celery_keyed.testing import PostgresServer, start_postgres
 
     server = start_postgres(use_env=False)
     assert isinstance(server, PostgresServer)

@@ -20,8 +20,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from celery_keyed import testbed
-from celery_keyed.testbed import PostgresTarget
+from celery_keyed import testing as testbed
+from celery_keyed.testing import PostgresTarget
 from tests.conftest import libpq_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def test_demo_runs_every_expectation_holds_and_leaves_nothing(
 def test_demo_serve_keeps_the_admin_up_with_a_demo_login_until_sigterm(
     postgres_server: PostgresTarget, redis_url: str, tmp_path: Path
 ) -> None:
-    port = testbed._free_port()
+    port = testbed.free_port()
     out_path = tmp_path / "stdout"
     # The default unit (0.5 s), as in the test above: with a quarter-second unit the makespan verdict's second of
     # fixed costs was too thin on a loaded CI machine (18.4u and 19.8u against 16u; 11.5-12.3u when quiet).

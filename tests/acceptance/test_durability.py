@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Any
 
-from celery_keyed.testbed import PostgresServer
+from celery_keyed.testing import PostgresServer
 from tests.acceptance.conftest import Cluster, peak_overlap
 
 KEYS = [f"acct:{n}" for n in range(5)]

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from celery_keyed import KeyedRejected
-from celery_keyed.testbed import PostgresServer, RedisServer, start_redis
+from celery_keyed.testing import PostgresServer, RedisServer, start_redis
 from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
 
 LEASE = 3.0  # heartbeat every 0.5 s; a lapsed lease is reclaimed by the other worker's reaper within ~1 s

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from celery_keyed.testbed import PostgresServer
+from celery_keyed.testing import PostgresServer
 from tests.acceptance.conftest import Cluster
 
 LEASE = 3.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from celery_keyed.testbed import PostgresServer
+from celery_keyed.testing import PostgresServer
 from tests.acceptance.conftest import Cluster, peak_overlap
 
 LEASE = 3.0

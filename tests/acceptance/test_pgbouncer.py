@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from celery_keyed.testbed import POOL_MODES, PgBouncerServer
+from celery_keyed.testing import POOL_MODES, PgBouncerServer
 from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
 
 SERVICE = 0.2  # seconds: one time unit of service

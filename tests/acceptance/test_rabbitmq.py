@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from kombu import Connection, Exchange, Queue
 
-from celery_keyed.testbed import RabbitServer, RabbitTarget
+from celery_keyed.testing import RabbitServer, RabbitTarget
 from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
 
 SERVICE = 0.2  # seconds: one time unit of service

@@ -22,7 +22,7 @@ import pytest
 from celery.exceptions import TimeLimitExceeded
 
 from celery_keyed import KeyedCancelled
-from celery_keyed.testbed import RedisServer, start_redis
+from celery_keyed.testing import RedisServer, start_redis
 from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
 
 CLEANUP = 3.0  # seconds a body's SIGTERM handler cleans up for

@@ -68,7 +68,7 @@ import psutil
 import sqlalchemy as sa
 
 from celery_keyed.partition import SilentProxy
-from celery_keyed.testbed import PostgresServer, RedisServer, start_postgres, start_redis
+from celery_keyed.testing import PostgresServer, RedisServer, start_postgres, start_redis
 from tests.chaos.proj import now
 
 ROOT = Path(__file__).resolve().parents[2]

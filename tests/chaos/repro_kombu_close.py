@@ -2,7 +2,7 @@
 
 No celery-keyed in the workers: they run a ten-line Celery app written to a temporary directory (Redis broker
 and result backend, ``acks_late``, ``task_reject_on_worker_lost``, prefork ``-c 2``, tasks sleeping 0.2-2 s).
-The only celery-keyed code used is ``celery_keyed.testbed`` in this process, to start a throwaway persistent
+The only celery-keyed code used is ``celery_keyed.testing`` in this process, to start a throwaway persistent
 Redis (it imports neither Celery nor the rest of celery-keyed). The workers are started with
 ``app.Worker(...).start()`` rather than the ``celery`` command, whose plugin entry points would import
 ``celery_keyed.cli``, and assert that ``celery_keyed`` is not imported (unless ``--patch``). The worker options
@@ -128,7 +128,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     import redis
 
-    from celery_keyed.testbed import start_redis
+    from celery_keyed.testing import start_redis
 
     work = Path(tempfile.mkdtemp(prefix="repro-kombu-close-"))
     (work / "repro_app.py").write_text(APP)

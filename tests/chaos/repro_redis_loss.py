@@ -4,7 +4,7 @@ No celery-keyed in the workers: they run a small Celery app written to a tempora
 ``task_reject_on_worker_lost``, prefork ``-c 2``, tasks sleeping 10-200 ms), started with
 ``app.Worker(...).start()`` (not the ``celery`` command, whose plugin entry points would import
 ``celery_keyed.cli``), and assert that ``celery_keyed`` is not imported (unless ``--patch``). The only
-celery-keyed code used is ``celery_keyed.testbed`` in this process, for two throwaway persistent Redis servers
+celery-keyed code used is ``celery_keyed.testing`` in this process, for two throwaway persistent Redis servers
 (append-only file, ``appendfsync always``): the broker, which is stopped (``suspend``, SIGTERM) and started
 again (``resume``) ``--cycles`` times at random instants (2-6 s down, 3-8 s up), and the result backend, which
 is never stopped (a result is not lost with the broker).
@@ -182,7 +182,7 @@ def main() -> int:
     import redis
     from celery import Celery
 
-    from celery_keyed.testbed import start_redis
+    from celery_keyed.testing import start_redis
 
     work = Path(tempfile.mkdtemp(prefix="repro-redis-loss-"))
     (work / "repro_app.py").write_text(APP)

@@ -171,14 +171,14 @@ def test_timeline_counts_runs_at_once() -> None:
 
 INERT = """
 import celery_keyed.contrib.pytest as plugin
-from celery_keyed import testbed
+from celery_keyed import testing as testbed
 
 def test_plain(request):
     assert request.config.pluginmanager.get_plugin("celery_keyed") is plugin
-    assert not testbed._live  # no server started for a test that asks for none of the fixtures
+    assert not testbed.live_servers()  # no server started for a test that asks for none of the fixtures
 
 def test_fixture_free_too():
-    assert not testbed._live
+    assert not testbed.live_servers()
 """
 
 

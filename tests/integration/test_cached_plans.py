@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from celery_keyed.ledger import Arrival, Ledger, Outcome, Token, Verdict, migrate
-from celery_keyed.testbed import start_postgres
+from celery_keyed.testing import start_postgres
 
 CYCLES = 40
 

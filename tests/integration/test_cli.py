@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -216,7 +217,31 @@ def test_explain(app: Celery, busy: Ledger) -> None:
     assert "waiting behind 1 others for key api:t1 (in flight 3/3)" in waiting["text"]
     assert json.loads(run(app, "explain", "nope", "--json", code=1).stdout)["state"] == "unknown"  # exits 1
     out = run(app, "explain", "c1").stdout
-    assert out.splitlines()[0] == "c1: waiting" and "key: account:7" in out
+    assert out.splitlines()[0] == "c1: waiting" and "next in line for account:7 (1 of 1 slot in use)" in out
+
+
+def test_explain_says_it_in_sentences(app: Celery, busy: Ledger) -> None:
+    """The human output is sentences built from the facts (which worker, since when, slots in use, tasks ahead),
+    never a dump of fact names and values such as ``k: 3`` or ``shadow: False``."""
+    running = run(app, "explain", "a0").stdout.splitlines()
+    assert running[0] == "a0: running"
+    assert re.fullmatch(
+        r"  running on worker [^ ]+ \(pid \d+\) since \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ"
+        r" \(3 of 3 slots of api:t1 in use\)",
+        running[1],
+    ), running
+    assert "s more and the worker renews it while it runs" in running[2]
+    waiting = run(app, "explain", "a4").stdout
+    assert "  waiting behind 1 task of api:t1 (3 of 3 slots in use)\n" in waiting
+    assert "  it arrived at " in waiting
+    for out in (running, waiting.splitlines()):
+        assert not any(re.match(r"  [a-z_]+: ", line) for line in out), out  # no "fact: value" lines
+    run(app, "set-limit", "api", "4", "--reason", "more room")  # promotes a3 (published, not started by a worker)
+    promoted = run(app, "explain", "a3").stdout
+    assert "  given a slot at " in promoted and "(4 of 4 slots of api:t1 in use) and on its way to a worker" in promoted
+    assert "it goes back in line" in promoted
+    unknown = run(app, "explain", "nope", code=1).stdout
+    assert unknown.splitlines()[0] == "nope: unknown" and "no record of this task id" in unknown
 
 
 def test_reconcile_reports_and_repairs_drift(app: Celery, busy: Ledger, engine: sa.Engine) -> None:
@@ -356,3 +381,34 @@ def test_status_shows_rate_fair_and_uncertain_rules(app: Celery, ledger: Ledger)
     doc = run_json(app, "status")
     by_name = {n["name"]: n for n in doc["names"]}
     assert by_name["api"]["fair"] is True and abs(by_name["api"]["rate"] - 100 / 60) < 1e-9
+
+
+def test_status_shows_the_rules_that_reject_or_expire_tasks(app: Celery, ledger: Ledger) -> None:
+    """max_waiting (and what a full room does), max_wait, shards and rate: in the RULES column as the settings name
+    them, and one sentence per name saying what happens to a task; in the JSON too."""
+    ledger.configure(
+        {
+            "api": NameConfig("api", limit=4, shards=2, max_waiting=100, max_wait=30.0, rate="6/s", burst=3),
+            "mail": NameConfig("mail", limit=1, max_waiting=1, overflow="supersede"),
+            "plain": NameConfig("plain", limit=2),
+        }
+    )
+    out = run(app, "status").stdout
+    lines = out.splitlines()
+    api = next(line for line in lines if line.startswith("api "))
+    assert "max_waiting 100, max_wait 30s, shards 2, rate 6/s burst 3" in api
+    assert "max_waiting 1 supersede" in next(line for line in lines if line.startswith("mail "))
+    assert next(line for line in lines if line.startswith("plain ")).split()[3] == "-"
+    assert (
+        "api: once 100 tasks of a key wait, a new arrival is rejected; a task that has not started 30s after it"
+        " arrived expires; each key starts at most 6/s (saving up at most 3); each key's limit is spread over 2 shards."
+    ) in lines
+    assert "mail: once 1 task of a key waits, a new arrival replaces the oldest waiting task." in lines
+    assert not any(line.startswith("plain:") for line in lines)
+    by_name = {n["name"]: n for n in run_json(app, "status")["names"]}
+    api_doc = by_name["api"]
+    assert (api_doc["max_waiting"], api_doc["max_wait"], api_doc["shards"], api_doc["overflow"]) == (
+        100, 30.0, 2, "reject"
+    )
+    mail, plain = by_name["mail"], by_name["plain"]
+    assert (mail["overflow"], plain["max_waiting"], plain["shards"]) == ("supersede", None, 1)

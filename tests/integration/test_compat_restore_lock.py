@@ -19,7 +19,7 @@ kombu_redis = pytest.importorskip("kombu.transport.redis")
 from kombu import Connection  # noqa: E402
 
 from celery_keyed import compat  # noqa: E402
-from celery_keyed.testbed import RedisServer, start_redis  # noqa: E402
+from celery_keyed.testing import RedisServer, start_redis  # noqa: E402
 
 LOCK = "unacked_mutex"  # kombu's default unacked_mutex_key
 

@@ -24,7 +24,7 @@ from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Ver
 from celery_keyed.ledger.books import books_balance
 from celery_keyed.ledger.migrations import _MIGRATION_LOCK_ID, migrate, migration_files
 from celery_keyed.settings import read_settings
-from celery_keyed.testbed import PgBouncerServer
+from celery_keyed.testing import PgBouncerServer
 from celery_keyed.worker.breaker import UNREACHABLE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -298,7 +298,7 @@ def test_a_worker_says_when_the_ledgers_server_is_not_crash_safe(
 ) -> None:
     """No transaction can make a commit durable on a server with fsync or full_page_writes off (the test bed's
     PostgreSQL runs so): the worker's first ledger call at start says it, loudly. A durable server gets no warning."""
-    from celery_keyed.testbed import start_postgres
+    from celery_keyed.testing import start_postgres
 
     with caplog.at_level("WARNING", logger="celery_keyed"):
         Ledger(engine, holder="test-host:1:unsafe").register_holder()

@@ -1,4 +1,4 @@
-"""The test bed's streaming standby (celery_keyed.testbed_replica): a failover as the failover tests need it — a
+"""The test bed's streaming standby (celery_keyed.testing.replica): a failover as the failover tests need it — a
 standby that lags (detached) loses the primary's last commits, a synchronous one loses none, and a multi-host URL
 follows the promoted server."""
 
@@ -10,8 +10,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from celery_keyed.testbed import PostgresServer, find_postgres_bindir, start_postgres
-from celery_keyed.testbed_replica import crash, multi_host_url, start_standby
+from celery_keyed.testing import PostgresServer, find_postgres_bindir, start_postgres
+from celery_keyed.testing.replica import crash, multi_host_url, start_standby
 
 pytestmark = pytest.mark.skipif(
     not (find_postgres_bindir() / "pg_basebackup").is_file(), reason="no pg_basebackup beside the test bed's postgres"

@@ -19,8 +19,8 @@ import psycopg
 import pytest
 import redis
 
-from celery_keyed import testbed
-from celery_keyed.testbed import PostgresServer, RedisServer, TestbedError, start_postgres, start_redis
+from celery_keyed import testing as testbed
+from celery_keyed.testing import PostgresServer, RedisServer, TestbedError, start_postgres, start_redis
 
 
 def process_group_gone(pgid: int) -> bool:
@@ -188,7 +188,7 @@ def test_external_redis_url_for_keeps_credentials_and_options() -> None:
 def test_cli_prints_exports_and_stops_servers_on_sigterm() -> None:
     env = {k: v for k, v in os.environ.items() if k not in (testbed.DATABASE_URL_ENV, testbed.BROKER_URL_ENV)}
     with subprocess.Popen(
-        [sys.executable, "-m", "celery_keyed.testbed"],
+        [sys.executable, "-m", "celery_keyed.testing"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

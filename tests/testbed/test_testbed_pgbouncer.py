@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from celery_keyed import testbed
-from celery_keyed.testbed import PgBouncerServer, TestbedError
+from celery_keyed import testing as testbed
+from celery_keyed.testing import PgBouncerServer, TestbedError
 from tests.conftest import libpq_url
 
 
@@ -52,4 +53,4 @@ def test_pgbouncer_session_mode_keeps_a_client_on_its_server_connection(
 
 def test_pgbouncer_refuses_an_unknown_pool_mode(postgres_server: testbed.PostgresTarget) -> None:
     with pytest.raises(TestbedError, match="pool_mode must be one of session, transaction"):
-        PgBouncerServer(testbed.Path("/bin/true"), testbed.Path("/tmp"), 1, 2, "statement", None, {})
+        PgBouncerServer(Path("/bin/true"), Path("/tmp"), 1, 2, "statement", None, {})

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
-from celery_keyed import testbed
-from celery_keyed.testbed import RabbitServer, TestbedError, start_rabbitmq
+from celery_keyed import testing as testbed
+from celery_keyed.testing import RabbitServer, TestbedError, start_rabbitmq
+from celery_keyed.testing.servers import broker_from_env
 
 
 def process_group_gone(pgid: int) -> bool:
@@ -149,9 +150,9 @@ def test_amqp_env_overrides(monkeypatch: pytest.MonkeyPatch, redis_server: testb
         rabbit.add_vhost("x")
     rabbit.stop()  # nothing to stop
     # an amqp:// CELERY_BROKER_URL is RabbitMQ's: start_redis does not wrap it as a Redis
-    assert testbed._broker_from_env(amqp=False) is None
+    assert broker_from_env(amqp=False) is None
     monkeypatch.setenv(testbed.BROKER_URL_ENV, redis_server.url)
-    assert testbed._broker_from_env(amqp=True) is None
+    assert broker_from_env(amqp=True) is None
     assert isinstance(testbed.start_redis(), testbed.ExternalRedis)
     # KEYED_AMQP_URL names a RabbitMQ while CELERY_BROKER_URL names the Redis
     monkeypatch.setenv(testbed.AMQP_URL_ENV, "amqp://guest:guest@127.0.0.1:5999//")

@@ -43,15 +43,16 @@ IMPORTERS = ("celery_keyed", "django_app", "example_project", "bench")
 SQL_EXCEPTIONS = {
     # The throwaway servers' readiness probes (PostgreSQL's and PgBouncer's; psycopg, before any ledger exists): not
     # ledger statements.
-    ("celery_keyed/testbed.py", "SELECT 1"): 2,
+    ("celery_keyed/testing/postgres.py", "SELECT 1"): 1,
+    ("celery_keyed/testing/pgbouncer.py", "SELECT 1"): 1,
     # The test bed's standby (failover tests): replication state and controls of the server, not ledger statements.
-    ("celery_keyed/testbed_replica.py", "SELECT pg_reload_conf()"): 2,
-    ("celery_keyed/testbed_replica.py", "SELECT sync_state FROM pg_stat_replication"): 1,
-    ("celery_keyed/testbed_replica.py", "SELECT pg_current_wal_lsn()::text"): 1,
-    ("celery_keyed/testbed_replica.py", "SELECT count(*) FROM pg_stat_wal_receiver"): 1,
-    ("celery_keyed/testbed_replica.py", "SELECT pg_is_in_recovery()"): 1,
-    ("celery_keyed/testbed_replica.py", "SELECT pg_last_wal_replay_lsn() >= '"): 1,
-    ("celery_keyed/testbed_replica.py", "SELECT pg_promote(true,"): 1,
+    ("celery_keyed/testing/replica.py", "SELECT pg_reload_conf()"): 2,
+    ("celery_keyed/testing/replica.py", "SELECT sync_state FROM pg_stat_replication"): 1,
+    ("celery_keyed/testing/replica.py", "SELECT pg_current_wal_lsn()::text"): 1,
+    ("celery_keyed/testing/replica.py", "SELECT count(*) FROM pg_stat_wal_receiver"): 1,
+    ("celery_keyed/testing/replica.py", "SELECT pg_is_in_recovery()"): 1,
+    ("celery_keyed/testing/replica.py", "SELECT pg_last_wal_replay_lsn() >= '"): 1,
+    ("celery_keyed/testing/replica.py", "SELECT pg_promote(true,"): 1,
 }
 
 #: Ledger modules imported directly from outside it, each with why (to be routed through celery_keyed.ledger).
