@@ -135,6 +135,7 @@ __all__ = [
     "STATEMENT_TIMEOUT_MAX",
     "Admission",
     "Arrival",
+    "Explanation",
     "FairShare",
     "HeldClaim",
     "InvalidConfig",
