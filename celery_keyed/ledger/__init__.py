@@ -93,6 +93,7 @@ from celery_keyed.ledger.holders import (
     machine_identity,
     new_holder,
 )
+from celery_keyed.ledger.identity import watch_engine
 from celery_keyed.ledger.key_overrides import (
     KeyOverride,
     clear_key_limit,
@@ -300,6 +301,7 @@ class Ledger:
         self.engine = engine
         if not sa.event.contains(engine, "handle_error", on_handle_error):
             sa.event.listen(engine, "handle_error", on_handle_error)  # PostgreSQL's own limits are data errors
+        watch_engine(engine, lease=lease)  # D20: a new connection's first contact with a server checks its identity
         #: The same pool in autocommit: the single-statement fast paths need no BEGIN / COMMIT round trips.
         self.autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.holder = holder or new_holder()

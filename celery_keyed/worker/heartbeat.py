@@ -38,6 +38,7 @@ from celery.worker import state as worker_state
 
 from celery_keyed.ledger import HeldClaim, Outcome
 from celery_keyed.worker.breaker import UNREACHABLE
+from celery_keyed.worker.failover import FailoverWatch
 from celery_keyed.worker.fence import SelfFence
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class Heartbeat:
             running=self._running,
             terminate=self._terminate,
         )
+        self.failover = FailoverWatch(gate.ledger, lease=settings.lease)  # D20
 
     def start(self) -> None:
         """Start the thread unless it runs (a consumer restart finds it running, D13); the self-fence with it."""
@@ -126,12 +128,19 @@ class Heartbeat:
             if claim in renewed and sent > r.lease_from:
                 r.lease_from = sent
         gate.breaker.close()
+        with contextlib.suppress(sa.exc.SQLAlchemyError):
+            self.failover.beat(held)  # D20: the server's identity; what each held claim holds
         pids = self.process_ids()
         if pids != self.pids:  # a pool process was replaced: a successor must know every pid to check (item 8)
             with contextlib.suppress(sa.exc.SQLAlchemyError):
                 ledger.record_pids(pids)
                 self.pids = pids
-        lost = [r for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
+        missing = [claim for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
+        # D20: after a failover a missing claim may have been lost with the old server: taken back, its body runs on
+        kept = self.failover.reassert((c, held[c].request.name) for c in missing) if missing else set()
+        for claim in kept:
+            held[claim].lease_from = max(held[claim].lease_from, sent)
+        lost = [held[c] for c in missing if c not in kept]
         for r in lost:  # reclaimed: our release would be fenced anyway; stop tracking it
             with gate.lock:
                 gate.running.pop(r.token, None)

@@ -1,0 +1,101 @@
+"""Failover (D20): a worker process that finds the ledger on another server keeps its running bodies.
+
+A standby promoted after the primary died may lack the primary's last commits, among them the claims of attempts this
+process still runs. The heartbeat then finds those claims gone. Before a failover that means "reclaimed" and the body
+is stopped (worker/fence.py); after one it means "lost with the old server", and ``FailoverWatch.reassert`` takes each
+claim back on the new server, with its fence, under the slot guard (``keyed_claims_reassert``). Only a refused
+re-assertion (the slot was taken meanwhile, or the claim held a group or several keys) leaves the body to the
+self-fence, which stops it, and the body runs again (``fence.readmit_fenced``). Meanwhile the ledger admits no new
+start for one lease (the trigger of migration 0025): every claim the old server granted has been renewed here,
+re-asserted, or stopped by its worker's self-fence by then.
+
+``FailoverWatch.beat`` runs in the heartbeat's thread after each renewal that succeeded: it checks the server's
+identity (logged and counted once per change, ``ledger.identity.PROCESS``) and remembers what each held claim holds
+(read from the ledger once per claim), which is what a re-assertion needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from celery_keyed import metrics
+from celery_keyed.ledger import Ledger
+from celery_keyed.ledger.claims import HeldClaim
+from celery_keyed.ledger.identity import PROCESS, Holding, claims_holding_of, claims_reassert, identity_check
+
+logger = logging.getLogger("celery_keyed")
+
+
+class FailoverWatch:
+    """The failover watch of one gate's heartbeat. ``lease``: the claims' lease (also how long after a failover a
+    missing claim is taken for lost with the old server rather than reclaimed)."""
+
+    def __init__(self, ledger: Ledger, *, lease: float) -> None:
+        self.ledger = ledger
+        self.lease = lease
+        self.holdings: dict[HeldClaim, Holding] = {}
+        self.failover_at: float | None = None  # monotonic time this process first saw the last failover
+        self._changes_counted = PROCESS.changes
+
+    def beat(self, held: Iterable[HeldClaim]) -> None:
+        """After a renewal that succeeded: check the server's identity; remember what newly held claims hold."""
+        held = set(held)
+        with self.ledger.engine.begin() as conn:
+            identity_check(conn, lease=self.lease)
+            new = [(c.task_id, c.attempt, c.fence) for c in held if c not in self.holdings]
+            for holding in claims_holding_of(conn, self.ledger.holder, new):
+                self.holdings[HeldClaim(holding.task_id, holding.attempt, holding.fence)] = holding
+        self.counted()
+        for claim in [c for c in self.holdings if c not in held]:
+            del self.holdings[claim]
+
+    def counted(self) -> None:
+        """Count the failovers this process saw since the last call (the connection hook may have seen it first)."""
+        changes = PROCESS.changes
+        if changes > self._changes_counted:
+            metrics.failover(changes - self._changes_counted)
+            self._changes_counted = changes
+            self.failover_at = time.monotonic()
+
+    def after_failover(self) -> bool:
+        """Whether a failover was seen recently enough that a missing claim may be one lost with the old server."""
+        self.counted()
+        return self.failover_at is not None and time.monotonic() - self.failover_at < 2 * self.lease
+
+    def reassert(self, lost: Iterable[tuple[HeldClaim, str]]) -> set[HeldClaim]:
+        """Take back the claims ``lost`` (claim, task name) after a failover; those re-asserted (or found kept). A
+        refused or failed one is left to the caller (the self-fence stops its body)."""
+        if not self.after_failover():
+            return set()
+        kept: set[HeldClaim] = set()
+        for claim, task_name in lost:
+            holding = self.holdings.get(claim)
+            if holding is None:
+                continue
+            try:
+                with self.ledger.engine.begin() as conn:
+                    verdict = claims_reassert(
+                        conn, holding, holder=self.ledger.holder, task_name=task_name, lease=self.lease
+                    )
+            except Exception:
+                logger.exception("celery-keyed: could not re-assert the claim of %s[%s]", task_name, claim.task_id)
+                continue
+            metrics.reasserted(verdict)
+            if verdict == "refused":
+                logger.error(
+                    "celery-keyed: %s[%s]: its claim was lost in the ledger failover and its slot is taken; it is "
+                    "stopped and runs again",
+                    task_name,
+                    claim.task_id,
+                )
+                continue
+            logger.warning(
+                "celery-keyed: %s[%s] keeps running: its claim, lost in the ledger failover, was re-asserted (%s)",
+                task_name,
+                claim.task_id,
+                verdict,
+            )
+            kept.add(claim)
+        return kept
