@@ -1009,6 +1009,7 @@ class GateService:
             key = request.keyed_arrival_key
             self.releaser.mark_contended(key)
             request.acknowledge()  # the parked row is committed: the ledger holds the message now
+            self.heartbeat.failover.journal_parked(request)  # D20: published again if a failover loses its row
             worker_state.task_ready(request)
             self._announce_parked(request.id, request.name, key)
             for task_id in admission.superseded:

@@ -50,6 +50,20 @@ CLAIMS_REASSERT = sa.text(
 )
 
 
+# tokens_unknown: of these attempt tokens, those the ledger has no trace of (no waiting row, no claim, no outcome of the
+# attempt or a later one): a parked attempt whose row was lost with the previous server's last commits.
+TOKENS_UNKNOWN = sa.text(
+    """
+    SELECT t.task_id, t.attempt
+      FROM unnest(CAST(:task_ids AS text[]), CAST(:attempts AS integer[])) AS t(task_id, attempt)
+     WHERE NOT EXISTS (SELECT 1 FROM keyed_waiting w WHERE w.task_id = t.task_id AND w.attempt = t.attempt)
+       AND NOT EXISTS (SELECT 1 FROM keyed_claims c WHERE c.task_id = t.task_id AND c.attempt >= t.attempt)
+       AND NOT EXISTS (SELECT 1 FROM keyed_tasks k WHERE k.task_id = t.task_id
+                          AND (k.outcome IS NOT NULL OR k.finished_attempt >= t.attempt))
+    """
+)
+
+
 @dataclass(frozen=True)
 class IdentityCheck:
     """What ``identity_check`` found: ``kind`` of change this call detected (None: none), the identities before and
@@ -187,3 +201,11 @@ def claims_reassert(conn: sa.Connection, holding: Holding, *, holder: str, task_
         "lease": lease,
     }
     return str(conn.execute(CLAIMS_REASSERT, params).scalar_one())
+
+
+def tokens_unknown(conn: sa.Connection, tokens: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Of ``tokens`` (task id, attempt), those the ledger has no trace of (see ``TOKENS_UNKNOWN``)."""
+    if not tokens:
+        return []
+    params = {"task_ids": [t[0] for t in tokens], "attempts": [t[1] for t in tokens]}
+    return [(r.task_id, int(r.attempt)) for r in conn.execute(TOKENS_UNKNOWN, params)]

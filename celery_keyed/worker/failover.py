@@ -18,14 +18,31 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from celery_keyed import metrics
 from celery_keyed.ledger import Ledger
 from celery_keyed.ledger.claims import HeldClaim
-from celery_keyed.ledger.identity import PROCESS, Holding, claims_holding_of, claims_reassert, identity_check
+from celery_keyed.ledger.identity import (
+    PROCESS,
+    Holding,
+    claims_holding_of,
+    claims_reassert,
+    identity_check,
+    tokens_unknown,
+)
+from celery_keyed.worker.fence import republish_received
 
 logger = logging.getLogger("celery_keyed")
+
+
+#: Seconds a parked request is remembered at least (the replication lag a failover may lose, and then some).
+PARKED_JOURNAL_WINDOW = 60.0
+
+#: The most parked requests a worker remembers (each holds its message's body until it ages out).
+PARKED_JOURNAL_MAX = 10_000
 
 
 class FailoverWatch:
@@ -38,6 +55,10 @@ class FailoverWatch:
         self.holdings: dict[HeldClaim, Holding] = {}
         self.failover_at: float | None = None  # monotonic time this process first saw the last failover
         self._changes_counted = PROCESS.changes
+        #: Requests parked (their messages acknowledged) lately: (monotonic time, request). After a failover, those the
+        #: new server has no trace of are published again (``settle_parked``). Consumer loop appends, heartbeat reads.
+        self.parked: deque[tuple[float, Any]] = deque(maxlen=PARKED_JOURNAL_MAX)
+        self._settle = False  # a failover was seen: settle the journal at the next beat
 
     def beat(self, held: Iterable[HeldClaim]) -> None:
         """After a renewal that succeeded: check the server's identity; remember what newly held claims hold."""
@@ -50,6 +71,45 @@ class FailoverWatch:
         self.counted()
         for claim in [c for c in self.holdings if c not in held]:
             del self.holdings[claim]
+        if self._settle:
+            self._settle = False
+            self.settle_parked()
+
+    def journal_parked(self, request: Any) -> None:
+        """Consumer loop: ``request`` was parked and its message acknowledged (the ledger holds it now)."""
+        now = time.monotonic()
+        window = max(2 * self.lease, PARKED_JOURNAL_WINDOW)
+        while self.parked and now - self.parked[0][0] > window:
+            self.parked.popleft()
+        self.parked.append((now, request))
+
+    def settle_parked(self) -> list[str]:
+        """After a failover: publish again, as received, every request parked here lately of which the new server has
+        no trace (its parked row was lost with the old server's last commits; its message was acknowledged). The copy
+        is admitted like any delivery. Task ids published again."""
+        journal = list(self.parked)
+        if not journal:
+            return []
+        by_token = {(r.id, int((getattr(r, "_request_dict", None) or {}).get("retries") or 0)): r for _, r in journal}
+        with self.ledger.engine.connect() as conn:
+            unknown = tokens_unknown(conn, list(by_token))
+        sent = []
+        for token in unknown:
+            request = by_token[token]
+            try:
+                republish_received(request.app, request)
+            except Exception:
+                logger.exception(
+                    "celery-keyed: could not publish %s[%s] again after the failover", request.name, request.id
+                )
+                continue
+            sent.append(request.id)
+            logger.warning(
+                "celery-keyed: %s[%s] was parked on the ledger's previous server and lost in the failover; published again",
+                request.name,
+                request.id,
+            )
+        return sent
 
     def counted(self) -> None:
         """Count the failovers this process saw since the last call (the connection hook may have seen it first)."""
@@ -58,6 +118,7 @@ class FailoverWatch:
             metrics.failover(changes - self._changes_counted)
             self._changes_counted = changes
             self.failover_at = time.monotonic()
+            self._settle = True
 
     def after_failover(self) -> bool:
         """Whether a failover was seen recently enough that a missing claim may be one lost with the old server."""

@@ -1,0 +1,122 @@
+"""A failover of the ledger's PostgreSQL with real workers (D20): a primary and a streaming standby started by the test
+bed (celery_keyed.testbed_replica), workers on a multi-host URL, the primary SIGKILLed and the standby promoted. The
+observer (bodies writing their start and end) lives in another database, which loses nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from celery_keyed.ledger import migrate
+from celery_keyed.testbed import PostgresServer, find_postgres_bindir, start_postgres
+from celery_keyed.testbed_replica import PostgresStandby, crash, multi_host_url, start_standby
+from tests.acceptance.conftest import Cluster, make_cluster, peak_overlap
+
+pytestmark = pytest.mark.skipif(
+    not (find_postgres_bindir() / "pg_basebackup").is_file(), reason="no pg_basebackup beside the test bed's postgres"
+)
+
+LEASE = 8.0
+KEYS = [f"acct:{i}" for i in range(5)]
+
+
+class Failover:
+    def __init__(self, primary: PostgresServer, standby: PostgresStandby, cluster: Cluster) -> None:
+        self.primary, self.standby, self.cluster = primary, standby, cluster
+        self.ledger = sa.create_engine(multi_host_url([primary, standby], "postgres"), pool_pre_ping=True)
+
+    def ledger_scalar(self, sql: str) -> Any:
+        with self.ledger.connect() as conn:
+            return conn.execute(sa.text(sql)).scalar()
+
+    def fail_over(self, lag: float) -> None:
+        """Hold the standby's WAL back for ``lag`` seconds, SIGKILL the primary, promote the standby."""
+        self.standby.detach()
+        time.sleep(lag)
+        crash(self.primary)
+        self.standby.promote()
+        self.ledger.dispose()
+
+
+@pytest.fixture
+def failover(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Failover]:
+    with start_postgres(use_env=False) as primary:
+        assert isinstance(primary, PostgresServer)
+        engine = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{primary.port}/postgres")
+        migrate(engine)
+        engine.dispose()
+        with start_standby(primary, synchronous=False) as standby:
+            for cluster in make_cluster(database_url, redis_url, tmp_path, {}):
+                cluster.env.update(
+                    KEYED_DATABASE_URL=multi_host_url([primary, standby], "postgres"),
+                    OBSERVER_DSN=make_url(database_url)
+                    .render_as_string(hide_password=False)
+                    .replace("postgresql+psycopg://", "postgresql://"),
+                    KEYED_LEASE=str(LEASE),
+                    KEYED_CONNECT_TIMEOUT="1.0",
+                )
+                f = Failover(primary, standby, cluster)
+                try:
+                    yield f
+                finally:
+                    f.ledger.dispose()
+
+
+@pytest.fixture
+def producer(failover: Failover) -> Iterator[Any]:
+    from celery_keyed.publisher import close_publisher
+    from tests.acceptance.proj import make_app
+
+    ns = make_app(failover.cluster.env)
+    yield ns
+    close_publisher(ns.app)
+    ns.app.close()
+
+
+def _no_overlap(cluster: Cluster) -> None:
+    for key in KEYS:
+        assert peak_overlap(cluster.intervals(key)) <= 1, f"{key} ran two bodies at once"
+
+
+def _log(cluster: Cluster) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in cluster.logs.values())
+
+
+def test_async_failover_with_lag_keeps_the_bound_and_names_the_failover(failover: Failover, producer: Any) -> None:
+    cluster = failover.cluster
+    cluster.start_worker("w1", concurrency=3)
+    cluster.start_worker("w2", concurrency=3)
+    results = [producer.hold.delay(KEYS[i % len(KEYS)], 0.4, note=str(i)) for i in range(30)]
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 5, at_least=True)
+    failover.fail_over(lag=3.0)
+    assert sorted(r.get(timeout=120) for r in results) == sorted(str(i) for i in range(30))
+    _no_overlap(cluster)
+    log = _log(cluster)
+    assert "ledger failover: a standby was promoted" in log
+    assert "lease expired" not in log
+    assert failover.ledger_scalar("SELECT count(*) FROM keyed_events WHERE kind = 'failover'") == 1
+
+
+def test_long_tasks_in_flight_keep_running_through_a_failover(failover: Failover, producer: Any) -> None:
+    cluster = failover.cluster
+    cluster.start_worker("w1", concurrency=3)
+    cluster.start_worker("w2", concurrency=3)
+    long = [producer.hold.delay(key, 8.0, note=f"long-{key}") for key in KEYS]
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", len(KEYS))
+    behind = [producer.hold.delay(key, 0.2, note=f"behind-{key}") for key in KEYS]
+    failover.fail_over(lag=1.0)
+    assert sorted(r.get(timeout=120) for r in long) == sorted(f"long-{k}" for k in KEYS)
+    assert sorted(r.get(timeout=120) for r in behind) == sorted(f"behind-{k}" for k in KEYS)
+    _no_overlap(cluster)
+    # not killed: each long body started once and ended
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'start' AND note LIKE 'long-%'") == len(KEYS)
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end' AND note LIKE 'long-%'") == len(KEYS)
+    log = _log(cluster)
+    assert "ledger failover: a standby was promoted" in log
+    assert "lease expired" not in log
