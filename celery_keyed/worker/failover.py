@@ -105,7 +105,8 @@ class FailoverWatch:
                 continue
             sent.append(request.id)
             logger.warning(
-                "celery-keyed: %s[%s] was parked on the ledger's previous server and lost in the failover; published again",
+                "celery-keyed: %s[%s] was parked on the ledger's previous server and lost in the failover; "
+                "published again",
                 request.name,
                 request.id,
             )
