@@ -17,13 +17,14 @@ identity (logged and counted once per change, ``ledger.identity.PROCESS``) and r
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from celery_keyed import metrics
-from celery_keyed.ledger import Ledger
+from celery_keyed.ledger import Arrival, Ledger
 from celery_keyed.ledger.claims import HeldClaim
 from celery_keyed.ledger.identity import (
     PROCESS,
@@ -33,6 +34,7 @@ from celery_keyed.ledger.identity import (
     identity_check,
     tokens_unknown,
 )
+from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.worker.fence import republish_received
 
 logger = logging.getLogger("celery_keyed")
@@ -52,7 +54,10 @@ class FailoverWatch:
     def __init__(self, ledger: Ledger, *, lease: float) -> None:
         self.ledger = ledger
         self.lease = lease
-        self.holdings: dict[HeldClaim, Holding] = {}
+        self.holdings: dict[HeldClaim, Holding] = {}  # under _lock: remember (loop) and beat (heartbeat) write it
+        self._seen: dict[HeldClaim, int] = {}  # the beat at which each claim was last held
+        self._beats = 0
+        self._lock = threading.Lock()
         self.failover_at: float | None = None  # monotonic time this process first saw the last failover
         self._changes_counted = PROCESS.changes
         #: Requests parked (their messages acknowledged) lately: (monotonic time, request). After a failover, those the
@@ -60,17 +65,44 @@ class FailoverWatch:
         self.parked: deque[tuple[float, Any]] = deque(maxlen=PARKED_JOURNAL_MAX)
         self._settle = False  # a failover was seen: settle the journal at the next beat
 
+    def remember(self, claim: HeldClaim, arrival: Arrival | None) -> None:
+        """Any thread: a claim this process now holds, and what it holds (from its arrival; None: read from the
+        ledger at the next beat)."""
+        if arrival is None or arrival.key is None:
+            return
+        holding = Holding(
+            claim.task_id,
+            claim.attempt,
+            claim.fence,
+            arrival.key,
+            None,  # its shard: any where it fits
+            arrival.cost,
+            key_name(arrival.key),
+            composite=bool(arrival.extra_keys or arrival.group_key),
+        )
+        with self._lock:
+            self.holdings[claim] = holding
+            self._seen[claim] = self._beats
+
     def beat(self, held: Iterable[HeldClaim]) -> None:
         """After a renewal that succeeded: check the server's identity; remember what newly held claims hold."""
         held = set(held)
+        with self._lock:
+            new = [(c.task_id, c.attempt, c.fence) for c in held if c not in self.holdings]
         with self.ledger.engine.begin() as conn:
             identity_check(conn, lease=self.lease)
-            new = [(c.task_id, c.attempt, c.fence) for c in held if c not in self.holdings]
-            for holding in claims_holding_of(conn, self.ledger.holder, new):
-                self.holdings[HeldClaim(holding.task_id, holding.attempt, holding.fence)] = holding
+            found = claims_holding_of(conn, self.ledger.holder, new)
         self.counted()
-        for claim in [c for c in self.holdings if c not in held]:
-            del self.holdings[claim]
+        with self._lock:
+            self._beats += 1
+            for holding in found:
+                self.holdings[HeldClaim(holding.task_id, holding.attempt, holding.fence)] = holding
+            for claim in held:
+                self._seen[claim] = self._beats
+            # forget what is no longer held (a claim remembered since the snapshot ``held`` was taken is kept)
+            for claim in [c for c, beat in self._seen.items() if beat < self._beats - 1]:
+                self._seen.pop(claim, None)
+                self.holdings.pop(claim, None)
         if self._settle:
             self._settle = False
             self.settle_parked()
@@ -133,7 +165,8 @@ class FailoverWatch:
             return set()
         kept: set[HeldClaim] = set()
         for claim, task_name in lost:
-            holding = self.holdings.get(claim)
+            with self._lock:
+                holding = self.holdings.get(claim)
             if holding is None:
                 continue
             try:

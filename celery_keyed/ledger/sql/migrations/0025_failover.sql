@@ -110,6 +110,8 @@ CREATE FUNCTION keyed_claims_reassert(p_task_id text, p_attempt integer, p_fence
 LANGUAGE plpgsql AS $$
 DECLARE
     v_fence bigint;
+    v_shard integer;
+    v_try integer;
 BEGIN
     PERFORM 1 FROM keyed_tasks WHERE task_id = p_task_id FOR UPDATE;
     SELECT c.fence INTO v_fence FROM keyed_claims c WHERE c.task_id = p_task_id AND c.attempt = p_attempt FOR UPDATE;
@@ -128,17 +130,24 @@ BEGIN
     INSERT INTO keyed_slots (key, shard, name, used)
     SELECT p_key, g, p_name, 0 FROM generate_series(0, keyed_name_shards(p_name) - 1) AS g
     ON CONFLICT (key, shard) DO NOTHING;
-    UPDATE keyed_slots s SET used = s.used + p_cost
-     WHERE s.key = p_key AND s.shard = p_shard
-       AND s.used + p_cost <= keyed_key_share(p_key, now(), keyed_name_shards(s.name), s.shard);
-    IF NOT FOUND THEN
+    -- the claim's own shard, or (p_shard NULL: not known) the first shard where it fits; each take is guarded
+    v_shard := NULL;
+    FOR v_try IN SELECT g FROM generate_series(0, keyed_name_shards(p_name) - 1) AS g
+                  WHERE p_shard IS NULL OR g = p_shard LOOP
+        UPDATE keyed_slots s SET used = s.used + p_cost
+         WHERE s.key = p_key AND s.shard = v_try
+           AND s.used + p_cost <= keyed_key_share(p_key, now(), keyed_name_shards(s.name), s.shard)
+        RETURNING s.shard INTO v_shard;
+        EXIT WHEN v_shard IS NOT NULL;
+    END LOOP;
+    IF v_shard IS NULL THEN
         RETURN 'refused';
     END IF;
     INSERT INTO keyed_tasks (task_id, task_name, key, arrived_at) VALUES (p_task_id, p_task_name, p_key, now())
     ON CONFLICT (task_id) DO NOTHING;
     PERFORM set_config('keyed.reassert', 'on', true);
     INSERT INTO keyed_claims (task_id, attempt, key, shard, state, fence, holder, lease_expires_at, claimed_at, cost)
-    VALUES (p_task_id, p_attempt, p_key, p_shard, 'running', p_fence, p_holder,
+    VALUES (p_task_id, p_attempt, p_key, v_shard, 'running', p_fence, p_holder,
             now() + make_interval(secs => p_lease), now(), p_cost);
     PERFORM set_config('keyed.reassert', 'off', true);
     PERFORM setval('keyed_fence_seq', GREATEST(p_fence, (SELECT last_value FROM keyed_fence_seq)));

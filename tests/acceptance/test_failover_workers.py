@@ -39,6 +39,9 @@ class Failover:
         """Hold the standby's WAL back for ``lag`` seconds, SIGKILL the primary, promote the standby."""
         self.standby.detach()
         time.sleep(lag)
+        self.crash_and_promote()
+
+    def crash_and_promote(self) -> None:
         crash(self.primary)
         self.standby.promote()
         self.ledger.dispose()
@@ -104,13 +107,22 @@ def test_async_failover_with_lag_keeps_the_bound_and_names_the_failover(failover
 
 
 def test_long_tasks_in_flight_keep_running_through_a_failover(failover: Failover, producer: Any) -> None:
+    """The standby stops receiving WAL before the long tasks are admitted: their claims, and the parked rows of the
+    tasks behind them, are lost with the primary. The bodies keep running (their workers re-assert their claims on
+    the promoted standby) and the parked tasks run after them (their workers publish them again)."""
     cluster = failover.cluster
     cluster.start_worker("w1", concurrency=3)
     cluster.start_worker("w2", concurrency=3)
+    failover.standby.detach()
     long = [producer.hold.delay(key, 8.0, note=f"long-{key}") for key in KEYS]
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", len(KEYS))
     behind = [producer.hold.delay(key, 0.2, note=f"behind-{key}") for key in KEYS]
-    failover.fail_over(lag=1.0)
+    deadline = time.monotonic() + 60
+    while failover.ledger_scalar("SELECT count(*) FROM keyed_waiting") < len(KEYS):
+        assert time.monotonic() < deadline, "the tasks behind were not parked"
+        time.sleep(0.1)
+    failover.crash_and_promote()
+    assert failover.ledger_scalar("SELECT count(*) FROM keyed_claims") == 0  # lost with the primary
     assert sorted(r.get(timeout=120) for r in long) == sorted(f"long-{k}" for k in KEYS)
     assert sorted(r.get(timeout=120) for r in behind) == sorted(f"behind-{k}" for k in KEYS)
     _no_overlap(cluster)
@@ -119,4 +131,11 @@ def test_long_tasks_in_flight_keep_running_through_a_failover(failover: Failover
     assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end' AND note LIKE 'long-%'") == len(KEYS)
     log = _log(cluster)
     assert "ledger failover: a standby was promoted" in log
+    assert "re-asserted" in log
     assert "lease expired" not in log
+    # the books: every task has one outcome on the promoted standby
+    failover.ledger.dispose()
+    deadline = time.monotonic() + 60
+    while failover.ledger_scalar("SELECT count(*) FROM keyed_tasks WHERE outcome = 'completed'") < 2 * len(KEYS):
+        assert time.monotonic() < deadline, "the books lack outcomes"
+        time.sleep(0.2)
