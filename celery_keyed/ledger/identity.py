@@ -64,6 +64,21 @@ TOKENS_UNKNOWN = sa.text(
 )
 
 
+# tasks_without_outcome: of these task ids, those the books have no outcome for (no row, or an open one), with the
+# fence of the claim the ledger holds for the given attempt (None: none).
+TASKS_WITHOUT_OUTCOME = sa.text(
+    """
+    SELECT t.task_id, t.attempt, c.fence
+      FROM unnest(CAST(:task_ids AS text[]), CAST(:attempts AS integer[])) AS t(task_id, attempt)
+      LEFT JOIN keyed_claims c ON c.task_id = t.task_id AND c.attempt = t.attempt
+     WHERE NOT EXISTS (SELECT 1 FROM keyed_tasks k WHERE k.task_id = t.task_id AND k.outcome IS NOT NULL)
+    """
+)
+
+# books_settle: record the final outcome of an attempt whose arrival and release were both lost (keyed_books_settle).
+BOOKS_SETTLE = sa.text("SELECT keyed_books_settle(:task_id, :attempt, :task_name, :key, :outcome)")
+
+
 @dataclass(frozen=True)
 class IdentityCheck:
     """What ``identity_check`` found: ``kind`` of change this call detected (None: none), the identities before and
@@ -209,3 +224,23 @@ def tokens_unknown(conn: sa.Connection, tokens: list[tuple[str, int]]) -> list[t
         return []
     params = {"task_ids": [t[0] for t in tokens], "attempts": [t[1] for t in tokens]}
     return [(r.task_id, int(r.attempt)) for r in conn.execute(TOKENS_UNKNOWN, params)]
+
+
+def tasks_without_outcome(conn: sa.Connection, tokens: list[tuple[str, int]]) -> dict[tuple[str, int], int | None]:
+    """Of ``tokens`` (task id, attempt), those whose task has no outcome in the books, with the fence of the claim
+    the ledger holds for that attempt (None: none)."""
+    if not tokens:
+        return {}
+    params = {"task_ids": [t[0] for t in tokens], "attempts": [t[1] for t in tokens]}
+    return {
+        (r.task_id, int(r.attempt)): None if r.fence is None else int(r.fence)
+        for r in conn.execute(TASKS_WITHOUT_OUTCOME, params)
+    }
+
+
+def books_settle(
+    conn: sa.Connection, *, task_id: str, attempt: int, task_name: str, key: str | None, outcome: str
+) -> bool:
+    """Record a final outcome lost with the previous server (``keyed_books_settle``); True when recorded."""
+    params = {"task_id": task_id, "attempt": attempt, "task_name": task_name, "key": key, "outcome": outcome}
+    return bool(conn.execute(BOOKS_SETTLE, params).scalar())

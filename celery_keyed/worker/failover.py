@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery_keyed import metrics
@@ -29,9 +29,11 @@ from celery_keyed.ledger.claims import HeldClaim
 from celery_keyed.ledger.identity import (
     PROCESS,
     Holding,
+    books_settle,
     claims_holding_of,
     claims_reassert,
     identity_check,
+    tasks_without_outcome,
     tokens_unknown,
 )
 from celery_keyed.ledger.keyspec import key_name
@@ -51,8 +53,10 @@ class FailoverWatch:
     """The failover watch of one gate's heartbeat. ``lease``: the claims' lease (also how long after a failover a
     missing claim is taken for lost with the old server rather than reclaimed)."""
 
-    def __init__(self, ledger: Ledger, *, lease: float) -> None:
+    def __init__(self, ledger: Ledger, *, lease: float, give_back: Callable[[Any], None] | None = None) -> None:
         self.ledger = ledger
+        #: Hands a committed release (``worker.releaser.Release``) to be given again (the releaser's ``hand_over``).
+        self.give_back = give_back or (lambda release: None)
         self.lease = lease
         self.holdings: dict[HeldClaim, Holding] = {}  # under _lock: remember (loop) and beat (heartbeat) write it
         self._seen: dict[HeldClaim, int] = {}  # the beat at which each claim was last held
@@ -63,7 +67,10 @@ class FailoverWatch:
         #: Requests parked (their messages acknowledged) lately: (monotonic time, request). After a failover, those the
         #: new server has no trace of are published again (``settle_parked``). Consumer loop appends, heartbeat reads.
         self.parked: deque[tuple[float, Any]] = deque(maxlen=PARKED_JOURNAL_MAX)
-        self._settle = False  # a failover was seen: settle the journal at the next beat
+        #: Releases committed lately: (monotonic time, release). After a failover, those whose outcome the new server
+        #: lacks are given again (``settle_released``). The releaser's thread appends, the heartbeat reads.
+        self.released: deque[tuple[float, Any]] = deque(maxlen=PARKED_JOURNAL_MAX)
+        self._settle = False  # a failover was seen: settle the journals at the next beat
 
     def remember(self, claim: HeldClaim, arrival: Arrival | None) -> None:
         """Any thread: a claim this process now holds, and what it holds (from its arrival; None: read from the
@@ -106,6 +113,48 @@ class FailoverWatch:
         if self._settle:
             self._settle = False
             self.settle_parked()
+            self.settle_released()
+
+    def journal_released(self, release: Any) -> None:
+        """Releaser: ``release`` (a ``worker.releaser.Release``) has committed."""
+        now = time.monotonic()
+        window = max(2 * self.lease, PARKED_JOURNAL_WINDOW)
+        while self.released and now - self.released[0][0] > window:
+            self.released.popleft()
+        self.released.append((now, release))
+
+    def settle_released(self) -> int:
+        """After a failover: the releases committed here lately whose outcome the new server lacks. A claim it still
+        holds with the release's fence is released again (through ``give_back``: its slot back, its outcome booked,
+        the next waiters promoted); an attempt it has no trace of gets its final outcome booked
+        (``keyed_books_settle``). How many were settled."""
+        journal = {(r.token.task_id, r.token.attempt): r for _, r in list(self.released)}
+        if not journal:
+            return 0
+        with self.ledger.engine.connect() as conn:
+            missing = tasks_without_outcome(conn, list(journal))
+        settled = 0
+        for token, fence in missing.items():
+            release = journal[token]
+            if fence == release.fence:
+                self.give_back(release)
+                settled += 1
+                continue
+            if fence is not None:
+                continue  # another claim of the attempt: its holder books it
+            with self.ledger.engine.begin() as conn:
+                if books_settle(
+                    conn,
+                    task_id=token[0],
+                    attempt=token[1],
+                    task_name=release.name,
+                    key=release.key,
+                    outcome=str(release.outcome),
+                ):
+                    settled += 1
+        if settled:
+            logger.warning("celery-keyed: %d outcomes lost in the ledger failover were booked again", settled)
+        return settled
 
     def journal_parked(self, request: Any) -> None:
         """Consumer loop: ``request`` was parked and its message acknowledged (the ledger holds it now)."""

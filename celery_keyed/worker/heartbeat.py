@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from celery.worker import state as worker_state
@@ -65,7 +65,7 @@ class Heartbeat:
             running=self._running,
             terminate=self._terminate,
         )
-        self.failover = FailoverWatch(gate.ledger, lease=settings.lease)  # D20
+        self.failover = FailoverWatch(gate.ledger, lease=settings.lease, give_back=self._give_back_again)  # D20
 
     def start(self) -> None:
         """Start the thread unless it runs (a consumer restart finds it running, D13); the self-fence with it."""
@@ -206,6 +206,13 @@ class Heartbeat:
                 contended=True,
                 on_loop=False,
             )
+
+    def _give_back_again(self, release: Any) -> None:
+        """D20: a release committed on the ledger's previous server and lost with it, given again."""
+        self.gate.releaser.hand_over(
+            release.token, release.fence, release.outcome, key=release.key, name=release.name, contended=True,
+            on_loop=False, detail=release.detail,
+        )  # fmt: skip
 
     def _running(self) -> list[Running]:
         """The self-fence's view: the attempts this process runs (a snapshot under the gate's lock)."""

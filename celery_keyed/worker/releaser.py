@@ -301,6 +301,7 @@ class Releaser:
         """A release has committed: its deferred ack, its promotions (``granted``: the monotonic time taken before
         the release call, for the promotions bound to this worker)."""
         self._after_release(job, local=local)
+        self.gate.heartbeat.failover.journal_released(job)  # D20: given again if a failover loses it
         if report.promotions:
             self.mark_contended(job.key)
         for task_id, final in report.finished:

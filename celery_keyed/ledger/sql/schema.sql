@@ -1512,3 +1512,40 @@ BEGIN
     RETURN 'reasserted';
 END
 $$;
+
+-- keyed_books_settle: the books of an attempt that ended with a final outcome on the previous server, of which this
+-- one has neither the outcome nor a claim (the arrival and the release were both lost): its outcome is recorded from
+-- what the worker that ran it remembers (its result is stored in the result backend already: notified). Nothing is
+-- written when the task has an outcome, or a claim or waiting row of this attempt or a later one. True: recorded.
+CREATE FUNCTION keyed_books_settle(p_task_id text, p_attempt integer, p_task_name text, p_key text, p_outcome text)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_outcome NOT IN ('completed', 'failed') THEN
+        RETURN false;
+    END IF;
+    PERFORM 1 FROM keyed_tasks WHERE task_id = p_task_id FOR UPDATE;
+    IF EXISTS (SELECT 1 FROM keyed_claims WHERE task_id = p_task_id AND attempt >= p_attempt)
+       OR EXISTS (SELECT 1 FROM keyed_waiting WHERE task_id = p_task_id AND attempt >= p_attempt) THEN
+        RETURN false;
+    END IF;
+    INSERT INTO keyed_tasks AS t (task_id, task_name, key, arrived_at, outcome, finished_attempt, finished_at,
+                                  detail, notified)
+    VALUES (p_task_id, p_task_name, p_key, now(), p_outcome, p_attempt, now(),
+            'settled after a failover of the ledger', true)
+    ON CONFLICT (task_id) DO UPDATE
+       SET outcome = EXCLUDED.outcome, finished_attempt = EXCLUDED.finished_attempt,
+           finished_at = EXCLUDED.finished_at, detail = EXCLUDED.detail, notified = true
+     WHERE t.outcome IS NULL;
+    RETURN FOUND;
+END
+$$;
+
+-- keyed_failover_reaper_waits: the reaper waits one more lease after a hold (two from the failover's detection): the
+-- claims the previous server had, whose releases were lost with it, are released again by their workers meanwhile
+-- (the promotions those releases make wait for the hold's end) instead of being reclaimed as expired.
+CREATE FUNCTION keyed_failover_reaper_waits() RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    SELECT keyed_failover_holding()
+        OR EXISTS (SELECT 1 FROM keyed_ledger_identity i WHERE i.hold_until + (i.hold_until - i.seen_at) > now())
+$$;
