@@ -188,6 +188,7 @@ class GateService:
         self.releaser = Releaser(self)
         self.exits = ExitWatch(lambda: pool_processes(self.consumer))  # releases held until a body stopped (D17)
         self.heartbeat = Heartbeat(self)
+        self.releaser.on_released = self.heartbeat.failover.journal_released  # D20
         self.sweeper = Sweeper(self)
         self.revokes = Revokes(self)
         # Admission off the loop (worker/admission.py): on when the pool semaphore keeps a pool process for a

@@ -50,11 +50,14 @@ PARKED_JOURNAL_MAX = 10_000
 
 
 class FailoverWatch:
-    """The failover watch of one gate's heartbeat. ``lease``: the claims' lease (also how long after a failover a
-    missing claim is taken for lost with the old server rather than reclaimed)."""
+    """The failover watch of one gate's heartbeat. ``ledger``: returns the gate's ledger; ``lease``: the claims'
+    lease (also how long after a failover a missing claim is taken for lost with the old server, not reclaimed);
+    ``give_back``: hands a committed release to be given again."""
 
-    def __init__(self, ledger: Ledger, *, lease: float, give_back: Callable[[Any], None] | None = None) -> None:
-        self.ledger = ledger
+    def __init__(
+        self, ledger: Callable[[], Ledger], *, lease: float, give_back: Callable[[Any], None] | None = None
+    ) -> None:
+        self._ledger = ledger
         #: Hands a committed release (``worker.releaser.Release``) to be given again (the releaser's ``hand_over``).
         self.give_back = give_back or (lambda release: None)
         self.lease = lease
@@ -71,6 +74,11 @@ class FailoverWatch:
         #: lacks are given again (``settle_released``). The releaser's thread appends, the heartbeat reads.
         self.released: deque[tuple[float, Any]] = deque(maxlen=PARKED_JOURNAL_MAX)
         self._settle = False  # a failover was seen: settle the journals at the next beat
+
+    @property
+    def ledger(self) -> Ledger:
+        """The gate's ledger (looked up when used: the watch is made before the gate has one in tests)."""
+        return self._ledger()
 
     def remember(self, claim: HeldClaim, arrival: Arrival | None) -> None:
         """Any thread: a claim this process now holds, and what it holds (from its arrival; None: read from the

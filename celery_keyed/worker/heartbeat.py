@@ -65,7 +65,9 @@ class Heartbeat:
             running=self._running,
             terminate=self._terminate,
         )
-        self.failover = FailoverWatch(gate.ledger, lease=settings.lease, give_back=self._give_back_again)  # D20
+        self.failover = FailoverWatch(  # D20
+            lambda: gate.ledger, lease=settings.lease, give_back=self._give_back_again
+        )
 
     def start(self) -> None:
         """Start the thread unless it runs (a consumer restart finds it running, D13); the self-fence with it."""
@@ -128,8 +130,12 @@ class Heartbeat:
             if claim in renewed and sent > r.lease_from:
                 r.lease_from = sent
         gate.breaker.close()
-        with contextlib.suppress(sa.exc.SQLAlchemyError):
+        try:
             self.failover.beat(held)  # D20: the server's identity; what each held claim holds
+        except sa.exc.SQLAlchemyError:
+            pass  # the next beat checks again
+        except Exception:
+            logger.exception("celery-keyed: the failover watch failed")
         pids = self.process_ids()
         if pids != self.pids:  # a pool process was replaced: a successor must know every pid to check (item 8)
             with contextlib.suppress(sa.exc.SQLAlchemyError):
