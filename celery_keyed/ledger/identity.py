@@ -12,6 +12,7 @@ Each process also remembers the identity it last saw (``PROCESS``), and logs a c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -170,14 +171,17 @@ def watch_engine(engine: sa.Engine, *, lease: float) -> None:
     _WATCHED[engine] = leases
 
     def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        autocommit = dbapi_connection.autocommit
         try:
+            dbapi_connection.autocommit = True  # one statement, its own transaction: no BEGIN / COMMIT round trips
             with dbapi_connection.cursor() as cursor:
                 cursor.execute(IDENTITY_CHECK, (leases["lease"],))
                 row = cursor.fetchone()
-            dbapi_connection.commit()
         except Exception:  # no schema yet, an older one, a read-only server: nothing to check
-            dbapi_connection.rollback()
             return
+        finally:
+            with contextlib.suppress(Exception):
+                dbapi_connection.autocommit = autocommit
         PROCESS.observe(_check_row(row))
 
     sa.event.listen(engine, "connect", on_connect)
