@@ -7,7 +7,8 @@ bodies that still run. The first contact with a new server (``identity_check``: 
 ledger inserts no claim but the re-assertion of a running attempt's own (``claims_reassert``); the guard is a trigger
 on ``keyed_claims`` (migration 0025), never this module's Python.
 
-Each process also remembers the identity it last saw (``PROCESS``), and logs a change once ("ledger failover: ...").
+Each process also remembers, per ledger (its engine's URL: a multi-host URL names one ledger through its failovers),
+the identity it last saw (``remembered``), and logs a change once ("ledger failover: ...").
 """
 
 from __future__ import annotations
@@ -137,8 +138,19 @@ class ProcessIdentity:
         return True
 
 
-#: This process's memory of the ledger's identity (every engine of a process names the same ledger).
-PROCESS = ProcessIdentity()
+_MEMORIES: dict[str, ProcessIdentity] = {}
+_MEMORIES_LOCK = threading.Lock()
+
+
+def remembered(engine: sa.Engine) -> ProcessIdentity:
+    """This process's memory of the identity of the ledger ``engine`` reaches (one per URL: the engines of a process
+    that name the same servers share it)."""
+    url = engine.url.render_as_string(hide_password=True)
+    with _MEMORIES_LOCK:
+        memory = _MEMORIES.get(url)
+        if memory is None:
+            memory = _MEMORIES[url] = ProcessIdentity()
+        return memory
 
 
 def _check_row(row: Any) -> IdentityCheck:
@@ -149,9 +161,9 @@ def _check_row(row: Any) -> IdentityCheck:
 
 def identity_check(conn: sa.Connection, *, lease: float) -> IdentityCheck:
     """Compare the server's identity with the ledger's (in the caller's transaction; commit it: a change detected is
-    written), and remember it in ``PROCESS``."""
+    written), and remember it (``remembered``)."""
     check = _check_row(conn.execute(IDENTITY_CHECK_SA, {"lease": lease}).first())
-    PROCESS.observe(check)
+    remembered(conn.engine).observe(check)
     return check
 
 
@@ -182,7 +194,7 @@ def watch_engine(engine: sa.Engine, *, lease: float) -> None:
         finally:
             with contextlib.suppress(Exception):
                 dbapi_connection.autocommit = autocommit
-        PROCESS.observe(_check_row(row))
+        remembered(engine).observe(_check_row(row))
 
     sa.event.listen(engine, "connect", on_connect)
 

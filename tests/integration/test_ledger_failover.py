@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger import Admission, Arrival, Ledger, Outcome, Token, Verdict, migrate
 from celery_keyed.ledger.claims import HeldClaim
-from celery_keyed.ledger.identity import PROCESS, Holding, claims_reassert, identity_check
+from celery_keyed.ledger.identity import Holding, claims_reassert, identity_check, remembered
 from celery_keyed.testbed import PostgresServer, find_postgres_bindir, start_postgres
 from celery_keyed.testbed_replica import PostgresStandby, crash, multi_host_url, start_standby
 
@@ -66,10 +66,10 @@ def test_a_promoted_standby_holds_new_claims_for_a_lease_and_takes_lost_claims_b
         standby.promote()
         engine.dispose()
 
-        changes = PROCESS.changes
+        changes = remembered(engine).changes
         with caplog.at_level(logging.ERROR, logger="celery_keyed"), engine.begin() as conn:
             check = identity_check(conn, lease=LEASE)  # a new connection: its first contact detected it already
-        assert PROCESS.changes == changes + 1
+        assert remembered(engine).changes == changes + 1
         assert "ledger failover: a standby was promoted" in caplog.text
         assert check.hold_until is not None
         with engine.connect() as conn:
