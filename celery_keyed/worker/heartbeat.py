@@ -143,7 +143,12 @@ class Heartbeat:
                 self.pids = pids
         missing = [claim for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
         # D20: after a failover a missing claim may have been lost with the old server: taken back, its body runs on
-        kept = self.failover.reassert((c, held[c].request.name) for c in missing) if missing else set()
+        kept: set[HeldClaim] = set()
+        if missing:
+            try:
+                kept = self.failover.reassert((c, held[c].request.name) for c in missing)
+            except Exception:  # never in the way of the self-fence
+                logger.exception("celery-keyed: the failover watch failed")
         for claim in kept:
             held[claim].lease_from = max(held[claim].lease_from, sent)
         lost = [held[c] for c in missing if c not in kept]
