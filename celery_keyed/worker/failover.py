@@ -21,8 +21,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
 
 from celery_keyed import metrics
 from celery_keyed.ledger import Arrival, Ledger
@@ -40,6 +42,10 @@ from celery_keyed.ledger.identity import (
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.worker.fence import republish_received
 
+if TYPE_CHECKING:
+    from celery_keyed.gate import Running
+    from celery_keyed.worker.releaser import Releaser
+
 logger = logging.getLogger("celery_keyed")
 
 
@@ -53,14 +59,11 @@ PARKED_JOURNAL_MAX = 10_000
 class FailoverWatch:
     """The failover watch of one gate's heartbeat. ``ledger``: returns the gate's ledger; ``lease``: the claims'
     lease (also how long after a failover a missing claim is taken for lost with the old server, not reclaimed);
-    ``give_back``: hands a committed release to be given again."""
+    ``releaser``: returns the gate's releaser (a release lost with the old server is handed to it again)."""
 
-    def __init__(
-        self, ledger: Callable[[], Ledger], *, lease: float, give_back: Callable[[Any], None] | None = None
-    ) -> None:
+    def __init__(self, ledger: Callable[[], Ledger], releaser: Callable[[], Releaser], *, lease: float) -> None:
         self._ledger = ledger
-        #: Hands a committed release (``worker.releaser.Release``) to be given again (the releaser's ``hand_over``).
-        self.give_back = give_back or (lambda release: None)
+        self._releaser = releaser
         self.lease = lease
         self.holdings: dict[HeldClaim, Holding] = {}  # under _lock: remember (loop) and beat (heartbeat) write it
         self._seen: dict[HeldClaim, int] = {}  # the beat at which each claim was last held
@@ -101,6 +104,30 @@ class FailoverWatch:
         with self._lock:
             self.holdings[claim] = holding
             self._seen[claim] = self._beats
+
+    def after_renewal(self, held: Iterable[HeldClaim]) -> None:
+        """The heartbeat, after a renewal that succeeded: ``beat``, whose failure never stops the heartbeat (the
+        ledger unreachable: the next beat checks again)."""
+        try:
+            self.beat(held)
+        except sa.exc.SQLAlchemyError:
+            pass
+        except Exception:
+            logger.exception("celery-keyed: the failover watch failed")
+
+    def take_back(self, missing: Mapping[HeldClaim, Running], sent: float) -> list[Running]:
+        """The heartbeat: of the attempts whose claims a renewal did not find (``missing``), those still lost once
+        the claims lost in a failover are re-asserted (the others keep running; their lease counts from ``sent``, the
+        time before the renewal). Never raises: a failure leaves every one lost (the self-fence stops them)."""
+        kept: set[HeldClaim] = set()
+        if missing:
+            try:
+                kept = self.reassert((c, r.request.name) for c, r in missing.items())
+            except Exception:
+                logger.exception("celery-keyed: the failover watch failed")
+        for claim in kept:
+            missing[claim].lease_from = max(missing[claim].lease_from, sent)
+        return [r for c, r in missing.items() if c not in kept]
 
     def beat(self, held: Iterable[HeldClaim]) -> None:
         """After a renewal that succeeded: check the server's identity; remember what newly held claims hold."""
@@ -148,7 +175,10 @@ class FailoverWatch:
         for token, fence in missing.items():
             release = journal[token]
             if fence == release.fence:
-                self.give_back(release)
+                self._releaser().hand_over(
+                    release.token, release.fence, release.outcome, key=release.key, name=release.name,
+                    contended=True, on_loop=False, detail=release.detail,
+                )  # fmt: skip
                 settled += 1
                 continue
             if fence is not None:

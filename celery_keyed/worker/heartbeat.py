@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from celery.worker import state as worker_state
@@ -65,9 +65,7 @@ class Heartbeat:
             running=self._running,
             terminate=self._terminate,
         )
-        self.failover = FailoverWatch(  # D20
-            lambda: gate.ledger, lease=settings.lease, give_back=self._give_back_again
-        )
+        self.failover = FailoverWatch(lambda: gate.ledger, lambda: gate.releaser, lease=settings.lease)  # D20
 
     def start(self) -> None:
         """Start the thread unless it runs (a consumer restart finds it running, D13); the self-fence with it."""
@@ -130,28 +128,14 @@ class Heartbeat:
             if claim in renewed and sent > r.lease_from:
                 r.lease_from = sent
         gate.breaker.close()
-        try:
-            self.failover.beat(held)  # D20: the server's identity; what each held claim holds
-        except sa.exc.SQLAlchemyError:
-            pass  # the next beat checks again
-        except Exception:
-            logger.exception("celery-keyed: the failover watch failed")
+        self.failover.after_renewal(held)  # D20: the server's identity; what each held claim holds
         pids = self.process_ids()
         if pids != self.pids:  # a pool process was replaced: a successor must know every pid to check (item 8)
             with contextlib.suppress(sa.exc.SQLAlchemyError):
                 ledger.record_pids(pids)
                 self.pids = pids
-        missing = [claim for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
-        # D20: after a failover a missing claim may have been lost with the old server: taken back, its body runs on
-        kept: set[HeldClaim] = set()
-        if missing:
-            try:
-                kept = self.failover.reassert((c, held[c].request.name) for c in missing)
-            except Exception:  # never in the way of the self-fence
-                logger.exception("celery-keyed: the failover watch failed")
-        for claim in kept:
-            held[claim].lease_from = max(held[claim].lease_from, sent)
-        lost = [held[c] for c in missing if c not in kept]
+        missing = {c: r for c, r in held.items() if c not in renewed and r.request.keyed_claim is not None}
+        lost = self.failover.take_back(missing, sent)  # D20: after a failover, claims lost with the old server
         for r in lost:  # reclaimed: our release would be fenced anyway; stop tracking it
             with gate.lock:
                 gate.running.pop(r.token, None)
@@ -217,13 +201,6 @@ class Heartbeat:
                 contended=True,
                 on_loop=False,
             )
-
-    def _give_back_again(self, release: Any) -> None:
-        """D20: a release committed on the ledger's previous server and lost with it, given again."""
-        self.gate.releaser.hand_over(
-            release.token, release.fence, release.outcome, key=release.key, name=release.name, contended=True,
-            on_loop=False, detail=release.detail,
-        )  # fmt: skip
 
     def _running(self) -> list[Running]:
         """The self-fence's view: the attempts this process runs (a snapshot under the gate's lock)."""

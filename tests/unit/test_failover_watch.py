@@ -45,7 +45,7 @@ class _Ledger:
 @pytest.mark.skipif(not metrics.enabled(), reason="prometheus_client is not installed")
 def test_the_watch_counts_a_failover_and_only_then_takes_claims_back() -> None:
     ledger = _Ledger("postgresql+psycopg://u@127.0.0.1:1/ledger-of-this-test")
-    watch = FailoverWatch(lambda: ledger, lease=10.0)  # type: ignore[arg-type, return-value]
+    watch = FailoverWatch(lambda: ledger, lambda: None, lease=10.0)  # type: ignore[arg-type, return-value]
     claim = HeldClaim("t", 0, 7)
     before = metrics.FAILOVERS._value.get()
     # no failover seen: a missing claim is not taken back (it was reclaimed; the self-fence stops its body)
@@ -59,4 +59,4 @@ def test_the_watch_counts_a_failover_and_only_then_takes_claims_back() -> None:
     assert metrics.FAILOVERS._value.get() == before + 1  # once
     # another ledger's memory is its own
     other = _Ledger("postgresql+psycopg://u@127.0.0.1:2/another-ledger")
-    assert not FailoverWatch(lambda: other, lease=10.0).after_failover()  # type: ignore[arg-type, return-value]
+    assert not FailoverWatch(lambda: other, lambda: None, lease=10.0).after_failover()  # type: ignore[arg-type, return-value]
