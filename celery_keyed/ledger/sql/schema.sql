@@ -1376,9 +1376,13 @@ ALTER TABLE keyed_events ADD CONSTRAINT keyed_events_kind_known
 -- keyed_ledger_timeline: the timeline this server writes on (a primary's WAL insert timeline; a standby's last
 -- checkpoint's). Read from memory, no file: cheap enough for every claim insert.
 CREATE FUNCTION keyed_ledger_timeline() RETURNS integer
-LANGUAGE sql VOLATILE AS $$
-    SELECT CASE WHEN pg_is_in_recovery() THEN (SELECT timeline_id FROM pg_control_checkpoint())
-                ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::integer END
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF pg_is_in_recovery() THEN
+        RETURN (SELECT timeline_id FROM pg_control_checkpoint());
+    END IF;
+    RETURN ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::integer;
+END
 $$;
 
 -- keyed_ledger_identity_check: a client's first contact with a server (each new connection, each heartbeat, each
@@ -1431,11 +1435,14 @@ $$;
 
 -- keyed_failover_holding: whether new starts wait (a recorded hold not over, or a server whose identity nobody has
 -- checked yet). The reaper waits too: a running attempt re-asserts or renews its claim on the new server first.
+-- (PL/pgSQL: its statement's plan is kept for the session; as a SQL function it was planned at every claim.)
 CREATE FUNCTION keyed_failover_holding() RETURNS boolean
-LANGUAGE sql VOLATILE AS $$
-    SELECT EXISTS (SELECT 1 FROM keyed_ledger_identity i
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN EXISTS (SELECT 1 FROM keyed_ledger_identity i
                     WHERE i.hold_until > now() OR i.timeline <> keyed_ledger_timeline()
-                       OR i.postmaster_start <> pg_postmaster_start_time())
+                       OR i.postmaster_start <> pg_postmaster_start_time());
+END
 $$;
 
 -- keyed_claims_failover_guard: no claim is inserted while keyed_failover_holding(), except by
@@ -1545,7 +1552,9 @@ $$;
 -- claims the previous server had, whose releases were lost with it, are released again by their workers meanwhile
 -- (the promotions those releases make wait for the hold's end) instead of being reclaimed as expired.
 CREATE FUNCTION keyed_failover_reaper_waits() RETURNS boolean
-LANGUAGE sql VOLATILE AS $$
-    SELECT keyed_failover_holding()
-        OR EXISTS (SELECT 1 FROM keyed_ledger_identity i WHERE i.hold_until + (i.hold_until - i.seen_at) > now())
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN keyed_failover_holding()
+        OR EXISTS (SELECT 1 FROM keyed_ledger_identity i WHERE i.hold_until + (i.hold_until - i.seen_at) > now());
+END
 $$;
