@@ -93,7 +93,7 @@ from celery_keyed.ledger.holders import (
     machine_identity,
     new_holder,
 )
-from celery_keyed.ledger.identity import watch_engine
+from celery_keyed.ledger.identity import ClaimHolding, FailoverLedger, watch_engine
 from celery_keyed.ledger.key_overrides import (
     KeyOverride,
     clear_key_limit,
@@ -158,7 +158,9 @@ __all__ = [
     "STATEMENT_TIMEOUT_MAX",
     "Admission",
     "Arrival",
+    "ClaimHolding",
     "Explanation",
+    "FailoverLedger",
     "FairShare",
     "HeldClaim",
     "InvalidConfig",

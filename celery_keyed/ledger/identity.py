@@ -93,7 +93,7 @@ class IdentityCheck:
 
 
 @dataclass(frozen=True)
-class Holding:
+class ClaimHolding:
     """What a running claim holds, as the ledger had it: enough to take it back (``claims_reassert``)."""
 
     task_id: str
@@ -199,7 +199,7 @@ def watch_engine(engine: sa.Engine, *, lease: float) -> None:
     sa.event.listen(engine, "connect", on_connect)
 
 
-def claims_holding_of(conn: sa.Connection, holder: str, held: list[tuple[str, int, int]]) -> list[Holding]:
+def claims_holding_of(conn: sa.Connection, holder: str, held: list[tuple[str, int, int]]) -> list[ClaimHolding]:
     """What the running claims ``held`` (task id, attempt, fence) of ``holder`` hold."""
     if not held:
         return []
@@ -210,12 +210,12 @@ def claims_holding_of(conn: sa.Connection, holder: str, held: list[tuple[str, in
         "fences": [h[2] for h in held],
     }
     return [
-        Holding(r.task_id, int(r.attempt), int(r.fence), r.key, r.shard, int(r.cost), r.name, bool(r.composite))
+        ClaimHolding(r.task_id, int(r.attempt), int(r.fence), r.key, r.shard, int(r.cost), r.name, bool(r.composite))
         for r in conn.execute(CLAIMS_HOLDING_OF, params)
     ]
 
 
-def claims_reassert(conn: sa.Connection, holding: Holding, *, holder: str, task_name: str, lease: float) -> str:
+def claims_reassert(conn: sa.Connection, holding: ClaimHolding, *, holder: str, task_name: str, lease: float) -> str:
     """Take a running attempt's lost claim back under the slot guard: 'kept', 'reasserted' or 'refused'."""
     if holding.composite or holding.key is None or holding.name is None:
         return "refused"
@@ -260,3 +260,43 @@ def books_settle(
     """Record a final outcome lost with the previous server (``keyed_books_settle``); True when recorded."""
     params = {"task_id": task_id, "attempt": attempt, "task_name": task_name, "key": key, "outcome": outcome}
     return bool(conn.execute(BOOKS_SETTLE, params).scalar())
+
+
+class FailoverLedger:
+    """The ledger's failover statements for one holder (a worker process), each in a transaction of its own: what a
+    worker's failover watch calls (``worker.failover``)."""
+
+    def __init__(self, engine: sa.Engine, holder: str) -> None:
+        self.engine = engine
+        self.holder = holder
+
+    def changes(self) -> int:
+        """How many changes of the ledger's server this process has seen (``remembered``)."""
+        return remembered(self.engine).changes
+
+    def check(self, *, lease: float, held: list[tuple[str, int, int]]) -> list[ClaimHolding]:
+        """Check the server's identity (``identity_check``) and read what the running claims ``held`` (task id,
+        attempt, fence) of this holder hold, in one transaction."""
+        with self.engine.begin() as conn:
+            identity_check(conn, lease=lease)
+            return claims_holding_of(conn, self.holder, held)
+
+    def reassert(self, holding: ClaimHolding, *, task_name: str, lease: float) -> str:
+        """``claims_reassert`` for this holder: 'kept', 'reasserted' or 'refused'."""
+        with self.engine.begin() as conn:
+            return claims_reassert(conn, holding, holder=self.holder, task_name=task_name, lease=lease)
+
+    def unknown(self, tokens: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """``tokens_unknown``."""
+        with self.engine.connect() as conn:
+            return tokens_unknown(conn, tokens)
+
+    def without_outcome(self, tokens: list[tuple[str, int]]) -> dict[tuple[str, int], int | None]:
+        """``tasks_without_outcome``."""
+        with self.engine.connect() as conn:
+            return tasks_without_outcome(conn, tokens)
+
+    def settle(self, *, task_id: str, attempt: int, task_name: str, key: str | None, outcome: str) -> bool:
+        """``books_settle``."""
+        with self.engine.begin() as conn:
+            return books_settle(conn, task_id=task_id, attempt=attempt, task_name=task_name, key=key, outcome=outcome)

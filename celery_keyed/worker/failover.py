@@ -10,7 +10,7 @@ start for one lease (the trigger of migration 0025): every claim the old server 
 re-asserted, or stopped by its worker's self-fence by then.
 
 ``FailoverWatch.beat`` runs in the heartbeat's thread after each renewal that succeeded: it checks the server's
-identity (logged and counted once per change, ``ledger.identity.remembered``) and remembers what each held claim holds
+identity (logged and counted once per change, ``FailoverLedger.changes``) and remembers what each held claim holds
 (read from the ledger once per claim), which is what a re-assertion needs.
 """
 
@@ -27,19 +27,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from celery_keyed import metrics
-from celery_keyed.ledger import Arrival, Ledger
-from celery_keyed.ledger.claims import HeldClaim
-from celery_keyed.ledger.identity import (
-    Holding,
-    books_settle,
-    claims_holding_of,
-    claims_reassert,
-    identity_check,
-    remembered,
-    tasks_without_outcome,
-    tokens_unknown,
-)
-from celery_keyed.ledger.keyspec import key_name
+from celery_keyed.ledger import Arrival, ClaimHolding, FailoverLedger, HeldClaim, Ledger, key_name
 from celery_keyed.worker.fence import republish_received
 
 if TYPE_CHECKING:
@@ -65,14 +53,14 @@ class FailoverWatch:
         self._ledger = ledger
         self._releaser = releaser
         self.lease = lease
-        self.holdings: dict[HeldClaim, Holding] = {}  # under _lock: remember (loop) and beat (heartbeat) write it
+        self.holdings: dict[HeldClaim, ClaimHolding] = {}  # under _lock: remember (loop) and beat (heartbeat) write it
         self._seen: dict[HeldClaim, int] = {}  # the beat at which each claim was last held
         self._beats = 0
         self._lock = threading.Lock()
         self.failover_at: float | None = None  # monotonic time this process first saw the last failover
         self._changes_counted: int | None = None  # the changes of the ledger's memory counted (None: not looked yet)
         with contextlib.suppress(Exception):  # a gate's ledger exists by now (a test's fake gate may have none)
-            self._changes_counted = remembered(self.ledger.engine).changes
+            self._changes_counted = self.statements.changes()
         #: Requests parked (their messages acknowledged) lately: (monotonic time, request). After a failover, those the
         #: new server has no trace of are published again (``settle_parked``). Consumer loop appends, heartbeat reads.
         self.parked: deque[tuple[float, Any]] = deque(maxlen=PARKED_JOURNAL_MAX)
@@ -86,12 +74,18 @@ class FailoverWatch:
         """The gate's ledger (looked up when used: the watch is made before the gate has one in tests)."""
         return self._ledger()
 
+    @property
+    def statements(self) -> FailoverLedger:
+        """The ledger's failover statements for this process's holder."""
+        ledger = self.ledger
+        return FailoverLedger(ledger.engine, ledger.holder)
+
     def remember(self, claim: HeldClaim, arrival: Arrival | None) -> None:
         """Any thread: a claim this process now holds, and what it holds (from its arrival; None: read from the
         ledger at the next beat)."""
         if arrival is None or arrival.key is None:
             return
-        holding = Holding(
+        holding = ClaimHolding(
             claim.task_id,
             claim.attempt,
             claim.fence,
@@ -134,9 +128,7 @@ class FailoverWatch:
         held = set(held)
         with self._lock:
             new = [(c.task_id, c.attempt, c.fence) for c in held if c not in self.holdings]
-        with self.ledger.engine.begin() as conn:
-            identity_check(conn, lease=self.lease)
-            found = claims_holding_of(conn, self.ledger.holder, new)
+        found = self.statements.check(lease=self.lease, held=new)
         self.counted()
         with self._lock:
             self._beats += 1
@@ -169,8 +161,7 @@ class FailoverWatch:
         journal = {(r.token.task_id, r.token.attempt): r for _, r in list(self.released)}
         if not journal:
             return 0
-        with self.ledger.engine.connect() as conn:
-            missing = tasks_without_outcome(conn, list(journal))
+        missing = self.statements.without_outcome(list(journal))
         settled = 0
         for token, fence in missing.items():
             release = journal[token]
@@ -183,16 +174,14 @@ class FailoverWatch:
                 continue
             if fence is not None:
                 continue  # another claim of the attempt: its holder books it
-            with self.ledger.engine.begin() as conn:
-                if books_settle(
-                    conn,
-                    task_id=token[0],
-                    attempt=token[1],
-                    task_name=release.name,
-                    key=release.key,
-                    outcome=str(release.outcome),
-                ):
-                    settled += 1
+            if self.statements.settle(
+                task_id=token[0],
+                attempt=token[1],
+                task_name=release.name,
+                key=release.key,
+                outcome=str(release.outcome),
+            ):
+                settled += 1
         if settled:
             logger.warning("celery-keyed: %d outcomes lost in the ledger failover were booked again", settled)
         return settled
@@ -213,8 +202,7 @@ class FailoverWatch:
         if not journal:
             return []
         by_token = {(r.id, int((getattr(r, "_request_dict", None) or {}).get("retries") or 0)): r for _, r in journal}
-        with self.ledger.engine.connect() as conn:
-            unknown = tokens_unknown(conn, list(by_token))
+        unknown = self.statements.unknown(list(by_token))
         sent = []
         for token in unknown:
             request = by_token[token]
@@ -236,7 +224,7 @@ class FailoverWatch:
 
     def counted(self) -> None:
         """Count the failovers this process saw since the last call (the connection hook may have seen it first)."""
-        changes = remembered(self.ledger.engine).changes
+        changes = self.statements.changes()
         if self._changes_counted is None:
             self._changes_counted = changes
         if changes > self._changes_counted:
@@ -262,10 +250,7 @@ class FailoverWatch:
             if holding is None:
                 continue
             try:
-                with self.ledger.engine.begin() as conn:
-                    verdict = claims_reassert(
-                        conn, holding, holder=self.ledger.holder, task_name=task_name, lease=self.lease
-                    )
+                verdict = self.statements.reassert(holding, task_name=task_name, lease=self.lease)
             except Exception:
                 logger.exception("celery-keyed: could not re-assert the claim of %s[%s]", task_name, claim.task_id)
                 continue

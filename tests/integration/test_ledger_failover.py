@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger import Admission, Arrival, Ledger, Outcome, Token, Verdict, migrate
 from celery_keyed.ledger.claims import HeldClaim
-from celery_keyed.ledger.identity import Holding, claims_reassert, identity_check, remembered
+from celery_keyed.ledger.identity import ClaimHolding, claims_reassert, identity_check, remembered
 from celery_keyed.testbed import PostgresServer, find_postgres_bindir, start_postgres
 from celery_keyed.testbed_replica import PostgresStandby, crash, multi_host_url, start_standby
 
@@ -60,7 +60,7 @@ def test_a_promoted_standby_holds_new_claims_for_a_lease_and_takes_lost_claims_b
         lost = _admit(ledger, "lost", "acct:2")
         with engine.connect() as conn:  # what the worker's failover watch remembers of the claim it holds
             assert lost.fence is not None
-            holding = Holding("lost", 0, lost.fence, "acct:2", 0, 1, "acct", composite=False)
+            holding = ClaimHolding("lost", 0, lost.fence, "acct:2", 0, 1, "acct", composite=False)
             assert conn.scalar(sa.text("SELECT count(*) FROM keyed_claims WHERE task_id = 'lost'")) == 1
         crash(primary)
         standby.promote()
@@ -90,7 +90,7 @@ def test_a_promoted_standby_holds_new_claims_for_a_lease_and_takes_lost_claims_b
             assert claims_reassert(conn, holding, holder=ledger.holder, task_name="t", lease=LEASE) == "reasserted"
         with engine.begin() as conn:  # a second copy of the same claim is the same claim
             assert claims_reassert(conn, holding, holder=ledger.holder, task_name="t", lease=LEASE) == "kept"
-        other = Holding("other", 0, lost.fence + 1, "acct:2", 0, 1, "acct", composite=False)
+        other = ClaimHolding("other", 0, lost.fence + 1, "acct:2", 0, 1, "acct", composite=False)
         with engine.begin() as conn:  # acct:2 is a mutex and its slot is taken: refused
             assert claims_reassert(conn, other, holder="host:2:bbbb", task_name="t", lease=LEASE) == "refused"
         with engine.connect() as conn:
