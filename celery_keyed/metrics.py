@@ -105,7 +105,8 @@ if prometheus_client is not None:
     REASSERTED: Any = prometheus_client.Counter(
         "celery_keyed_claims_reasserted",
         "Claims of running tasks lost in a ledger failover that this process took back: verdict 'reasserted', "
-        "'kept' (it was there after all) or 'refused' (its slot was taken: the task was stopped and runs again).",
+        "'kept' (it was there after all) or 'refused' (its slot was held: tried again at the next heartbeat until the "
+        "task's lease would end, when it is stopped and runs again).",
         ["verdict"],
     )
 else:

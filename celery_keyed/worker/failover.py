@@ -110,18 +110,24 @@ class FailoverWatch:
             logger.exception("celery-keyed: the failover watch failed")
 
     def take_back(self, missing: Mapping[HeldClaim, Running], sent: float) -> list[Running]:
-        """The heartbeat: of the attempts whose claims a renewal did not find (``missing``), those still lost once
-        the claims lost in a failover are re-asserted (the others keep running; their lease counts from ``sent``, the
-        time before the renewal). Never raises: a failure leaves every one lost (the self-fence stops them)."""
-        kept: set[HeldClaim] = set()
-        if missing:
-            try:
-                kept = self.reassert((c, r.request.name) for c, r in missing.items())
-            except Exception:
-                logger.exception("celery-keyed: the failover watch failed")
+        """The heartbeat: of the attempts whose claims a renewal did not find (``missing``), those lost (reclaimed:
+        the caller stops them at once). After a failover none is: each claim is re-asserted (its lease then counts
+        from ``sent``, the time before the renewal), and one refused (its slot still held, e.g. by a claim whose
+        release the failover lost and whose worker gives it again) is tried again at the next beat until the
+        self-fence's deadline stops its body, which is before the hold on new starts ends. Never raises: a failure
+        leaves every one lost."""
+        if not missing:
+            return []
+        try:
+            if not self.after_failover():
+                return list(missing.values())
+            kept = self.reassert((c, r.request.name) for c, r in missing.items())
+        except Exception:
+            logger.exception("celery-keyed: the failover watch failed")
+            return list(missing.values())
         for claim in kept:
             missing[claim].lease_from = max(missing[claim].lease_from, sent)
-        return [r for c, r in missing.items() if c not in kept]
+        return []
 
     def beat(self, held: Iterable[HeldClaim]) -> None:
         """After a renewal that succeeded: check the server's identity; remember what newly held claims hold."""
@@ -256,9 +262,9 @@ class FailoverWatch:
                 continue
             metrics.reasserted(verdict)
             if verdict == "refused":
-                logger.error(
-                    "celery-keyed: %s[%s]: its claim was lost in the ledger failover and its slot is taken; it is "
-                    "stopped and runs again",
+                logger.warning(
+                    "celery-keyed: %s[%s]: its claim was lost in the ledger failover and its slot is held; tried again "
+                    "until its lease would end (then it is stopped and runs again)",
                     task_name,
                     claim.task_id,
                 )

@@ -60,3 +60,20 @@ def test_the_watch_counts_a_failover_and_only_then_takes_claims_back() -> None:
     # another ledger's memory is its own
     other = _Ledger("postgresql+psycopg://u@127.0.0.1:2/another-ledger")
     assert not FailoverWatch(lambda: other, lambda: None, lease=10.0).after_failover()  # type: ignore[arg-type, return-value]
+
+
+def test_after_a_failover_no_missing_claim_is_taken_for_reclaimed() -> None:
+    """Before a failover a claim a renewal did not find was reclaimed: its body is stopped at once. After one it may
+    have been lost with the old server: it is re-asserted, or left to the self-fence's deadline, never stopped as
+    reclaimed."""
+    from types import SimpleNamespace
+
+    ledger = _Ledger("postgresql+psycopg://u@127.0.0.1:3/ledger-of-take-back")
+    watch = FailoverWatch(lambda: ledger, lambda: None, lease=10.0)  # type: ignore[arg-type, return-value]
+    entry = SimpleNamespace(request=SimpleNamespace(name="task"), lease_from=0.0)
+    missing = {HeldClaim("t", 0, 7): entry}
+    assert watch.take_back(missing, 1.0) == [entry]  # type: ignore[arg-type]
+    remembered(ledger.engine).observe(IdentityCheck(None, None, FIRST, None))
+    remembered(ledger.engine).observe(IdentityCheck("promoted", FIRST, PROMOTED, None))
+    assert watch.take_back(missing, 1.0) == []  # type: ignore[arg-type]
+    assert entry.lease_from == 0.0  # not re-asserted (nothing known of what it held): its deadline stands
