@@ -4,8 +4,10 @@ observer (bodies writing their start and end) lives in another database, which l
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +157,42 @@ def test_long_tasks_in_flight_keep_running_through_a_failover(failover: Failover
     assert "re-asserted" in log
     assert "lease expired" not in log
     _books_balance(failover, 2 * len(KEYS))
+
+
+def test_a_body_whose_slot_is_held_on_the_new_server_is_stopped_and_runs_again(
+    failover: Failover, producer: Any
+) -> None:
+    """A claim that the old primary had released (the release was lost: its holder is gone, nobody gives it again)
+    holds acct:0's slot on the promoted standby. The body that ran in that slot cannot re-assert its claim: it is
+    stopped by its worker's self-fence before the hold on new starts ends, and runs again once the stale claim is
+    reclaimed. Never two bodies of acct:0 at once."""
+    from celery_keyed.ledger import Arrival, Ledger, Outcome, Token, Verdict
+
+    cluster = failover.cluster
+    cluster.start_worker("w1", concurrency=3)
+    primary = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{failover.primary.port}/postgres")
+    try:
+        gone = Ledger(primary, holder="gone-host:1:dead", lease=1.0)  # a worker that no longer exists
+        ghost = gone.admit(Arrival("ghost", key="acct:0", message={"id": "ghost"}))
+        assert ghost.verdict is Verdict.ADMITTED and ghost.fence is not None
+        failover.standby.wait_caught_up()
+        failover.standby.detach()
+        assert gone.release(Token("ghost", 0), ghost.fence, Outcome.COMPLETED).released  # lost with the primary
+    finally:
+        primary.dispose()
+    long = producer.hold.delay("acct:0", 8.0, note="long")
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
+    failover.crash_and_promote()
+    assert long.get(timeout=120) == "long"
+    starts = [float(r.ts) for r in cluster.rows(
+        "SELECT extract(epoch FROM at) AS ts FROM observed WHERE kind = 'start' ORDER BY at")]  # fmt: skip
+    assert len(starts) == 2  # stopped once, run again
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end'") == 1
+    log = _log(cluster)
+    assert "its slot is held" in log and "was stopped to keep the bound" in log
+    # the first body was killed (its worker's log says when) before the second started: never two at once
+    (killed,) = re.findall(r"\[([0-9-]+ [0-9:,]+): ERROR/MainProcess\] celery-keyed: terminating acceptance\.hold", log)
+    killed_at = datetime.strptime(killed, "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=UTC).timestamp()
+    assert starts[0] < killed_at < starts[1]
+    # stopped by the self-fence's deadline, not taken for reclaimed
+    assert log.count("celery-keyed: terminating") == 1 and "its slot was reclaimed (lease expired)" not in log
