@@ -183,6 +183,7 @@ class GateService:
         self.releaser = Releaser(self)
         self.exits = ExitWatch(lambda: pool_processes(self.consumer))  # releases held until a body stopped (D17)
         self.heartbeat = Heartbeat(self)
+        self.releaser.on_released = self.heartbeat.failover.journal_released  # D20
         self.sweeper = Sweeper(self)
         self.revokes = Revokes(self)
         # Admission off the loop (worker/admission.py): on when the pool semaphore keeps a pool process for a
@@ -971,11 +972,13 @@ class GateService:
                 self._not_admitted(request, admission)
                 return False
         assert fence is not None
-        self._track(request, arrival.token, fence, since=since)
+        self._track(request, arrival.token, fence, since=since, arrival=arrival)
         request._request_dict[HEADER_FENCE] = fence  # the task reads it (self.request.keyed_fence, D7)
         return True
 
-    def _track(self, request: Any, token: Token, fence: int, *, since: float | None = None) -> None:
+    def _track(
+        self, request: Any, token: Token, fence: int, *, since: float | None = None, arrival: Arrival | None = None
+    ) -> None:
         """Any thread: ``request`` holds the claim (token, fence); the heartbeat renews it from now on. ``since``:
         the monotonic time taken before the call that gave it its lease (unknown: now, which is later)."""
         if request.keyed_claim == (token, fence):
@@ -984,6 +987,7 @@ class GateService:
         entry = Running(request, token, fence) if since is None else Running(request, token, fence, lease_from=since)
         with self.lock:
             self.running[token] = entry
+        self.heartbeat.failover.remember(HeldClaim(token.task_id, token.attempt, fence), arrival)  # D20
 
     def _bind_promoted(self, request: Any, arrival: Arrival) -> int | None:
         nonce = request._request_dict.get(HEADER_NONCE)
@@ -1004,6 +1008,7 @@ class GateService:
             key = request.keyed_arrival_key
             self.releaser.mark_contended(key)
             request.acknowledge()  # the parked row is committed: the ledger holds the message now
+            self.heartbeat.failover.journal_parked(request)  # D20: published again if a failover loses its row
             worker_state.task_ready(request)
             self._announce_parked(request.id, request.name, key)
             for task_id in admission.superseded:
@@ -1080,7 +1085,7 @@ class GateService:
                 continue
             if fence is not None:
                 job.result = (fence, None)
-                self._track(job.request, job.arrival.token, fence, since=sent)
+                self._track(job.request, job.arrival.token, fence, since=sent, arrival=job.arrival)
             else:
                 plain.append(job)
         if not plain:
@@ -1105,7 +1110,7 @@ class GateService:
                 continue
             job.result = (None, admission)
             if admission.verdict is Verdict.ADMITTED and admission.fence is not None:
-                self._track(job.request, job.arrival.token, admission.fence, since=sent)
+                self._track(job.request, job.arrival.token, admission.fence, since=sent, arrival=job.arrival)
 
     def _decide_received(self, jobs: list[Job]) -> None:
         """The receipt service's thread: the jobs handed over at receipt, in the order they were received: runs of

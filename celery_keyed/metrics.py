@@ -97,8 +97,21 @@ if prometheus_client is not None:
         "or 'duplicate' (refused: KeyedRejected raised, nothing published).",
         ["verdict"],
     )
+    FAILOVERS: Any = prometheus_client.Counter(
+        "celery_keyed_ledger_failovers",
+        "Changes of the ledger's server this process saw (a standby promoted, another server, a restart): each one "
+        "holds new keyed starts for one lease. Alert on any increase.",
+    )
+    REASSERTED: Any = prometheus_client.Counter(
+        "celery_keyed_claims_reasserted",
+        "Claims of running tasks lost in a ledger failover that this process took back: verdict 'reasserted', "
+        "'kept' (it was there after all) or 'refused' (its slot was held: tried again at the next heartbeat until the "
+        "task's lease would end, when it is stopped and runs again).",
+        ["verdict"],
+    )
 else:
     ADMISSIONS = HANDOFF = DRIFT = OUTBOX_PUBLISHED = DEBOUNCED = NEWEST_WINS = SENDS = None
+    FAILOVERS = REASSERTED = None
 
 _promoted_at: dict[Any, float] = {}  # attempt token -> monotonic time of the release that promoted it
 _promoted_lock = threading.Lock()
@@ -177,6 +190,18 @@ def outbox_published(kind: str, count: int = 1) -> None:
     """Count messages the outbox relay published (``republished``, ``first``) or failed to publish (``failed``)."""
     if OUTBOX_PUBLISHED is not None and count:
         OUTBOX_PUBLISHED.labels(kind=kind).inc(count)
+
+
+def failover(count: int = 1) -> None:
+    """Count changes of the ledger's server this process saw (failovers, restarts)."""
+    if FAILOVERS is not None and count:
+        FAILOVERS.inc(count)
+
+
+def reasserted(verdict: str) -> None:
+    """Count one re-assertion of a claim lost in a failover, by verdict."""
+    if REASSERTED is not None:
+        REASSERTED.labels(verdict=verdict).inc()
 
 
 def drift_repaired(drift: list[str]) -> None:

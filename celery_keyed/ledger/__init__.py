@@ -86,6 +86,7 @@ from celery_keyed.ledger.holders import (
     machine_identity,
     new_holder,
 )
+from celery_keyed.ledger.identity import ClaimHolding, FailoverLedger
 from celery_keyed.ledger.key_overrides import KeyOverride, key_overrides_live
 from celery_keyed.ledger.keys import keys_captured_by
 from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_key, validate_name, validate_task_id
@@ -135,7 +136,9 @@ __all__ = [
     "STATEMENT_TIMEOUT_MAX",
     "Admission",
     "Arrival",
+    "ClaimHolding",
     "Explanation",
+    "FailoverLedger",
     "FairShare",
     "HeldClaim",
     "InvalidConfig",

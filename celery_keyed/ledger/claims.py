@@ -210,12 +210,15 @@ CLAIMS_DELETE_UNBOUND_OF_TASK = sa.text(
 )
 
 # claims_expired_candidates: running claims whose lease expired, provided the database server itself has been up
-# for a full lease (D7: a Postgres restart must not mass-reclaim the slots of tasks that kept running).
+# for a full lease (D7: a Postgres restart must not mass-reclaim the slots of tasks that kept running), and not while
+# a failover holds new starts, nor for a lease after (D20: running attempts renew or re-assert their claims on the new
+# server first, and releases lost with the old one are given again).
 CLAIMS_EXPIRED_CANDIDATES = sa.text(
     f"""
     SELECT task_id, attempt, fence FROM keyed_claims
      WHERE state = 'running' AND lease_expires_at < {NOW}
        AND pg_postmaster_start_time() <= {NOW} - make_interval(secs => :lease)
+       AND NOT keyed_failover_reaper_waits()
      ORDER BY lease_expires_at LIMIT :batch
     """
 )

@@ -44,6 +44,7 @@ from celery_keyed.ledger import admit, release
 from celery_keyed.ledger.attempts import Arrival, Outcome, ReleaseRequest, Token, Verdict
 from celery_keyed.ledger.errors import on_handle_error, translate
 from celery_keyed.ledger.holders import new_holder
+from celery_keyed.ledger.identity import watch_engine
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT
 
 T = TypeVar("T")
@@ -169,6 +170,7 @@ class LedgerSession:
         self.engine = engine
         if not sa.event.contains(engine, "handle_error", on_handle_error):
             sa.event.listen(engine, "handle_error", on_handle_error)  # PostgreSQL's own limits are data errors
+        watch_engine(engine, lease=lease)  # D20: a new connection's first contact with a server checks its identity
         #: The same pool in autocommit: the single-statement fast paths need no BEGIN / COMMIT round trips.
         self.autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.holder = holder or new_holder()

@@ -75,8 +75,9 @@ class PostgresStandby(PostgresServer):
         return bool(self._sql("SELECT pg_is_in_recovery()")[0][0])
 
     def wait_caught_up(self, timeout: float = 30.0) -> None:
-        """Wait until this standby has replayed everything the primary had written when called."""
-        (lsn,) = self._sql("SELECT pg_current_wal_lsn()::text", port=self.primary.port)[0]
+        """Wait until this standby has replayed everything the primary had written when called (its WAL insert
+        position: with ``synchronous_commit=off`` a commit may not even be written out yet)."""
+        (lsn,) = self._sql("SELECT pg_current_wal_insert_lsn()::text", port=self.primary.port)[0]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._sql(f"SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn")[0][0]:

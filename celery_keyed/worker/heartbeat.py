@@ -38,6 +38,7 @@ from celery.worker import state as worker_state
 
 from celery_keyed.ledger import HeldClaim, Outcome
 from celery_keyed.worker.breaker import UNREACHABLE
+from celery_keyed.worker.failover import FailoverWatch
 from celery_keyed.worker.fence import SelfFence
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class Heartbeat:
             running=self._running,
             terminate=self._terminate,
         )
+        self.failover = FailoverWatch(lambda: gate.ledger, lambda: gate.releaser, lease=settings.lease)  # D20
 
     def start(self) -> None:
         """Start the thread unless it runs (a consumer restart finds it running, D13); the self-fence with it."""
@@ -126,12 +128,14 @@ class Heartbeat:
             if claim in renewed and sent > r.lease_from:
                 r.lease_from = sent
         gate.breaker.close()
+        self.failover.after_renewal(held)  # D20: the server's identity; what each held claim holds
         pids = self.process_ids()
         if pids != self.pids:  # a pool process was replaced: a successor must know every pid to check (item 8)
             with contextlib.suppress(sa.exc.SQLAlchemyError):
                 ledger.record_pids(pids)
                 self.pids = pids
-        lost = [r for claim, r in held.items() if claim not in renewed and r.request.keyed_claim is not None]
+        missing = {c: r for c, r in held.items() if c not in renewed and r.request.keyed_claim is not None}
+        lost = self.failover.take_back(missing, sent)  # D20: after a failover, claims lost with the old server
         for r in lost:  # reclaimed: our release would be fenced anyway; stop tracking it
             with gate.lock:
                 gate.running.pop(r.token, None)

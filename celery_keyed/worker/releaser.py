@@ -86,6 +86,8 @@ class Releaser:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()  # the current thread's; a new one per start
         self._warm_wanted = threading.Event()  # keyed work was seen: each releaser thread warms its connection up
+        #: Told of every release that committed (the failover watch's journal, D20); set by the gate.
+        self.on_released: Callable[[Release], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -301,6 +303,8 @@ class Releaser:
         """A release has committed: its deferred ack, its promotions (``granted``: the monotonic time taken before
         the release call, for the promotions bound to this worker)."""
         self._after_release(job, local=local)
+        if self.on_released is not None:
+            self.on_released(job)  # D20: given again if a failover loses it
         if report.promotions:
             self.mark_contended(job.key)
         for task_id, final in report.finished:

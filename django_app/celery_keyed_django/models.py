@@ -480,3 +480,22 @@ class Event(models.Model):
         default_permissions = ("view",)
         verbose_name = "ledger event"
         ordering = ("-at", "-id")
+
+
+class LedgerIdentity(models.Model):
+    """The identity of the server that last wrote the ledger (``keyed_ledger_identity``, one row): a change is a
+    failover, and new starts wait until ``hold_until``."""
+
+    one_row = models.BooleanField(primary_key=True, default=True)
+    system_identifier = models.BigIntegerField()
+    timeline = models.IntegerField()
+    postmaster_start = models.DateTimeField()
+    seen_at = models.DateTimeField()
+    hold_until = models.DateTimeField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "keyed_ledger_identity"
+        default_permissions = ("view",)
+        verbose_name = "ledger identity"
+        verbose_name_plural = "ledger identity"

@@ -57,7 +57,8 @@ def make_app(env: Mapping[str, str]) -> Any:
     celery_keyed.install(app)
     if env.get("KEYED_LOG_SIGNALS") == "1":
         _log_signals()
-    dsn = env["KEYED_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
+    # OBSERVER_DSN: the observer's own database, when the ledger's may lose commits (a failover test)
+    dsn = env.get("OBSERVER_DSN") or env["KEYED_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
     ns = SimpleNamespace(app=app, dsn=dsn, url=env["KEYED_DATABASE_URL"])
     _define_tasks(app, ns)
     return ns

@@ -48,7 +48,7 @@ SQL_EXCEPTIONS = {
     # The test bed's standby (failover tests): replication state and controls of the server, not ledger statements.
     ("celery_keyed/testing/replica.py", "SELECT pg_reload_conf()"): 2,
     ("celery_keyed/testing/replica.py", "SELECT sync_state FROM pg_stat_replication"): 1,
-    ("celery_keyed/testing/replica.py", "SELECT pg_current_wal_lsn()::text"): 1,
+    ("celery_keyed/testing/replica.py", "SELECT pg_current_wal_insert_lsn()::text"): 1,
     ("celery_keyed/testing/replica.py", "SELECT count(*) FROM pg_stat_wal_receiver"): 1,
     ("celery_keyed/testing/replica.py", "SELECT pg_is_in_recovery()"): 1,
     ("celery_keyed/testing/replica.py", "SELECT pg_last_wal_replay_lsn() >= '"): 1,

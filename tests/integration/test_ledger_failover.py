@@ -1,0 +1,128 @@
+"""A failover of the ledger's server (D20) on a real primary and streaming standby (celery_keyed.testbed_replica): the
+first contact with the promoted standby names it, no new claim is taken until one lease has passed, the reaper waits,
+and a running attempt whose claim was lost with the primary's last commits takes it back under the slot guard."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from celery_keyed.ledger import Admission, Arrival, Ledger, Outcome, Token, Verdict, migrate
+from celery_keyed.ledger.claims import HeldClaim
+from celery_keyed.ledger.identity import ClaimHolding, claims_reassert, identity_check, remembered
+from celery_keyed.testbed import PostgresServer, find_postgres_bindir, start_postgres
+from celery_keyed.testbed_replica import PostgresStandby, crash, multi_host_url, start_standby
+
+pytestmark = pytest.mark.skipif(
+    not (find_postgres_bindir() / "pg_basebackup").is_file(), reason="no pg_basebackup beside the test bed's postgres"
+)
+
+LEASE = 4.0
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[PostgresServer, PostgresStandby]]:
+    with start_postgres(use_env=False) as primary:
+        assert isinstance(primary, PostgresServer)
+        engine = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{primary.port}/postgres")
+        migrate(engine)
+        engine.dispose()
+        with start_standby(primary) as standby:
+            yield primary, standby
+
+
+def _admit(ledger: Ledger, task_id: str, key: str) -> Admission:
+    return ledger.admit(Arrival(task_id=task_id, key=key, message={"id": task_id}))
+
+
+def _poll(condition, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def test_a_promoted_standby_holds_new_claims_for_a_lease_and_takes_lost_claims_back(
+    pair: tuple[PostgresServer, PostgresStandby], caplog: pytest.LogCaptureFixture
+) -> None:
+    primary, standby = pair
+    engine = sa.create_engine(multi_host_url([primary, standby], "postgres"), pool_pre_ping=True)
+    ledger = Ledger(engine, holder="host:1:aaaa", lease=LEASE)
+    try:
+        kept = _admit(ledger, "kept", "acct:1")  # replicated: survives the failover
+        standby.wait_caught_up()
+        standby.detach()  # from now on the standby lags: what follows is lost with the primary
+        lost = _admit(ledger, "lost", "acct:2")
+        with engine.connect() as conn:  # what the worker's failover watch remembers of the claim it holds
+            assert lost.fence is not None
+            holding = ClaimHolding("lost", 0, lost.fence, "acct:2", 0, 1, "acct", composite=False)
+            assert conn.scalar(sa.text("SELECT count(*) FROM keyed_claims WHERE task_id = 'lost'")) == 1
+        crash(primary)
+        standby.promote()
+        engine.dispose()
+
+        changes = remembered(engine).changes
+        with caplog.at_level(logging.ERROR, logger="celery_keyed"), engine.begin() as conn:
+            check = identity_check(conn, lease=LEASE)  # a new connection: its first contact detected it already
+        assert remembered(engine).changes == changes + 1
+        assert "ledger failover: a standby was promoted" in caplog.text
+        assert check.hold_until is not None
+        with engine.connect() as conn:
+            assert conn.scalar(sa.text("SELECT count(*) FROM keyed_events WHERE kind = 'failover'")) == 1
+            assert conn.scalar(sa.text("SELECT count(*) FROM keyed_claims WHERE task_id = 'lost'")) == 0
+
+        # no new start while the old primary's claims may live: refused by the ledger's trigger, as unavailable
+        with pytest.raises(sa.exc.OperationalError, match="no new start"):
+            _admit(ledger, "new", "acct:3")
+        # the reaper waits too: the surviving claim's lease lapsed on the standby, its worker renews it first
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE keyed_claims SET lease_expires_at = now() - interval '1 hour'"))
+        assert ledger.reconcile().reclaimed == []
+        assert ledger.renew([HeldClaim("kept", 0, kept.fence)]) == {HeldClaim("kept", 0, kept.fence)}
+
+        # the running attempt whose claim was lost takes it back, with its fence, under the slot guard
+        with engine.begin() as conn:
+            assert claims_reassert(conn, holding, holder=ledger.holder, task_name="t", lease=LEASE) == "reasserted"
+        with engine.begin() as conn:  # a second copy of the same claim is the same claim
+            assert claims_reassert(conn, holding, holder=ledger.holder, task_name="t", lease=LEASE) == "kept"
+        other = ClaimHolding("other", 0, lost.fence + 1, "acct:2", 0, 1, "acct", composite=False)
+        with engine.begin() as conn:  # acct:2 is a mutex and its slot is taken: refused
+            assert claims_reassert(conn, other, holder="host:2:bbbb", task_name="t", lease=LEASE) == "refused"
+        with engine.connect() as conn:
+            assert conn.scalar(sa.text("SELECT used FROM keyed_slots WHERE key = 'acct:2'")) == 1
+            assert conn.scalar(sa.text("SELECT count(*) FROM keyed_tasks WHERE task_id = 'lost'")) == 1
+        # its outcome has books
+        assert ledger.release(Token("lost", 0), lost.fence, Outcome.COMPLETED).released
+
+        # one lease after the failover's detection, new starts are admitted again
+        def admitted() -> bool:
+            try:
+                return _admit(ledger, "new", "acct:3").verdict is Verdict.ADMITTED
+            except sa.exc.OperationalError:
+                return False
+
+        _poll(admitted)
+        with engine.connect() as conn:
+            assert conn.scalar(sa.text("SELECT now() >= hold_until FROM keyed_ledger_identity"))
+    finally:
+        engine.dispose()
+
+
+def test_a_server_that_kept_its_identity_holds_nothing(pair: tuple[PostgresServer, PostgresStandby]) -> None:
+    primary, standby = pair
+    engine = sa.create_engine(multi_host_url([primary, standby], "postgres"))
+    ledger = Ledger(engine, holder="host:1:aaaa", lease=LEASE)
+    try:
+        for i in range(3):
+            assert _admit(ledger, f"t{i}", f"acct:{i}").verdict is Verdict.ADMITTED
+            engine.dispose()  # each a new connection, each a first contact
+        with psycopg.connect(primary.conninfo) as conn:
+            assert conn.execute("SELECT count(*) FROM keyed_events WHERE kind = 'failover'").fetchone() == (0,)
+            assert conn.execute("SELECT hold_until FROM keyed_ledger_identity").fetchone() == (None,)
+    finally:
+        engine.dispose()
