@@ -1,8 +1,9 @@
 """The ledger's identity (table ``keyed_ledger_identity``, D20): which server wrote it last, and failovers.
 
 A server is known by its system identifier, its timeline and its postmaster's start. A standby promoted (a new
-timeline) or a server restarted (a new start) may have lost the previous server's last commits, among them claims of
-bodies that still run. The first contact with a new server (``identity_check``: each new connection of an engine
+timeline) or another server may have lost the previous server's last commits, among them claims of bodies that still
+run; a restart of the same server (a new start only) lost nothing (the ledger's transactions are durable) and is only
+logged. The first contact with a new server (``identity_check``: each new connection of an engine
 ``watch_engine`` watches, each heartbeat, each reconcile) records the change, and from then on, for one lease, the
 ledger inserts no claim but the re-assertion of a running attempt's own (``claims_reassert``); the guard is a trigger
 on ``keyed_claims`` (migration 0025), never this module's Python.
@@ -121,6 +122,10 @@ class ProcessIdentity:
             return False
         with self._lock:
             before, self.current = self.current, check.current
+            if check.kind == "restarted" or (before is not None and _lineage(before) == _lineage(check.current)):
+                if before is not None and before != check.current:
+                    logger.warning("celery-keyed: the ledger's server restarted (%s -> %s)", before, check.current)
+                return False  # the same server's commits are durable: nothing was lost, nothing is held
             changed = check.kind is not None or (before is not None and before != check.current)
             if not changed or check.current == self._logged:
                 return False
@@ -136,6 +141,11 @@ class ProcessIdentity:
             check.hold_until,
         )
         return True
+
+
+def _lineage(identity: str) -> str:
+    """The system and timeline of an identity (``keyed_ledger_identity_check``'s text): a restart keeps them."""
+    return identity.split(", started", 1)[0]
 
 
 _MEMORIES: dict[str, ProcessIdentity] = {}

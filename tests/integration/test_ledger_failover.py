@@ -126,3 +126,33 @@ def test_a_server_that_kept_its_identity_holds_nothing(pair: tuple[PostgresServe
             assert conn.execute("SELECT hold_until FROM keyed_ledger_identity").fetchone() == (None,)
     finally:
         engine.dispose()
+
+
+def test_a_restart_of_the_same_server_holds_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """A restart keeps the system and the timeline, and the ledger's commits are durable: no claim was lost, so
+    nothing waits a lease (held on every restart, the keyed tasks of a cluster paused a minute each time)."""
+    with start_postgres(use_env=False) as server:
+        assert isinstance(server, PostgresServer)
+        engine = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{server.port}/postgres", pool_pre_ping=True)
+        try:
+            migrate(engine)
+            ledger = Ledger(engine, holder="host:1:bbbb", lease=LEASE)
+            first = _admit(ledger, "before", "acct:1")
+            assert first.verdict is Verdict.ADMITTED
+            with engine.begin() as conn:
+                started = identity_check(conn, lease=LEASE).current  # the identity is on record
+            server.restart()
+            engine.dispose()
+            changes = remembered(engine).changes
+            with caplog.at_level(logging.WARNING, logger="celery_keyed"), engine.begin() as conn:
+                check = identity_check(conn, lease=LEASE)
+            assert check.current != started  # restarted: a new postmaster start
+            assert check.hold_until is None
+            assert remembered(engine).changes == changes  # not a failover
+            assert "ledger failover" not in caplog.text
+            assert _admit(ledger, "after", "acct:2").verdict is Verdict.ADMITTED  # no hold: admitted at once
+            with engine.connect() as conn:
+                assert conn.scalar(sa.text("SELECT count(*) FROM keyed_events WHERE kind = 'failover'")) == 0
+                assert conn.scalar(sa.text("SELECT count(*) FROM keyed_claims WHERE task_id = 'before'")) == 1
+        finally:
+            engine.dispose()

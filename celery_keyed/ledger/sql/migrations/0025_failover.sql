@@ -59,9 +59,13 @@ BEGIN
         hold_until := r.hold_until;
         RETURN;
     END IF;
+    -- A restart of the same server (same system, same timeline) lost nothing: every ledger transaction whose
+    -- outcome matters commits with synchronous_commit on (durable before it returns), so no claim it granted is
+    -- gone and nothing is held; only a new timeline or another system may have lost the last commits.
     UPDATE keyed_ledger_identity i
        SET system_identifier = v_sys, timeline = v_tli, postmaster_start = v_start, seen_at = now(),
-           hold_until = GREATEST(i.hold_until, now() + make_interval(secs => p_lease))
+           hold_until = CASE WHEN (i.system_identifier, i.timeline) = (v_sys, v_tli) THEN i.hold_until
+                             ELSE GREATEST(i.hold_until, now() + make_interval(secs => p_lease)) END
      WHERE (i.system_identifier, i.timeline, i.postmaster_start) IS DISTINCT FROM (v_sys, v_tli, v_start)
     RETURNING i.hold_until INTO hold_until;
     IF NOT FOUND THEN  -- another first contact recorded it meanwhile
@@ -71,6 +75,9 @@ BEGIN
     kind := CASE WHEN r.system_identifier <> v_sys THEN 'replaced'
                  WHEN r.timeline <> v_tli THEN 'promoted'
                  ELSE 'restarted' END;
+    IF kind = 'restarted' THEN
+        RETURN;
+    END IF;
     previous := format('system %s, timeline %s, started %s', r.system_identifier, r.timeline, r.postmaster_start);
     INSERT INTO keyed_events (kind, detail, at)
     VALUES ('failover', format('%s: %s -> %s; no new start until %s', kind, previous, current_identity, hold_until),
@@ -86,7 +93,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     RETURN EXISTS (SELECT 1 FROM keyed_ledger_identity i
                     WHERE i.hold_until > now() OR i.timeline <> keyed_ledger_timeline()
-                       OR i.postmaster_start <> pg_postmaster_start_time());
+                       OR i.system_identifier <> (SELECT c.system_identifier FROM pg_control_system() c));
 END
 $$;
 
