@@ -145,7 +145,9 @@ def test_long_tasks_in_flight_keep_running_through_a_failover(failover: Failover
         assert time.monotonic() < deadline, "the tasks behind were not parked"
         time.sleep(0.1)
     failover.crash_and_promote()
-    assert failover.ledger_scalar("SELECT count(*) FROM keyed_claims") == 0  # lost with the primary
+    # The claims were lost with the primary: not asserted here by counting them (the workers may have re-asserted them
+    # on the promoted standby already, on a loaded machine before this line runs), but by the log below: a claim is
+    # "re-asserted" only when its worker found it missing.
     assert sorted(r.get(timeout=120) for r in long) == sorted(f"long-{k}" for k in KEYS)
     assert sorted(r.get(timeout=120) for r in behind) == sorted(f"behind-{k}" for k in KEYS)
     _no_overlap(cluster)
