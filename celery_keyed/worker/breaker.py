@@ -21,18 +21,14 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-
 from celery_keyed import metrics
+from celery_keyed.engine import UNREACHABLE
 
 if TYPE_CHECKING:
     from celery_keyed.gate import GateService
 
 logger = logging.getLogger("celery_keyed")
 
-#: Errors that mean "the ledger cannot be reached now" (the breaker opens, the request is held, D9), as opposed
-#: to the ledger refusing a message's data (a recorded rejection, D16).
-UNREACHABLE: tuple[type[BaseException], ...] = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
 
 
 class Breaker:

@@ -17,12 +17,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from celery_keyed.engine import UNREACHABLE
 from celery_keyed.headers import HEADER_NONCE
 from celery_keyed.ledger import Admission, Arrival, Outcome, Token, Verdict
-from celery_keyed.worker.admission import Job
-from celery_keyed.worker.breaker import UNREACHABLE
-from celery_keyed.worker.handoff import Prebound
-from celery_keyed.worker.running import FollowsLifecycle, Lifecycle, Running, track
+from celery_keyed.worker.running import FollowsLifecycle, Job, Lifecycle, Prebound, Running, track
 
 logger = logging.getLogger("celery_keyed")
 

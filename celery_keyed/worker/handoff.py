@@ -34,16 +34,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from celery.worker import state as worker_state
 from celery.worker.strategy import default as default_strategy
 
+from celery_keyed.engine import UNREACHABLE
 from celery_keyed.headers import HEADER_KEY
 from celery_keyed.ledger import Outcome, Promotion, Token
 from celery_keyed.messages import republish, restore_message
-from celery_keyed.worker.breaker import UNREACHABLE
+from celery_keyed.worker.poolline import join_line, pool_line, slot_holders_ahead  # noqa: F401 (re-exported)
+from celery_keyed.worker.running import Prebound
 
 if TYPE_CHECKING:
     from celery_keyed.gate import GateService
@@ -60,25 +61,6 @@ SOON = 0.05
 
 #: Weight of the latest run in the typical run (an exponentially weighted mean).
 RUN_WEIGHT = 0.2
-
-
-@dataclass
-class Prebound:
-    """A promotion bound to this worker in its releaser's transaction (D4), whose request waits for a pool
-    process. Its claim is renewed like a running one (D13); it is confirmed by a guarded statement when it
-    starts (D14), and given back when it has waited too long (the line must not stay pinned to a busy pool)."""
-
-    fence: int
-    key: str | None
-    since: float = field(default_factory=time.monotonic)
-    # Monotonic time taken before the release call whose transaction bound it here, or None (bound another
-    # way). The ledger gave its claim a lease of ``keyed_lease`` from the database's clock at that transaction,
-    # which began after this instant: until ``granted + lease - self_fence_margin`` the claim cannot have lapsed
-    # (see ``Handoff.take_fresh``).
-    granted: float | None = None
-    # Claimed ahead at receipt (``GateService.receive``, ``keyed_claim_ahead``) rather than promoted: its key has
-    # no line, so starting it does not mark the key contended.
-    ahead: bool = False
 
 
 class Route(enum.Enum):
@@ -576,48 +558,6 @@ class _HandoffConsumer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)
-
-
-def pool_line(consumer: Any) -> deque[Any] | None:
-    """The line of requests waiting for a pool process: kombu's ``LaxBoundedSemaphore._waiting`` of the consumer's
-    pool (prefork), entries ``(callback, args, kwargs)`` with the request first in ``args``; None without one."""
-    semaphore = getattr(getattr(consumer, "controller", None), "semaphore", None)
-    waiting = getattr(semaphore, "_waiting", None)
-    return waiting if isinstance(waiting, deque) else None
-
-
-def _line_request(entry: Any) -> Any:
-    return entry[1][0] if isinstance(entry, tuple) and len(entry) == 3 and entry[1] else None
-
-
-def slot_holders_ahead(waiting: deque[Any]) -> int:
-    """How many requests at the front of the line already hold a slot (``join_line``)."""
-    count = 0
-    for entry in waiting:
-        if not getattr(_line_request(entry), "keyed_slot_held", False):
-            break
-        count += 1
-    return count
-
-
-def join_line(consumer: Any, request: Any, *, behind: int | None = None) -> None:
-    """Loop thread: ``request`` has just been handed to Celery's ``on_task_request``; if it waits for a pool process
-    (the last in the line), give it its place. The requests that hold a slot (``keyed_slot_held``: promotions started
-    here, claims taken ahead) go first, in the order they joined: each keeps its key's line waiting until it starts,
-    while a request that holds nothing keeps nobody waiting. Among them the oldest goes first: the newest first kept a
-    key whose release had just bound its next attempt here running on the process that freed, release after release,
-    while the other keys' promotions and claims taken ahead waited (peers W4: the last keys ran alone at the end).
-    A request that holds nothing stays last, or goes ``behind`` that many places after those that do
-    (``GateService._back_in_line``)."""
-    waiting = pool_line(consumer)
-    if waiting is None or len(waiting) < 2 or _line_request(waiting[-1]) is not request:
-        return
-    held = getattr(request, "keyed_slot_held", False)
-    if not held and behind is None:
-        return
-    entry = waiting.pop()
-    holders = slot_holders_ahead(waiting)
-    waiting.insert(holders if held else min(holders + (behind or 0), len(waiting)), entry)
 
 
 def _already_acked(*args: Any, **kwargs: Any) -> None:

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from celery.worker import state as worker_state
 
+from celery_keyed.engine import UNREACHABLE
 from celery_keyed.ledger import HeldClaim, Outcome
-from celery_keyed.worker.breaker import UNREACHABLE
 from celery_keyed.worker.fence import SelfFence
 
 if TYPE_CHECKING:

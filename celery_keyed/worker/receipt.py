@@ -29,13 +29,12 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from celery_keyed import metrics
+from celery_keyed.engine import UNREACHABLE
 from celery_keyed.headers import HEADER_KEY, HEADER_NONCE
 from celery_keyed.ledger import Outcome, Token, Verdict, key_name
 from celery_keyed.worker import intake
-from celery_keyed.worker.admission import Job
-from celery_keyed.worker.breaker import UNREACHABLE
-from celery_keyed.worker.handoff import join_line, pool_line, slot_holders_ahead
-from celery_keyed.worker.running import FollowsLifecycle, Lifecycle, Running
+from celery_keyed.worker.poolline import join_line, pool_line, slot_holders_ahead
+from celery_keyed.worker.running import FollowsLifecycle, Job, Lifecycle, Running
 
 logger = logging.getLogger("celery_keyed")
 

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from celery_keyed import metrics
+from celery_keyed.engine import UNREACHABLE
 from celery_keyed.ledger import Outcome, ReleaseReport, ReleaseRequest, Token
-from celery_keyed.worker.breaker import UNREACHABLE
 
 if TYPE_CHECKING:
     from celery_keyed.gate import GateService

@@ -1,4 +1,6 @@
-"""The running table and the lifecycle: the two pieces of state the worker's services share, passed to each by the
+"""The running table and the lifecycle: the two pieces of state the worker's services share (with the records they
+hand each other: ``Prebound``, a claim bound here waiting for a pool process; ``Job``, a request handed to an
+admission service), passed to each by the
 gate (celery_keyed/gate.py). This module imports no service: every service may import it.
 
 - ``Running``: a claim this process holds (its request, attempt token and fence). The table (token -> ``Running``)
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +37,38 @@ class Running:
     # that succeeded): the database counts the lease from that transaction's clock, which began after it, so the
     # lease cannot lapse before ``lease_from + keyed_lease`` (the self-fence's deadline, worker/fence.py, D19).
     lease_from: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Prebound:
+    """A promotion bound to this worker in its releaser's transaction (D4), whose request waits for a pool
+    process. Its claim is renewed like a running one (D13); it is confirmed by a guarded statement when it
+    starts (D14), and given back when it has waited too long (the line must not stay pinned to a busy pool)."""
+
+    fence: int
+    key: str | None
+    since: float = field(default_factory=time.monotonic)
+    # Monotonic time taken before the release call whose transaction bound it here, or None (bound another
+    # way). The ledger gave its claim a lease of ``keyed_lease`` from the database's clock at that transaction,
+    # which began after this instant: until ``granted + lease - self_fence_margin`` the claim cannot have lapsed
+    # (see ``Handoff.take_fresh``).
+    granted: float | None = None
+    # Claimed ahead at receipt (``GateService.receive``, ``keyed_claim_ahead``) rather than promoted: its key has
+    # no line, so starting it does not mark the key contended.
+    ahead: bool = False
+
+
+@dataclass
+class Job:
+    """One request waiting for its admission: what the loop knew when it handed it over, and the verdict the
+    service's thread found (``result``)."""
+
+    request: Any
+    arrival: Any  # celery_keyed.ledger.Arrival
+    submit: Callable[[], Any]  # Celery's own execute_using_pool: starts the request in its pool process
+    result: Any = None  # set by the thread (see GateService._decide)
+    error: BaseException | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

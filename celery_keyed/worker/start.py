@@ -27,13 +27,11 @@ from celery.exceptions import TaskRevokedError
 from celery.worker import state as worker_state
 
 from celery_keyed import metrics
+from celery_keyed.engine import UNREACHABLE
 from celery_keyed.headers import HEADER_FENCE
 from celery_keyed.ledger import Admission, Arrival, InvalidKey, Outcome, Token, Verdict
 from celery_keyed.worker import intake
-from celery_keyed.worker.admission import Job
-from celery_keyed.worker.breaker import UNREACHABLE
-from celery_keyed.worker.handoff import Prebound
-from celery_keyed.worker.running import FollowsLifecycle, Lifecycle, Running, track
+from celery_keyed.worker.running import FollowsLifecycle, Job, Lifecycle, Prebound, Running, track
 
 logger = logging.getLogger("celery_keyed")
 
