@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 TEST_WORKERS ?= 3
 test: venv
 	$(VPY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 # Long-running tests (stress, soak). pytest exits 5 when none are collected yet: not a failure here.
@@ -51,6 +52,7 @@ matrix-smoke: venv
 
 lint: venv
 	$(VPY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	$(VPY) -m mypy celery_keyed
 
 bench: venv

@@ -39,8 +39,8 @@ from celery.exceptions import Reject
 from celery_keyed.messages import record_message
 
 if TYPE_CHECKING:
-    from celery_keyed.gate import Running
     from celery_keyed.ledger import Token
+    from celery_keyed.worker.running import Running
 
 logger = logging.getLogger("celery_keyed")
 

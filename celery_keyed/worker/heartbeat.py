@@ -41,7 +41,8 @@ from celery_keyed.ledger import HeldClaim, Outcome
 from celery_keyed.worker.fence import SelfFence
 
 if TYPE_CHECKING:
-    from celery_keyed.gate import GateService, Running
+    from celery_keyed.gate import GateService
+    from celery_keyed.worker.running import Running
 
 logger = logging.getLogger("celery_keyed")
 
