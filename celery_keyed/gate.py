@@ -121,8 +121,8 @@ class _Life:
 
 
 #: The services that keep their own reference to the consumer or the settings (set again when the gate's change).
-_HOLDS_CONSUMER = ("receipt", "cancels", "events", "prefetch")
-_HOLDS_SETTINGS = ("receipt", "prefetch")
+_HOLDS_CONSUMER = ("breaker", "receipt", "cancels", "events", "prefetch")
+_HOLDS_SETTINGS = ("breaker", "sweeper", "receipt", "prefetch")
 
 
 class GateService:
@@ -150,13 +150,19 @@ class GateService:
         self.pid = os.getpid()  # the worker's main process (pool processes forked later inherit a copy of the gate)
         self.running: dict[Token, Running] = {}
         self.life = Lifecycle()
-        self.breaker = Breaker(self)
         self.handoff = Handoff(self, self.lock)
+        self.breaker = Breaker(ledger=self.ledger, settings=settings, consumer=consumer, handoff=self.handoff)
         self.releaser = Releaser(self)
         self.exits = ExitWatch(lambda: pool_processes(self.consumer))  # releases held until a body stopped (D17)
         self.heartbeat = Heartbeat(self)
-        self.sweeper = Sweeper(self)
-        self.revokes = Revokes(self)
+        self.sweeper = Sweeper(
+            app=app, settings=settings, ledger=self.ledger, breaker=self.breaker, handoff=self.handoff,
+            announce_never_ran=lambda *args: self.events.announce_never_ran(*args),  # events: built below
+        )  # fmt: skip
+        self.revokes = Revokes(
+            ledger=self.ledger, breaker=self.breaker, dispatch=self.handoff.dispatch,
+            notify_never_ran=self.sweeper.notify_never_ran,
+        )  # fmt: skip
         self._warm_requested = False  # loop only: ``_warm_services`` asked once
         self._wire()
 
