@@ -147,12 +147,12 @@ class GateService:
             dispatch=settings.dispatch_timeout,
         )
         self.lock = threading.Lock()
+        self.life = Lifecycle()
         self.pid = os.getpid()  # the worker's main process (pool processes forked later inherit a copy of the gate)
         self.running: dict[Token, Running] = {}
-        self.life = Lifecycle()
         self.handoff = Handoff(self, self.lock)
         self.breaker = Breaker(ledger=self.ledger, settings=settings, consumer=consumer, handoff=self.handoff)
-        self.releaser = Releaser(self)
+        self.releaser = Releaser(ledger=self.ledger, handoff=self.handoff, breaker=self.breaker, life=self.life)
         self.exits = ExitWatch(lambda: pool_processes(self.consumer))  # releases held until a body stopped (D17)
         self.heartbeat = Heartbeat(self)
         self.sweeper = Sweeper(

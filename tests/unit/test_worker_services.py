@@ -87,13 +87,19 @@ def fake_gate() -> SimpleNamespace:
     return gate
 
 
+def releaser_of(gate: Any, **kwargs: Any) -> Releaser:
+    """A releaser whose collaborators are the fake gate's."""
+    ledger, handoff, breaker = (getattr(gate, name, None) for name in ("ledger", "handoff", "breaker"))
+    return Releaser(ledger=ledger, handoff=handoff, breaker=breaker, life=gate, **kwargs)
+
+
 def hand(releaser: Releaser, task_id: str, after: Any = None) -> None:
     releaser.hand_over(Token(task_id, 0), 1, Outcome.COMPLETED, key="k:1", name="t", contended=False, after=after)
 
 
 def test_the_releaser_gives_back_in_batches_in_order() -> None:
     gate = fake_gate()
-    releaser = Releaser(gate, batch=3)  # type: ignore[arg-type]
+    releaser = releaser_of(gate, batch=3)  # type: ignore[arg-type]
     releaser._accepting = True  # as start() does, without the thread: release_once is called by the test
     for n in range(7):
         hand(releaser, f"r{n}")
@@ -108,7 +114,7 @@ def test_the_releaser_gives_back_in_batches_in_order() -> None:
 
 def test_the_releaser_starts_and_stops_twice_and_loses_nothing() -> None:
     gate = fake_gate()
-    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser = releaser_of(gate)  # type: ignore[arg-type]
     releaser.start()
     releaser.start()
     assert [t.name for t in threading.enumerate()].count("keyed-releaser") == 1
@@ -142,7 +148,7 @@ def test_the_releaser_warms_its_connection_up_once_keyed_work_is_announced() -> 
             time.sleep(0.01)
         return [name for name, _ in gate.ledger.calls].count("warm_up") == count
 
-    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser = releaser_of(gate)  # type: ignore[arg-type]
     releaser.start()
     releaser.request_warm()
     assert warmed(1)
@@ -158,7 +164,7 @@ def test_the_releaser_warms_its_connection_up_once_keyed_work_is_announced() -> 
 
 def test_a_release_that_cannot_commit_is_kept_with_its_ack_and_retried() -> None:
     gate = fake_gate()
-    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser = releaser_of(gate)  # type: ignore[arg-type]
     releaser._accepting = True
     acked: list[str] = []
     gate.ledger.fail = sa.exc.OperationalError("SELECT 1", {}, Exception("down"))
@@ -206,7 +212,7 @@ def test_the_pool_counts_as_busy_only_with_requests_that_will_run(monkeypatch: p
     from celery_keyed.worker.handoff import Handoff
 
     gate = SimpleNamespace(consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=1)), releaser=None)
-    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser = releaser_of(gate)  # type: ignore[arg-type]
     gate.releaser = releaser
     handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
 
@@ -248,7 +254,7 @@ def test_requests_of_a_mutex_running_here_or_of_the_released_key_do_not_make_the
         releaser=None,
         held_mutex_keys=lambda: set(held),
     )
-    gate.releaser = Releaser(gate)  # type: ignore[arg-type]
+    gate.releaser = releaser_of(gate)  # type: ignore[arg-type]
     handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
 
     class Received:
@@ -551,7 +557,7 @@ def test_a_busy_pool_of_short_runs_still_takes_a_promotion(monkeypatch: pytest.M
     from celery_keyed.worker.handoff import SOON, Handoff
 
     gate = SimpleNamespace(consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=2)), releaser=None)
-    gate.releaser = Releaser(gate)  # type: ignore[arg-type]
+    gate.releaser = releaser_of(gate)  # type: ignore[arg-type]
     handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
 
     class Received:
