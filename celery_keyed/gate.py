@@ -1,27 +1,13 @@
 """The consumer gate of one worker process: the wiring and the lifecycle of the worker's services
-(celery_keyed/worker/), owned by the ``KeyedGate`` consumer bootstep (bootstep.py). docs/worker.md draws the services,
-their threads and their state.
+(celery_keyed/worker/, listed in its ``__init__``), owned by the ``KeyedGate`` consumer bootstep (bootstep.py).
+docs/worker.md draws the services, their threads and their state.
 
 ``GateService`` builds each service with what it needs (the ledger, the settings, the running table and its lock,
 the lifecycle, the handoff, callbacks), starts and stops them with the consumer (start / stop / shutdown / close),
-and keeps the doors the bootstep, the request class and the tests use. No service imports this module.
-
-- ``worker.receipt``: the receipt path (park at receipt, claims ahead, ``park_waiting``);
-- ``worker.start``: the start when a pool process is ready (``execute``) and the loop's part of a decided batch;
-- ``worker.decide``: the decisions of the admission and receipt threads;
-- ``worker.verdicts``: parked, dropped, or a final outcome without a run;
-- ``worker.finish``: the end of an attempt (``release``) and the give-back of what never started;
-- ``worker.cancels``: newest wins;
-- ``worker.events``: events, signals and the snapshot;
-- ``worker.prefetch``: the prefetch window;
-- ``worker.intake``, ``worker.admission``, ``worker.releaser``, ``worker.heartbeat``, ``worker.fence``,
-  ``worker.sweeper``, ``worker.handoff``, ``worker.breaker``, ``worker.revokes``, ``worker.exits``;
-- ``worker.running``: the running table's entries (``Running``) and the lifecycle (``Lifecycle``).
-
-Fields of the gate itself: ``lock`` (guards the running table and ``handoff.prebound``), ``running`` (token ->
+and keeps the doors the bootstep, the request class and the tests use. No service imports this module
+(.importlinter). Its own fields: ``lock`` (guards the running table and ``handoff.prebound``), ``running`` (token ->
 ``Running``, shared with the services), ``life`` (``closed``, ``stopping``, ``generation``, ``started_at``,
-``timers``: written here, by Celery's thread, read by every thread), ``admission`` and ``receipts`` (the admission
-services, made at the first consumer start that can use them).
+``timers``: written here, on Celery's thread, read by every thread).
 """
 
 from __future__ import annotations
@@ -57,7 +43,7 @@ from celery_keyed.worker.receipt import AHEAD_LINGER, DECLINE_MEMORY, Receipt
 from celery_keyed.worker.releaser import Releaser
 from celery_keyed.worker.revokes import Revokes
 from celery_keyed.worker.running import Lifecycle, Running
-from celery_keyed.worker.start import Start
+from celery_keyed.worker.start import Start, pool_semaphore_release
 from celery_keyed.worker.sweeper import Sweeper
 from celery_keyed.worker.verdicts import Verdicts
 
@@ -102,9 +88,6 @@ class _ReceivingConsumer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)
-
-
-_Running = Running  # the name tests knew
 
 
 class _Life:
@@ -315,7 +298,7 @@ class GateService:
         hub = getattr(self.consumer, "hub", None)
         if hub is not None:
             self.handoff.attach(hub)
-        self.starts._pool_release = pool_release = self._pool_semaphore_release()
+        self.starts._pool_release = pool_release = pool_semaphore_release(self.consumer)
         if hub is not None and pool_release is not None and self.settings.admission_batch > 0:
             if self.admission is None:
                 self.admission = AdmissionService(
@@ -462,15 +445,3 @@ class GateService:
             if service is not None:
                 service.request_warm()
         self.releaser.request_warm()
-
-    def _pool_semaphore_release(self) -> Callable[[], None] | None:
-        """Celery's release of the pool semaphore when the worker guards pool puts with it (prefork on the event
-        loop), else None: then admission stays on the loop (no semaphore keeps a pool process for a request
-        whose admission is decided elsewhere)."""
-        controller = getattr(self.consumer, "controller", None)
-        if controller is None or getattr(controller, "semaphore", None) is None:
-            return None
-        if getattr(controller, "process_task", None) != getattr(controller, "_process_task_sem", None):
-            return None
-        release = getattr(controller, "_quick_release", None)
-        return release if callable(release) else None

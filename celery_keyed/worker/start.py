@@ -36,6 +36,19 @@ from celery_keyed.worker.running import FollowsLifecycle, Job, Lifecycle, Prebou
 logger = logging.getLogger("celery_keyed")
 
 
+def pool_semaphore_release(consumer: Any) -> Callable[[], None] | None:
+    """Celery's release of the pool semaphore when the worker guards pool puts with it (prefork on the event
+    loop), else None: then admission stays on the loop (no semaphore keeps a pool process for a request
+    whose admission is decided elsewhere)."""
+    controller = getattr(consumer, "controller", None)
+    if controller is None or getattr(controller, "semaphore", None) is None:
+        return None
+    if getattr(controller, "process_task", None) != getattr(controller, "_process_task_sem", None):
+        return None
+    release = getattr(controller, "_quick_release", None)
+    return release if callable(release) else None
+
+
 class Start(FollowsLifecycle):
     """The start of keyed requests when a pool process is ready. ``execute`` is its door (loop thread)."""
 
