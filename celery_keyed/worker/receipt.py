@@ -23,7 +23,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery.worker import state as worker_state
@@ -54,6 +54,39 @@ def _receipt_keys(job: Job) -> list[str]:
         key = job.extra.get("key")
         keys = [key] if isinstance(key, str) else []
     return [key for key in keys if isinstance(key, str)]
+
+
+def _open(service: Any, breaker: Any, closed: bool, stopping: threading.Event) -> bool:
+    """Whether the receipt service takes work now: made, accepting, the ledger reachable, the consumer running."""
+    return service is not None and service.accepting and not breaker.is_open and not closed and not stopping.is_set()
+
+
+def _busy_in_line(
+    waiting: Iterable[Any], held: set[str], bound_here: set[str], is_contended: Callable[[str], bool]
+) -> tuple[list[tuple[Any, Any, str]], set[int]]:
+    """The entries of the pool semaphore's line (``park_waiting``) whose request may park at receipt: keyed, one
+    key, no claim, not at the receipt service or taken out before, not bound here, no nonce, and its key busy here
+    (its mutex ``held``, or contended). With the ids of every request in the line (``queued``)."""
+    candidates: list[tuple[Any, Any, str]] = []
+    queued: set[int] = set()
+    for entry in list(waiting):
+        if not (isinstance(entry, tuple) and len(entry) == 3 and entry[1]):
+            continue
+        request = entry[1][0]
+        queued.add(id(request))
+        if not hasattr(request, "keyed_claim") or request.keyed_claim is not None:
+            continue
+        if getattr(request, "keyed_receipt", False) or getattr(request, "keyed_pulled", False):
+            continue
+        if getattr(request, "id", None) in bound_here:
+            continue
+        headers = getattr(request, "_request_dict", None) or {}
+        key = headers.get(HEADER_KEY)
+        if not isinstance(key, str) or headers.get(HEADER_NONCE) is not None:
+            continue
+        if key in held or is_contended(key):
+            candidates.append((entry, request, key))
+    return candidates, queued
 
 
 class Receipt(FollowsLifecycle):
@@ -162,15 +195,9 @@ class Receipt(FollowsLifecycle):
         (the ledger receives a key's arrivals in the order this worker received them, D10)."""
         service = self.receipts
         limit = self.settings.claim_ahead
-        if (
-            not limit
-            or service is None
-            or not service.accepting
-            or self.breaker.is_open
-            or self.closed
-            or self.stopping.is_set()
-            or not hasattr(request, "keyed_claim")
-        ):
+        if not limit or not hasattr(request, "keyed_claim"):
+            return None
+        if not _open(service, self.breaker, self.closed, self.stopping):
             return None
         headers = request._request_dict
         key = headers.get(HEADER_KEY)
@@ -254,15 +281,9 @@ class Receipt(FollowsLifecycle):
     def _receipt_job(self, request: Any, handle: Callable[[Any], Any]) -> Job | None:
         """Loop thread: the receipt service's job for ``request`` when it parks at receipt (``receive``), else None."""
         admission_service = self.receipts
-        if (
-            not self.settings.park_at_receipt
-            or admission_service is None
-            or not admission_service.accepting
-            or self.breaker.is_open
-            or self.closed
-            or self.stopping.is_set()
-            or not hasattr(request, "keyed_claim")
-        ):
+        if not self.settings.park_at_receipt or not hasattr(request, "keyed_claim"):
+            return None
+        if not _open(admission_service, self.breaker, self.closed, self.stopping):
             return None
         key = request._request_dict.get(HEADER_KEY)
         if not isinstance(key, str) or not (self.releaser.is_contended(key) or self._mutex_held_here(key)):
@@ -358,14 +379,7 @@ class Receipt(FollowsLifecycle):
         of its requests that cannot park at receipt. A request taken out and sent back undecided (room after all)
         returns to the front of the line, in order, and is never taken out again. Returns how many it took."""
         admission_service = self.receipts
-        if (
-            not self.settings.park_at_receipt
-            or admission_service is None
-            or not admission_service.accepting
-            or self.breaker.is_open
-            or self.closed
-            or self.stopping.is_set()
-        ):
+        if not self.settings.park_at_receipt or not _open(admission_service, self.breaker, self.closed, self.stopping):
             return 0
         waiting = pool_line(self.consumer)
         if not waiting:
@@ -373,25 +387,7 @@ class Receipt(FollowsLifecycle):
         held = self.held_mutex_keys()
         with self.lock:  # promotions bound here (D4) wait in the same line: they start, they never park
             bound_here = {token.task_id for token in self.handoff.prebound}
-        candidates: list[tuple[Any, Any, str]] = []
-        queued: set[int] = set()
-        for entry in list(waiting):
-            if not (isinstance(entry, tuple) and len(entry) == 3 and entry[1]):
-                continue
-            request = entry[1][0]
-            queued.add(id(request))
-            if not hasattr(request, "keyed_claim") or request.keyed_claim is not None:
-                continue
-            if getattr(request, "keyed_receipt", False) or getattr(request, "keyed_pulled", False):
-                continue
-            if getattr(request, "id", None) in bound_here:
-                continue
-            headers = getattr(request, "_request_dict", None) or {}
-            key = headers.get(HEADER_KEY)
-            if not isinstance(key, str) or headers.get(HEADER_NONCE) is not None:
-                continue
-            if key in held or self.releaser.is_contended(key):
-                candidates.append((entry, request, key))
+        candidates, queued = _busy_in_line(waiting, held, bound_here, self.releaser.is_contended)
         if not candidates:
             return 0
         keys = {key for _, _, key in candidates}
