@@ -104,8 +104,8 @@ class _Life:
 
 
 #: The services that keep their own reference to the consumer or the settings (set again when the gate's change).
-_HOLDS_CONSUMER = ("breaker", "receipt", "cancels", "events", "prefetch")
-_HOLDS_SETTINGS = ("breaker", "sweeper", "receipt", "prefetch")
+_HOLDS_CONSUMER = ("handoff", "breaker", "receipt", "cancels", "events", "prefetch")
+_HOLDS_SETTINGS = ("handoff", "breaker", "sweeper", "receipt", "prefetch")
 
 
 class GateService:
@@ -133,7 +133,9 @@ class GateService:
         self.life = Lifecycle()
         self.pid = os.getpid()  # the worker's main process (pool processes forked later inherit a copy of the gate)
         self.running: dict[Token, Running] = {}
-        self.handoff = Handoff(self, self.lock)
+        self.handoff = Handoff(
+            app=app, settings=settings, consumer=consumer, ledger=self.ledger, life=self.life, lock=self.lock
+        )
         self.breaker = Breaker(ledger=self.ledger, settings=settings, consumer=consumer, handoff=self.handoff)
         self.releaser = Releaser(ledger=self.ledger, handoff=self.handoff, breaker=self.breaker, life=self.life)
         self.exits = ExitWatch(lambda: pool_processes(self.consumer))  # releases held until a body stopped (D17)
@@ -191,6 +193,10 @@ class GateService:
             dispatch=self.handoff.dispatch, release=self.finish.release, give_back=self.finish._give_back,
             **verdicts, **shared,
         )  # fmt: skip
+        handoff = self.handoff  # the collaborators it needs that were built after it
+        handoff.releaser, handoff.breaker, handoff.revokes = self.releaser, self.breaker, self.revokes
+        handoff.park_waiting, handoff.held_mutex_keys = self.receipt.park_waiting, self.receipt.held_mutex_keys
+        handoff.announce_promoted = self.events.announce_promoted
         # The doors (bootstep, request class, the other services, tests).
         self.receive = self.receipt.receive
         self.park_waiting = self.receipt.park_waiting

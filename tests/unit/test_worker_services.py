@@ -93,6 +93,16 @@ def releaser_of(gate: Any, **kwargs: Any) -> Releaser:
     return Releaser(ledger=ledger, handoff=handoff, breaker=breaker, life=gate, **kwargs)
 
 
+def handoff_of(gate: Any) -> Any:
+    """A handoff whose collaborators are the fake gate's."""
+    from celery_keyed.worker.handoff import Handoff
+
+    fields = ("app", "settings", "consumer", "ledger")
+    handoff = Handoff(**{name: getattr(gate, name, None) for name in fields}, life=gate, lock=threading.Lock())
+    handoff.releaser, handoff.held_mutex_keys = gate.releaser, getattr(gate, "held_mutex_keys", None)
+    return handoff
+
+
 def hand(releaser: Releaser, task_id: str, after: Any = None) -> None:
     releaser.hand_over(Token(task_id, 0), 1, Outcome.COMPLETED, key="k:1", name="t", contended=False, after=after)
 
@@ -204,17 +214,15 @@ def test_the_pool_counts_as_busy_only_with_requests_that_will_run(monkeypatch: p
     """``Handoff.pool_has_room``: received requests of keys with a line here will park and give their process back
     at once, so they do not make the pool look busy — a task with several keys too (a list header), when any of
     its keys has a line. Counted busy, the pool would make every promotion be published behind the broker's queue."""
-    import threading as _threading
 
     from celery.worker import state as worker_state
 
     from celery_keyed.headers import HEADER_KEY
-    from celery_keyed.worker.handoff import Handoff
 
     gate = SimpleNamespace(consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=1)), releaser=None)
     releaser = releaser_of(gate)  # type: ignore[arg-type]
     gate.releaser = releaser
-    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+    handoff = handoff_of(gate)
 
     class Received:  # hashable, as Celery's requests are (they live in sets)
         def __init__(self, key: object) -> None:
@@ -241,12 +249,10 @@ def test_requests_of_a_mutex_running_here_or_of_the_released_key_do_not_make_the
     (``Receipt.held_mutex_keys``), or of the key whose release asks (its room goes to its line first), will park
     and give its process back at once. Counted as work that will run, it made a burst's promotions be published
     behind the broker's whole queue (bench.gate d: 500-1000 ms handoffs) instead of started here."""
-    import threading as _threading
 
     from celery.worker import state as worker_state
 
     from celery_keyed.headers import HEADER_KEY
-    from celery_keyed.worker.handoff import Handoff
 
     held: set[str] = {"acct:1"}
     gate = SimpleNamespace(
@@ -255,7 +261,7 @@ def test_requests_of_a_mutex_running_here_or_of_the_released_key_do_not_make_the
         held_mutex_keys=lambda: set(held),
     )
     gate.releaser = releaser_of(gate)  # type: ignore[arg-type]
-    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+    handoff = handoff_of(gate)
 
     class Received:
         def __init__(self, key: object) -> None:
@@ -549,16 +555,15 @@ def test_a_busy_pool_of_short_runs_still_takes_a_promotion(monkeypatch: pytest.M
     """``Handoff.pool_has_room``: every process has work that will run, but the runs here are short (the typical run
     over the processes at most ``SOON``): the first process frees within one short run, so the promotion starts here
     (ahead of the waiting requests) instead of waiting behind the broker's queue. Long runs publish it."""
-    import threading as _threading
 
     from celery.worker import state as worker_state
 
     from celery_keyed.headers import HEADER_KEY
-    from celery_keyed.worker.handoff import SOON, Handoff
+    from celery_keyed.worker.handoff import SOON
 
     gate = SimpleNamespace(consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=2)), releaser=None)
     gate.releaser = releaser_of(gate)  # type: ignore[arg-type]
-    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+    handoff = handoff_of(gate)
 
     class Received:
         def __init__(self, key: str) -> None:
