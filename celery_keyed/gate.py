@@ -104,8 +104,8 @@ class _Life:
 
 
 #: The services that keep their own reference to the consumer or the settings (set again when the gate's change).
-_HOLDS_CONSUMER = ("handoff", "breaker", "receipt", "cancels", "events", "prefetch")
-_HOLDS_SETTINGS = ("handoff", "breaker", "sweeper", "receipt", "prefetch")
+_HOLDS_CONSUMER = ("heartbeat", "handoff", "breaker", "receipt", "cancels", "events", "prefetch")
+_HOLDS_SETTINGS = ("heartbeat", "handoff", "breaker", "sweeper", "receipt", "prefetch")
 
 
 class GateService:
@@ -139,7 +139,6 @@ class GateService:
         self.breaker = Breaker(ledger=self.ledger, settings=settings, consumer=consumer, handoff=self.handoff)
         self.releaser = Releaser(ledger=self.ledger, handoff=self.handoff, breaker=self.breaker, life=self.life)
         self.exits = ExitWatch(lambda: pool_processes(self.consumer))  # releases held until a body stopped (D17)
-        self.heartbeat = Heartbeat(self)
         self.sweeper = Sweeper(
             app=app, settings=settings, ledger=self.ledger, breaker=self.breaker, handoff=self.handoff,
             announce_never_ran=lambda *args: self.events.announce_never_ran(*args),  # events: built below
@@ -147,6 +146,11 @@ class GateService:
         self.revokes = Revokes(
             ledger=self.ledger, breaker=self.breaker, dispatch=self.handoff.dispatch,
             notify_never_ran=self.sweeper.notify_never_ran,
+        )  # fmt: skip
+        self.heartbeat = Heartbeat(
+            settings=settings, consumer=consumer, ledger=self.ledger, life=self.life, lock=self.lock,
+            running=self.running, handoff=self.handoff, releaser=self.releaser, breaker=self.breaker,
+            revokes=self.revokes,
         )  # fmt: skip
         self._warm_requested = False  # loop only: ``_warm_services`` asked once
         self._wire()
@@ -197,6 +201,7 @@ class GateService:
         handoff.releaser, handoff.breaker, handoff.revokes = self.releaser, self.breaker, self.revokes
         handoff.park_waiting, handoff.held_mutex_keys = self.receipt.park_waiting, self.receipt.held_mutex_keys
         handoff.announce_promoted = self.events.announce_promoted
+        self.heartbeat.check_cancels = self.cancels.check_cancels
         # The doors (bootstep, request class, the other services, tests).
         self.receive = self.receipt.receive
         self.park_waiting = self.receipt.park_waiting

@@ -103,6 +103,14 @@ def handoff_of(gate: Any) -> Any:
     return handoff
 
 
+def heartbeat_of(gate: Any) -> Any:
+    """A heartbeat whose collaborators are the fake gate's."""
+    fields = ("settings", "consumer", "ledger", "lock", "running", "handoff", "releaser", "breaker", "revokes")
+    heartbeat = Heartbeat(**{name: getattr(gate, name, None) for name in fields}, life=gate)
+    heartbeat.check_cancels = getattr(gate, "check_cancels", lambda: None)
+    return heartbeat
+
+
 def hand(releaser: Releaser, task_id: str, after: Any = None) -> None:
     releaser.hand_over(Token(task_id, 0), 1, Outcome.COMPLETED, key="k:1", name="t", contended=False, after=after)
 
@@ -197,7 +205,7 @@ def test_the_heartbeat_and_the_sweeper_start_and_stop_twice() -> None:
         settings=SimpleNamespace(heartbeat_interval=60.0, sweep_interval=60.0, lease=360.0, self_fence_margin=60.0),
         consumer=SimpleNamespace(pool=None),
     )
-    heartbeat = Heartbeat(gate)  # type: ignore[arg-type]
+    heartbeat = heartbeat_of(gate)
     sweeper = Sweeper(
         app=None, settings=gate.settings, ledger=None, breaker=None, handoff=None, announce_never_ran=lambda *a: None
     )
