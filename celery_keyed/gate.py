@@ -33,7 +33,7 @@ from celery_keyed.worker.admission import AdmissionService
 from celery_keyed.worker.breaker import Breaker
 from celery_keyed.worker.cancels import Cancels
 from celery_keyed.worker.decide import Decide
-from celery_keyed.worker.events import Events
+from celery_keyed.worker.events import Events, warn_prefix_capture
 from celery_keyed.worker.exits import ExitWatch, pool_processes
 from celery_keyed.worker.finish import Finish
 from celery_keyed.worker.handoff import Handoff
@@ -285,7 +285,7 @@ class GateService:
         try:
             self.heartbeat.pids = self.heartbeat.process_ids()
             self.ledger.register_holder(pids=self.heartbeat.pids)
-            self._warn_prefix_capture()
+            warn_prefix_capture(self.ledger, self.settings.limits)
             self.ledger.configure(self.settings.limits, version=self.settings.config_version)
             gone = self.ledger.reclaim_gone_predecessors()
         except sa.exc.OperationalError as exc:
@@ -385,26 +385,6 @@ class GateService:
             if self.running or self.finish.releasing:
                 return False
         return self.releaser.idle()
-
-    def _warn_prefix_capture(self) -> None:
-        """§3.11: configuring a name turns every ``name:*`` key from a mutex into a gate. Runs before the
-        configuration is stored, and says so for each name the ledger has seen keys of while they were K = 1
-        identities (unconfigured, or configured as 1) and that is now configured with another limit."""
-        names = sorted(n for n, c in self.settings.limits.items() if c.limit != 1)
-        if not names:
-            return
-        for row in self.ledger.captured_keys(names):
-            limit = self.settings.limits[row.name].limit
-            logger.warning(
-                "celery-keyed: name %r is now configured with limit %d: its %d known keys (e.g. %r) were mutexes "
-                "(K = 1) until now; every %s:* key is a gate of %d from here on",
-                row.name,
-                limit,
-                row.n,
-                row.example,
-                row.name,
-                limit,
-            )
 
     # -- the services' doors (bootstep, request, tests) ------------------------------------------------
 

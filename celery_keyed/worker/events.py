@@ -4,7 +4,8 @@ handed to the loop. Signals are sent with ``sender`` the gate.
 
 Collaborators, given by the gate: the consumer (its event dispatcher), the lifecycle (the loop's thread, shutdown),
 the running table and its lock, and, read by the snapshot only, the handoff, the ledger, the breaker, the releaser,
-the revokes and the heartbeat. No state of its own.
+the revokes and the heartbeat. No state of its own. Also the warning, at each consumer start, about names whose
+keys turn from mutexes into gates (``warn_prefix_capture``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from celery_keyed import exceptions, signals
@@ -19,6 +21,27 @@ from celery_keyed.ledger import Promotion, Token
 from celery_keyed.worker.running import FollowsLifecycle, Lifecycle, Running
 
 logger = logging.getLogger("celery_keyed")
+
+
+def warn_prefix_capture(ledger: Any, limits: Mapping[str, Any]) -> None:
+    """§3.11: configuring a name turns every ``name:*`` key from a mutex into a gate. Runs before the
+    configuration is stored, and says so for each name the ledger has seen keys of while they were K = 1
+    identities (unconfigured, or configured as 1) and that is now configured with another limit."""
+    names = sorted(n for n, c in limits.items() if c.limit != 1)
+    if not names:
+        return
+    for row in ledger.captured_keys(names):
+        limit = limits[row.name].limit
+        logger.warning(
+            "celery-keyed: name %r is now configured with limit %d: its %d known keys (e.g. %r) were mutexes "
+            "(K = 1) until now; every %s:* key is a gate of %d from here on",
+            row.name,
+            limit,
+            row.n,
+            row.example,
+            row.name,
+            limit,
+        )
 
 
 class Events(FollowsLifecycle):
