@@ -28,6 +28,7 @@ TEST_WORKERS ?= 3
 test: venv
 	$(VPY) -m ruff check .
 	$(MYPY)
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 # Long-running tests (stress, soak). pytest exits 5 when none are collected yet: not a failure here.
@@ -55,6 +56,7 @@ matrix-smoke: venv
 lint: venv
 	$(VPY) -m ruff check .
 	$(MYPY)
+	$(VENV)/bin/lint-imports
 
 bench: venv
 	$(VPY) -m bench.ledger

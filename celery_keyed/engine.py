@@ -22,6 +22,10 @@ from celery_keyed.settings import KeyedSettings
 
 logger = logging.getLogger("celery_keyed")
 
+#: Errors that mean "the ledger cannot be reached now" (the breaker opens, the request is held, D9), as opposed
+#: to the ledger refusing a message's data (a recorded rejection, D16).
+UNREACHABLE: tuple[type[BaseException], ...] = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
+
 #: What a pooler answers to startup options it does not pass on (PgBouncer: "unsupported startup parameter: options").
 _REFUSED_OPTIONS = "unsupported startup parameter"
 

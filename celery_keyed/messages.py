@@ -136,3 +136,26 @@ def context_from_record(record: dict[str, Any]) -> dict[str, Any]:
         except (ValueError, TypeError):
             pass
     return context
+
+
+#: How a republished copy of a fenced attempt is retried while the broker does not answer; bounded, because it is
+#: sent from the consumer loop (the outcome hooks run there). A copy that cannot be sent leaves the attempt failed.
+REPUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.0, "interval_step": 0.5, "interval_max": 1.0}
+
+
+def republish_received(app: Any, request: Any) -> None:
+    """Publish the message ``request`` was received in again, as it was received (same task id, attempt and
+    headers; no admission nonce), to the exchange and routing key it came by."""
+    record = record_message(request._message, task_name=request.name)
+    with app.producer_pool.acquire(block=True, timeout=10) as producer:
+        producer.publish(
+            base64.b64decode(record["body"]),
+            exchange=record["exchange"],
+            routing_key=record["routing_key"],
+            headers=record["headers"],
+            content_type=record["content_type"],
+            content_encoding=record["content_encoding"],
+            retry=True,
+            retry_policy=REPUBLISH_RETRY,
+            **record["properties"],
+        )

@@ -25,26 +25,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
+
+from celery_keyed.worker.running import Job
 
 logger = logging.getLogger("celery_keyed")
 
 #: A thread waits for more jobs that may wait (``Job.extra["by"]``) only while fewer than this many are queued.
 LINGER_BATCH = 16
-
-
-@dataclass
-class Job:
-    """One request waiting for its admission: what the loop knew when it handed it over, and the verdict the
-    service's thread found (``result``)."""
-
-    request: Any
-    arrival: Any  # celery_keyed.ledger.Arrival
-    submit: Callable[[], Any]  # Celery's own execute_using_pool: starts the request in its pool process
-    result: Any = None  # set by the thread (see GateService._decide)
-    error: BaseException | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class AdmissionService:

@@ -19,27 +19,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
-
-import sqlalchemy as sa
+from typing import Any
 
 from celery_keyed import metrics
-
-if TYPE_CHECKING:
-    from celery_keyed.gate import GateService
+from celery_keyed.engine import UNREACHABLE
 
 logger = logging.getLogger("celery_keyed")
 
-#: Errors that mean "the ledger cannot be reached now" (the breaker opens, the request is held, D9), as opposed
-#: to the ledger refusing a message's data (a recorded rejection, D16).
-UNREACHABLE: tuple[type[BaseException], ...] = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
 
 
 class Breaker:
-    """The breaker of one gate. ``probe_once`` is what the loop's timer runs."""
+    """The breaker of one gate. ``probe_once`` is what the loop's timer runs. Collaborators: the ledger (its
+    ping), the settings (``keyed_queues``), the consumer (its queues, and where held requests go back) and the
+    handoff (the loop's wakeup and drain); the gate sets ``consumer`` again at each consumer start."""
 
-    def __init__(self, gate: GateService) -> None:
-        self.gate = gate
+    def __init__(self, *, ledger: Any, settings: Any, consumer: Any, handoff: Any) -> None:
+        self.ledger = ledger
+        self.settings = settings
+        self.consumer = consumer
+        self.handoff = handoff
         self.is_open = False
         self.reachable_since = time.monotonic()
         self.held: deque[Any] = deque()  # requests waiting for the ledger to come back (loop thread)
@@ -51,7 +49,7 @@ class Breaker:
             logger.error("celery-keyed: the ledger is unreachable (%s); keyed tasks wait until it is back", exc)
         self.is_open = True
         self.reachable_since = float("inf")
-        self.gate.handoff.wake_loop()  # the loop stops consuming the keyed-only queues
+        self.handoff.wake_loop()  # the loop stops consuming the keyed-only queues
 
     def close(self) -> None:
         """Any thread: a ledger call succeeded."""
@@ -59,16 +57,16 @@ class Breaker:
             logger.warning("celery-keyed: the ledger is reachable again; keyed intake resumes")
             self.reachable_since = time.monotonic()
             self.is_open = False
-            self.gate.handoff.wake_loop()  # the loop consumes the keyed-only queues again
+            self.handoff.wake_loop()  # the loop consumes the keyed-only queues again
 
     def sync_keyed_queues(self) -> None:
         """Consumer loop: while the breaker is open, do not consume the queues that carry only keyed tasks
         (``keyed_queues``), so that their messages stay in the broker instead of piling up, unacked, in this
         worker (D9); consume them again once it closes. Without ``keyed_queues`` the worker holds at most its
         prefetch of keyed messages. Loop thread only: kombu's channel is not thread-safe."""
-        consumer = self.gate.consumer
+        consumer = self.consumer
         task_consumer = getattr(consumer, "task_consumer", None)
-        queues = self.gate.settings.queues
+        queues = self.settings.queues
         if not queues or task_consumer is None:
             return
         if self.is_open:
@@ -96,12 +94,12 @@ class Breaker:
         once it is closed."""
         if self.is_open:
             try:
-                self.gate.ledger.ping()
+                self.ledger.ping()
             except UNREACHABLE:  # an InterfaceError or a pool checkout timeout is unreachable too
                 self.sync_keyed_queues()
                 return
             self.close()
         while self.held and not self.is_open:
             request = self.held.popleft()
-            self.gate.consumer.on_task_request(request)
-        self.gate.handoff.drain()  # also a backstop for a missed wakeup
+            self.consumer.on_task_request(request)
+        self.handoff.drain()  # also a backstop for a missed wakeup

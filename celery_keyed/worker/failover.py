@@ -28,11 +28,10 @@ import sqlalchemy as sa
 
 from celery_keyed import metrics
 from celery_keyed.ledger import Arrival, ClaimHolding, FailoverLedger, HeldClaim, Ledger, key_name
-from celery_keyed.worker.fence import republish_received
+from celery_keyed.messages import republish_received
 
 if TYPE_CHECKING:
-    from celery_keyed.gate import Running
-    from celery_keyed.worker.releaser import Releaser
+    from celery_keyed.worker.running import Running
 
 logger = logging.getLogger("celery_keyed")
 
@@ -49,7 +48,7 @@ class FailoverWatch:
     lease (also how long after a failover a missing claim is taken for lost with the old server, not reclaimed);
     ``releaser``: returns the gate's releaser (a release lost with the old server is handed to it again)."""
 
-    def __init__(self, ledger: Callable[[], Ledger], releaser: Callable[[], Releaser], *, lease: float) -> None:
+    def __init__(self, ledger: Callable[[], Ledger], releaser: Callable[[], Any], *, lease: float) -> None:
         self._ledger = ledger
         self._releaser = releaser
         self.lease = lease

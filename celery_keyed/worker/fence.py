@@ -24,7 +24,6 @@ thread (once) and the heartbeat, read here (one float store each).
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -36,17 +35,14 @@ from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 from celery.exceptions import Reject
 
-from celery_keyed.messages import record_message
+from celery_keyed.messages import republish_received
 
 if TYPE_CHECKING:
-    from celery_keyed.gate import Running
     from celery_keyed.ledger import Token
+    from celery_keyed.worker.running import Running
 
 logger = logging.getLogger("celery_keyed")
 
-#: How a republished copy of a fenced attempt is retried while the broker does not answer; bounded, because it is
-#: sent from the consumer loop (the outcome hooks run there). A copy that cannot be sent leaves the attempt failed.
-REPUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.0, "interval_step": 0.5, "interval_max": 1.0}
 
 
 @dataclass
@@ -168,21 +164,3 @@ def readmit_fenced(app: Any, request: Any, exc_info: Any) -> Any:
         raise Reject(f"stopped by the self-fence: {request.keyed_fenced}", requeue=True)
     except Reject:
         return ExceptionInfo()
-
-
-def republish_received(app: Any, request: Any) -> None:
-    """Publish the message ``request`` was received in again, as it was received (same task id, attempt and
-    headers; no admission nonce), to the exchange and routing key it came by."""
-    record = record_message(request._message, task_name=request.name)
-    with app.producer_pool.acquire(block=True, timeout=10) as producer:
-        producer.publish(
-            base64.b64decode(record["body"]),
-            exchange=record["exchange"],
-            routing_key=record["routing_key"],
-            headers=record["headers"],
-            content_type=record["content_type"],
-            content_encoding=record["content_encoding"],
-            retry=True,
-            retry_policy=REPUBLISH_RETRY,
-            **record["properties"],
-        )

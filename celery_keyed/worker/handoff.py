@@ -34,19 +34,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery.worker import state as worker_state
 from celery.worker.strategy import default as default_strategy
 
+from celery_keyed.engine import UNREACHABLE
 from celery_keyed.headers import HEADER_KEY
 from celery_keyed.ledger import Outcome, Promotion, Token
 from celery_keyed.messages import republish, restore_message
-from celery_keyed.worker.breaker import UNREACHABLE
-
-if TYPE_CHECKING:
-    from celery_keyed.gate import GateService
+from celery_keyed.worker.poolline import join_line, pool_line, slot_holders_ahead  # noqa: F401 (re-exported)
+from celery_keyed.worker.running import Prebound
 
 logger = logging.getLogger("celery_keyed")
 
@@ -60,25 +58,6 @@ SOON = 0.05
 
 #: Weight of the latest run in the typical run (an exponentially weighted mean).
 RUN_WEIGHT = 0.2
-
-
-@dataclass
-class Prebound:
-    """A promotion bound to this worker in its releaser's transaction (D4), whose request waits for a pool
-    process. Its claim is renewed like a running one (D13); it is confirmed by a guarded statement when it
-    starts (D14), and given back when it has waited too long (the line must not stay pinned to a busy pool)."""
-
-    fence: int
-    key: str | None
-    since: float = field(default_factory=time.monotonic)
-    # Monotonic time taken before the release call whose transaction bound it here, or None (bound another
-    # way). The ledger gave its claim a lease of ``keyed_lease`` from the database's clock at that transaction,
-    # which began after this instant: until ``granted + lease - self_fence_margin`` the claim cannot have lapsed
-    # (see ``Handoff.take_fresh``).
-    granted: float | None = None
-    # Claimed ahead at receipt (``GateService.receive``, ``keyed_claim_ahead``) rather than promoted: its key has
-    # no line, so starting it does not mark the key contended.
-    ahead: bool = False
 
 
 class Route(enum.Enum):
@@ -123,9 +102,23 @@ class Handoff:
     """Dispatch of promotions and the loop-calls pipe of one gate. ``drain`` is the loop's ``*_once``: it runs
     what the threads handed over; ``attach`` / ``detach`` are safe to call twice."""
 
-    def __init__(self, gate: GateService, lock: threading.Lock) -> None:
-        self.gate = gate
+    def __init__(
+        self, *, app: Any, settings: Any, consumer: Any, ledger: Any, life: Any, lock: threading.Lock
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.consumer = consumer  # set again by the gate at each consumer start
+        self.ledger = ledger
+        self.life = life  # the gate's lifecycle (worker/running.py): closed, timers
         self.lock = lock
+        # Collaborators built after the handoff (they need it), set by the gate's wiring: the releaser, the breaker,
+        # the revokes, and the receipt path's park_waiting / held_mutex_keys and the events' announce_promoted.
+        self.releaser: Any = None
+        self.breaker: Any = None
+        self.revokes: Any = None
+        self.park_waiting: Callable[[], Any] = lambda: 0
+        self.held_mutex_keys: Callable[[], set[str]] | None = None
+        self.announce_promoted: Callable[..., None] = lambda promotion, *, local: None
         self.prebound: dict[Token, Prebound] = {}  # promotions bound to us at promotion time (D4); under lock
         # promotions found off the loop, to start on it (D4), with the time their release call began (or None)
         self._to_loop: deque[tuple[Promotion, float | None]] = deque()
@@ -165,7 +158,7 @@ class Handoff:
 
     def loop_runs(self) -> bool:
         """Whether a consumer loop takes work from us (the pipe, or the gate's loop timers)."""
-        return self._waker is not None or bool(self.gate.timers)
+        return self._waker is not None or bool(self.life.timers)
 
     def wake_loop(self) -> None:
         """Any thread: make the consumer loop run ``drain`` soon."""
@@ -215,8 +208,8 @@ class Handoff:
             self.dispatch([promotion], local=True, granted=granted)
             started = True
         if started:  # the promoted keys have a line here now: their requests waiting for a process park without one
-            self.gate.park_waiting()
-        self.gate.breaker.sync_keyed_queues()
+            self.park_waiting()
+        self.breaker.sync_keyed_queues()
 
     # -- dispatch of promotions --------------------------------------------------------------------------
 
@@ -224,9 +217,8 @@ class Handoff:
         """Start promoted attempts where ``route`` says. ``local``: the caller is the consumer loop's thread.
         ``granted``: the monotonic time taken before the ledger call that made these promotions (a release),
         for the promotions it bound to this worker (``Prebound.granted``)."""
-        gate = self.gate
         for promotion in promotions:
-            closed, local_handoff = gate.closed, gate.settings.local_handoff
+            closed, local_handoff = self.life.closed, self.settings.local_handoff
             where = route(
                 promotion,
                 on_loop=local,
@@ -234,7 +226,7 @@ class Handoff:
                 local_handoff=local_handoff,
                 consumes=local_handoff and not closed and self.consumes(promotion),  # looked up only when it counts
                 pool_has_room=promotion.nonce is None or self.pool_has_room(),
-                loop_runs=bool(gate.timers),
+                loop_runs=bool(self.life.timers),
             )
             if where is Route.TO_LOOP:
                 self._to_loop.append((promotion, granted))
@@ -252,13 +244,12 @@ class Handoff:
         """Queues (names and routing keys) and tasks this worker consumes, for promotions bound to it at once
         (D4, no bind round trip); None when local handoff is off or the pool is busy (``pool_has_room``;
         ``released``: the key of the release asking)."""
-        gate = self.gate
-        consumer = gate.consumer
+        consumer = self.consumer
         task_consumer = getattr(consumer, "task_consumer", None)
         if (
-            not gate.settings.local_handoff
+            not self.settings.local_handoff
             or task_consumer is None
-            or gate.closed
+            or self.life.closed
             or not self.pool_has_room(released)
         ):
             return None, None
@@ -301,7 +292,7 @@ class Handoff:
 
     def pool_size(self) -> int | None:
         """The consumer's number of pool processes, or None where it has no pool of known size."""
-        pool = getattr(self.gate.consumer, "pool", None)
+        pool = getattr(self.consumer, "pool", None)
         size = getattr(pool, "num_processes", None) or getattr(pool, "limit", None)
         return size if isinstance(size, int) and size > 0 else None
 
@@ -339,8 +330,8 @@ class Handoff:
             return None
         reserved = list(worker_state.reserved_requests)
         active = worker_state.active_requests
-        releaser = self.gate.releaser
-        held_mutex_keys = getattr(self.gate, "held_mutex_keys", None)
+        releaser = self.releaser
+        held_mutex_keys = self.held_mutex_keys
         busy: set[str] = set() if held_mutex_keys is None else held_mutex_keys()
         if released is not None:
             busy.add(released)
@@ -371,7 +362,7 @@ class Handoff:
 
     def consumes(self, promotion: Promotion) -> bool:
         """Whether this worker consumes the promotion's queue and knows its task."""
-        consumer = self.gate.consumer
+        consumer = self.consumer
         record = promotion.message or {}
         task_consumer = getattr(consumer, "task_consumer", None)
         if task_consumer is None or record.get("task") not in consumer.strategies:
@@ -394,7 +385,7 @@ class Handoff:
             with self.lock:
                 self.prebound.pop(promotion.token, None)
             raise
-        self.gate.announce_promoted(promotion, local=True)
+        self.announce_promoted(promotion, local=True)
         if promotion.token in self.prebound and promotion.task_id in worker_state.revoked:
             self.revoked_before_start(promotion.token, promotion.key)  # Celery's strategy discarded it
 
@@ -404,7 +395,7 @@ class Handoff:
         leaves out ``task-received`` (a promotion started here was received, and announced, when it first arrived;
         every later event of its request — started, succeeded… — is sent as usual). Rebuilt when Celery rebuilds
         its strategies (on every broker reconnect)."""
-        consumer = self.gate.consumer
+        consumer = self.consumer
         strategy = consumer.strategies[task_name]
         dispatcher = getattr(consumer, "event_dispatcher", None)
         events_on = dispatcher is not None and getattr(dispatcher, "enabled", False)
@@ -414,7 +405,7 @@ class Handoff:
         cached = self._handoff_strategies.get(task_name)
         if cached is not None and cached[0] is strategy and cached[1] is dispatcher:
             return cached[2]
-        app = self.gate.app
+        app = self.app
         task = app.tasks[task_name]
         events = _NoReceivedEvent(dispatcher) if events_on else dispatcher
         handoff = default_strategy(task, app, _HandoffConsumer(consumer, events))
@@ -426,7 +417,7 @@ class Handoff:
         if promotion.nonce is None:
             # Bound to this worker but it cannot start it here: it goes back in line from its stored message.
             logger.warning("celery-keyed: could not start promoted %s here; it goes back in line", promotion.task_id)
-            self.gate.releaser.hand_over(
+            self.releaser.hand_over(
                 promotion.token,
                 promotion.fence,
                 Outcome.WORKER_LOST,
@@ -437,8 +428,8 @@ class Handoff:
             )
             return
         try:
-            republish(self.gate.app, promotion.message, nonce=str(promotion.nonce))
-            self.gate.announce_promoted(promotion, local=False)
+            republish(self.app, promotion.message, nonce=str(promotion.nonce))
+            self.announce_promoted(promotion, local=False)
         except Exception:
             # The promotion stays in the ledger; the reaper re-parks it after the dispatch timeout (D5).
             logger.exception("celery-keyed: could not republish promoted %s", promotion.task_id)
@@ -464,7 +455,7 @@ class Handoff:
         on the monotonic clock — the same rule that lets a running attempt go on without asking (self-fencing,
         D7) — the claim is still ours with this fence. The heartbeat renews it from the running table once it
         starts. ``take_fresh`` and ``give_back_prebound`` both pop under ``lock``: only one of them acts."""
-        settings = self.gate.settings
+        settings = self.settings
         with self.lock:
             prebound = self.prebound.get(token)
             if prebound is None or prebound.granted is None:
@@ -485,7 +476,7 @@ class Handoff:
         if prebound is None:
             return None
         try:
-            confirmed = self.gate.ledger.confirm(token, prebound.fence)
+            confirmed = self.ledger.confirm(token, prebound.fence)
         except UNREACHABLE:
             with self.lock:
                 self.prebound.setdefault(token, prebound)  # held with the request; confirmed when resubmitted
@@ -509,9 +500,9 @@ class Handoff:
         with self.lock:
             prebound = self.prebound.pop(token, None)
         if prebound is not None:
-            self.gate.releaser.hand_over(token, prebound.fence, Outcome.REVOKED, key=key, name="", contended=True)
+            self.releaser.hand_over(token, prebound.fence, Outcome.REVOKED, key=key, name="", contended=True)
             return
-        self.gate.revokes.pending.append(token.task_id)
+        self.revokes.pending.append(token.task_id)
 
     def give_back_prebound(self, stale: Callable[[Prebound], bool], why: str, *, on_loop: bool = True) -> None:
         """Promotions bound here (D4) whose request has not started go back in line (outcome "worker lost": the
@@ -533,7 +524,7 @@ class Handoff:
                 logger.warning(
                     "celery-keyed: promoted %s attempt %d goes back in line: %s", token.task_id, token.attempt, why
                 )
-            self.gate.releaser.hand_over(
+            self.releaser.hand_over(
                 token, p.fence, Outcome.WORKER_LOST, key=p.key, name="", contended=True, on_loop=on_loop
             )
 
@@ -576,48 +567,6 @@ class _HandoffConsumer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)
-
-
-def pool_line(consumer: Any) -> deque[Any] | None:
-    """The line of requests waiting for a pool process: kombu's ``LaxBoundedSemaphore._waiting`` of the consumer's
-    pool (prefork), entries ``(callback, args, kwargs)`` with the request first in ``args``; None without one."""
-    semaphore = getattr(getattr(consumer, "controller", None), "semaphore", None)
-    waiting = getattr(semaphore, "_waiting", None)
-    return waiting if isinstance(waiting, deque) else None
-
-
-def _line_request(entry: Any) -> Any:
-    return entry[1][0] if isinstance(entry, tuple) and len(entry) == 3 and entry[1] else None
-
-
-def slot_holders_ahead(waiting: deque[Any]) -> int:
-    """How many requests at the front of the line already hold a slot (``join_line``)."""
-    count = 0
-    for entry in waiting:
-        if not getattr(_line_request(entry), "keyed_slot_held", False):
-            break
-        count += 1
-    return count
-
-
-def join_line(consumer: Any, request: Any, *, behind: int | None = None) -> None:
-    """Loop thread: ``request`` has just been handed to Celery's ``on_task_request``; if it waits for a pool process
-    (the last in the line), give it its place. The requests that hold a slot (``keyed_slot_held``: promotions started
-    here, claims taken ahead) go first, in the order they joined: each keeps its key's line waiting until it starts,
-    while a request that holds nothing keeps nobody waiting. Among them the oldest goes first: the newest first kept a
-    key whose release had just bound its next attempt here running on the process that freed, release after release,
-    while the other keys' promotions and claims taken ahead waited (peers W4: the last keys ran alone at the end).
-    A request that holds nothing stays last, or goes ``behind`` that many places after those that do
-    (``GateService._back_in_line``)."""
-    waiting = pool_line(consumer)
-    if waiting is None or len(waiting) < 2 or _line_request(waiting[-1]) is not request:
-        return
-    held = getattr(request, "keyed_slot_held", False)
-    if not held and behind is None:
-        return
-    entry = waiting.pop()
-    holders = slot_holders_ahead(waiting)
-    waiting.insert(holders if held else min(holders + (behind or 0), len(waiting)), entry)
 
 
 def _already_acked(*args: Any, **kwargs: Any) -> None:

@@ -31,18 +31,17 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 from celery.worker import state as worker_state
 
-from celery_keyed.ledger import HeldClaim, Outcome
-from celery_keyed.worker.breaker import UNREACHABLE
+from celery_keyed.engine import UNREACHABLE
+from celery_keyed.ledger import HeldClaim, Outcome, Token
 from celery_keyed.worker.failover import FailoverWatch
 from celery_keyed.worker.fence import SelfFence
-
-if TYPE_CHECKING:
-    from celery_keyed.gate import GateService, Running
+from celery_keyed.worker.running import Running
 
 logger = logging.getLogger("celery_keyed")
 
@@ -51,13 +50,36 @@ class Heartbeat:
     """The heartbeat of one gate. ``heartbeat_once`` is one beat, in the caller's thread; ``start`` / ``stop``
     are safe to call twice."""
 
-    def __init__(self, gate: GateService) -> None:
-        self.gate = gate
+    def __init__(
+        self,
+        *,
+        settings: Any,
+        consumer: Any,
+        ledger: Any,
+        life: Any,
+        lock: threading.Lock,
+        running: dict[Token, Running],
+        handoff: Any,
+        releaser: Any,
+        breaker: Any,
+        revokes: Any,
+        check_cancels: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.settings = settings
+        self.consumer = consumer  # set again by the gate at each consumer start
+        self.ledger = ledger
+        self.life = life  # the gate's lifecycle (worker/running.py): closed, stopping, started_at
+        self.lock = lock
+        self.running = running  # the running table (under ``lock``)
+        self.handoff = handoff  # its ``prebound``, renewed like running claims
+        self.releaser = releaser
+        self.breaker = breaker
+        self.revokes = revokes
+        self.check_cancels = check_cancels  # newest wins (worker/cancels.py), set by the gate's wiring
         self.last_renewal = time.monotonic()
         self.pids: list[int] = []  # this process and its pool processes, as last recorded in the ledger
         self._exit = threading.Event()  # end the heartbeat now (tests, interpreter exit)
         self._thread: threading.Thread | None = None
-        settings = gate.settings
         self.fence = SelfFence(
             lease=settings.lease,
             margin=settings.self_fence_margin,
@@ -65,7 +87,7 @@ class Heartbeat:
             running=self._running,
             terminate=self._terminate,
         )
-        self.failover = FailoverWatch(lambda: gate.ledger, lambda: gate.releaser, lease=settings.lease)  # D20
+        self.failover = FailoverWatch(lambda: self.ledger, lambda: self.releaser, lease=settings.lease)  # D20
 
     def start(self) -> None:
         """Start the thread unless it runs (a consumer restart finds it running, D13); the self-fence with it."""
@@ -88,10 +110,9 @@ class Heartbeat:
     def _run(self) -> None:
         """D13: runs from the first consumer start until the worker has shut down and no claim it tracks is
         left (running attempts, promotions bound here, releases not yet committed)."""
-        gate = self.gate
         try:
-            while not self._exit.wait(gate.settings.heartbeat_interval):
-                if gate.closed and not (gate.running or gate.handoff.prebound or gate.releaser.pending):
+            while not self._exit.wait(self.settings.heartbeat_interval):
+                if self.life.closed and not (self.running or self.handoff.prebound or self.releaser.pending):
                     return
                 try:
                     self.heartbeat_once()
@@ -104,10 +125,9 @@ class Heartbeat:
         """Renew the leases of the attempts this process runs and of the promotions bound to it that wait for
         a pool process; notice lost slots; self-fence when the ledger has been unreachable for too long; give
         back promotions that waited too long; retry releases that failed; probe the breaker."""
-        gate = self.gate
-        settings, ledger, handoff = gate.settings, gate.ledger, gate.handoff
-        with gate.lock:
-            running = list(gate.running.values())
+        settings, ledger, handoff = self.settings, self.ledger, self.handoff
+        with self.lock:
+            running = list(self.running.values())
             prebound = dict(handoff.prebound)
         held = {HeldClaim(r.token.task_id, r.token.attempt, r.fence): r for r in running}
         waiting = {HeldClaim(t.task_id, t.attempt, p.fence): (t, p) for t, p in prebound.items()}
@@ -121,13 +141,13 @@ class Heartbeat:
                 renewed = set()
                 ledger.ping()
         except UNREACHABLE as exc:  # any other error goes up to _run's log; either way lease_from stays put
-            gate.breaker.open(exc)
+            self.breaker.open(exc)
             return
         self.last_renewal = sent
         for claim, r in held.items():
             if claim in renewed and sent > r.lease_from:
                 r.lease_from = sent
-        gate.breaker.close()
+        self.breaker.close()
         self.failover.after_renewal(held)  # D20: the server's identity; what each held claim holds
         pids = self.process_ids()
         if pids != self.pids:  # a pool process was replaced: a successor must know every pid to check (item 8)
@@ -137,8 +157,8 @@ class Heartbeat:
         missing = {c: r for c, r in held.items() if c not in renewed and r.request.keyed_claim is not None}
         lost = self.failover.take_back(missing, sent)  # D20: after a failover, claims lost with the old server
         for r in lost:  # reclaimed: our release would be fenced anyway; stop tracking it
-            with gate.lock:
-                gate.running.pop(r.token, None)
+            with self.lock:
+                self.running.pop(r.token, None)
             r.request.keyed_claim = None
         for r in lost:
             if not r.fenced:
@@ -146,8 +166,8 @@ class Heartbeat:
         # Newest wins: a newer arrival of an attempt's key and supersede key asked it to stop (the broadcast may have
         # been lost, or its claim was a promotion not yet bound here).
         with contextlib.suppress(sa.exc.SQLAlchemyError):
-            gate.check_cancels()
-        with gate.lock:
+            self.check_cancels()
+        with self.lock:
             for claim, (token, p) in waiting.items():
                 if claim not in renewed and handoff.prebound.get(token) is p:
                     del handoff.prebound[token]  # lapsed: its request, if it starts, is admitted as usual (D14)
@@ -158,41 +178,40 @@ class Heartbeat:
             lambda p: now - p.since >= settings.heartbeat_interval, "no pool process took it", on_loop=False
         )
         self._release_never_started(running)
-        gate.releaser.flush_pending()
-        gate.revokes.flush_pending()
+        self.releaser.flush_pending()
+        self.revokes.flush_pending()
 
     def _release_never_started(self, running: list[Running]) -> None:
         """D6: a request admitted but dropped before a pool process accepted it (the consumer reset on a broker
         reconnect forgets reserved requests; the broker redelivers their messages) would otherwise keep its
         claim renewed for ever. Such claims are released as "worker lost" once they are older than half a
         lease and their request is neither started nor reserved any more."""
-        gate = self.gate
         # Only while the consumer runs, and a beat after it (re)started: its loop reads the pool's "accepted"
         # messages (``keyed_started``). Stopped — a broker reconnect, a warm shutdown — a job a pool process took
         # just before looks never started, and its body may run for as long as it likes: releasing its claim then
         # would let another worker start the key's next task beside it. At shutdown such claims go back once the
         # pool has stopped (``GateService.release_unstarted``, at Celery's ``worker_shutdown``).
-        if gate.closed or gate.stopping.is_set():
+        if self.life.closed or self.life.stopping.is_set():
             return
-        if time.monotonic() - gate.started_at < gate.settings.heartbeat_interval:
+        if time.monotonic() - self.life.started_at < self.settings.heartbeat_interval:
             return
         reserved = worker_state.reserved_requests
         for r in running:
             request = r.request
             if request.keyed_started or request in reserved or r.fenced:
                 continue
-            if time.monotonic() - r.claimed_at < gate.settings.lease / 2:
+            if time.monotonic() - r.claimed_at < self.settings.lease / 2:
                 continue
             logger.warning(
                 "celery-keyed: %s[%s] was admitted but never started; releasing its slot", request.name, r.token.task_id
             )
             claim = request.keyed_claim
             request.keyed_claim = None
-            with gate.lock:
-                gate.running.pop(r.token, None)
+            with self.lock:
+                self.running.pop(r.token, None)
             if claim is None:
                 continue
-            gate.releaser.hand_over(
+            self.releaser.hand_over(
                 claim[0],
                 claim[1],
                 Outcome.WORKER_LOST,
@@ -204,9 +223,8 @@ class Heartbeat:
 
     def _running(self) -> list[Running]:
         """The self-fence's view: the attempts this process runs (a snapshot under the gate's lock)."""
-        gate = self.gate
-        with gate.lock:
-            return list(gate.running.values())
+        with self.lock:
+            return list(self.running.values())
 
     def _terminate(self, r: Running, why: str) -> bool:
         """D7, D19: an attempt that may have lost its slot must not go on running (the self-fence's thread, or the
@@ -214,7 +232,7 @@ class Heartbeat:
         (``keyed_self_fence``, on by default) and the attempt is admitted again (``fence.readmit_fenced``);
         elsewhere the bound is best-effort, and we say so. False: a pool process has not taken it yet (asked again
         at the fence's next look)."""
-        if self.gate.settings.self_fence and self.can_terminate():
+        if self.settings.self_fence and self.can_terminate():
             pid = getattr(r.request, "worker_pid", None)
             if not pid:
                 return False
@@ -237,7 +255,7 @@ class Heartbeat:
     def process_ids(self) -> list[int]:
         """This process and the pool processes that may run its keyed bodies (prefork), sorted."""
         pids = {os.getpid()}
-        pool = getattr(self.gate.consumer, "pool", None)
+        pool = getattr(self.consumer, "pool", None)
         with contextlib.suppress(Exception):
             pids.update(int(p) for p in (pool.info or {}).get("processes") or ())  # type: ignore[union-attr]
         return sorted(pids)
@@ -245,5 +263,5 @@ class Heartbeat:
     def can_terminate(self) -> bool:
         """Whether the pool can terminate a running task (prefork); else the bound is best-effort (D7) and newest
         wins asks the task to stop (``keyed_cancelled()``)."""
-        pool = getattr(self.gate.consumer, "pool", None)
+        pool = getattr(self.consumer, "pool", None)
         return pool is not None and type(pool).__module__.startswith("celery.concurrency.prefork")

@@ -29,16 +29,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 
 from celery_keyed import metrics
+from celery_keyed.engine import UNREACHABLE
 from celery_keyed.ledger import Outcome, ReleaseReport, ReleaseRequest, Token
-from celery_keyed.worker.breaker import UNREACHABLE
-
-if TYPE_CHECKING:
-    from celery_keyed.gate import GateService
 
 logger = logging.getLogger("celery_keyed")
 
@@ -73,8 +70,11 @@ class Releaser:
     """The releaser of one gate. ``release_once`` gives back one batch of what was handed over, in the caller's
     thread (tests); ``start`` / ``stop`` are safe to call twice."""
 
-    def __init__(self, gate: GateService, *, batch: int = RELEASE_BATCH) -> None:
-        self.gate = gate
+    def __init__(self, *, ledger: Any, handoff: Any, breaker: Any, life: Any, batch: int = RELEASE_BATCH) -> None:
+        self.ledger = ledger
+        self.handoff = handoff  # where its promotions go, and the loop calls (deferred acks)
+        self.breaker = breaker
+        self.life = life  # the gate's lifecycle (worker/running.py): no local handoff once shutdown began
         self.batch = max(1, batch)
         self.pending: deque[Release] = deque()  # failed releases, retried by the heartbeat
         self._contended: dict[str, float] = {}
@@ -146,7 +146,7 @@ class Releaser:
         the consumer loop's thread, which may start a promotion itself). ``after``: the broker ack
         of an ``acks_late`` task, run once the release has committed (D15: a finished body's outcome is in the
         books before its message leaves the broker; a crash in between redelivers a copy the ledger drops)."""
-        local_queues, local_tasks = self.gate.handoff.local_handoff(key)
+        local_queues, local_tasks = self.handoff.local_handoff(key)
         job = Release(
             token=token,
             fence=fence,
@@ -169,7 +169,7 @@ class Releaser:
                 return
             self._working += 1
         try:
-            local = on_loop and not self.gate.closed
+            local = on_loop and not self.life.closed
             if not local:  # nobody here can start a promotion bound to us: every promotion is published (D5)
                 job.local_queues = job.local_tasks = None
             self._release_now(job, local=local)
@@ -206,7 +206,7 @@ class Releaser:
         """The releaser thread: runs the releases handed to it, in order; on stop, the ones already handed over
         (``stop`` closes the hand-over first, so none is left behind). It keeps one ledger connection between its
         calls (``Ledger.pinned``), warmed up once keyed work was seen (``request_warm``, ``Ledger.warm_up``)."""
-        with self.gate.ledger.pinned():
+        with self.ledger.pinned():
             self._serve(stop)
 
     def request_warm(self) -> None:
@@ -227,7 +227,7 @@ class Releaser:
             if not warmed and self._warm_wanted.is_set() and not stop.is_set():
                 warmed = True  # before the next release: it waits for the warm-up once, instead of running cold
                 try:
-                    self.gate.ledger.warm_up()
+                    self.ledger.warm_up()
                 except Exception:  # never the end of the thread
                     logger.debug("celery-keyed: the releaser could not warm up", exc_info=True)
             stopping = stop.is_set()
@@ -260,10 +260,10 @@ class Releaser:
         ]
         granted = time.monotonic()  # before the call: the promotions' leases begin after it (Handoff.take_fresh)
         try:
-            reports = self.gate.ledger.release_many(requests)
+            reports = self.ledger.release_many(requests)
         except sa.exc.DBAPIError as exc:
             if isinstance(exc, UNREACHABLE):
-                self.gate.breaker.open(exc)
+                self.breaker.open(exc)
             else:
                 logger.exception("celery-keyed: a batch of %d releases failed", len(jobs))
             self.pending.extend(jobs)  # retried by the heartbeat; a release may be repeated safely
@@ -274,7 +274,7 @@ class Releaser:
     def _release_now(self, job: Release, *, local: bool) -> None:
         granted = time.monotonic()  # before the call: the promotions' leases begin after it (Handoff.take_fresh)
         try:
-            report = self.gate.ledger.release(
+            report = self.ledger.release(
                 job.token,
                 job.fence,
                 job.outcome,
@@ -287,7 +287,7 @@ class Releaser:
             )
         except sa.exc.DBAPIError as exc:
             if isinstance(exc, UNREACHABLE):
-                self.gate.breaker.open(exc)
+                self.breaker.open(exc)
             else:
                 logger.exception("celery-keyed: release of %s attempt %d failed", job.token.task_id, job.token.attempt)
             # Kept and retried by the heartbeat: a slot held longer is safe (D9); the ack waits with it (D15).
@@ -311,7 +311,7 @@ class Releaser:
             if final == "dead_lettered":
                 logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", job.name, task_id)
         metrics.promoted(report.promotions, job.released_at)
-        self.gate.handoff.dispatch(report.promotions, local=local, granted=granted)
+        self.handoff.dispatch(report.promotions, local=local, granted=granted)
 
     def _after_release(self, job: Release, *, local: bool) -> None:
         """Run the release's deferred ack: here when on the loop thread, else on the loop (kombu's channel is
@@ -322,7 +322,7 @@ class Releaser:
         if local:
             after()
         else:
-            self.gate.handoff.call_on_loop(after)
+            self.handoff.call_on_loop(after)
 
     def flush_pending(self) -> None:
         """Heartbeat thread: retry the releases that failed while the ledger was unreachable, in order; stop at
@@ -330,7 +330,7 @@ class Releaser:
         while self.pending:
             job = self.pending[0]
             try:
-                report = self.gate.ledger.release(job.token, job.fence, job.outcome)
+                report = self.ledger.release(job.token, job.fence, job.outcome)
             except sa.exc.DBAPIError as exc:
                 logger.info(
                     "celery-keyed: release of %s attempt %d still pending (%s)",
@@ -348,4 +348,4 @@ class Releaser:
                 len(report.promotions),
             )
             self._after_release(job, local=False)
-            self.gate.handoff.dispatch(report.promotions, local=False)
+            self.handoff.dispatch(report.promotions, local=False)

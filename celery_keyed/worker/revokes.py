@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import sqlalchemy as sa
 
 from celery_keyed.ledger import LedgerError
-
-if TYPE_CHECKING:
-    from celery_keyed.gate import GateService
 
 logger = logging.getLogger("celery_keyed")
 
@@ -36,8 +33,18 @@ FLUSH_BUDGET = 128
 class Revokes:
     """The revokes of one gate."""
 
-    def __init__(self, gate: GateService) -> None:
-        self.gate = gate
+    def __init__(
+        self,
+        *,
+        ledger: Any,
+        breaker: Any,
+        dispatch: Callable[..., None],
+        notify_never_ran: Callable[[], None],
+    ) -> None:
+        self.ledger = ledger
+        self.breaker = breaker
+        self.dispatch = dispatch  # the handoff's dispatch of promotions
+        self.notify_never_ran = notify_never_ran  # the sweeper's: store the results of tasks that never ran
         self.pending: deque[str] = deque()  # revokes not yet stored (ledger unreachable)
 
     def record(self, task_ids: Iterable[str]) -> None:
@@ -48,7 +55,6 @@ class Revokes:
         ids = [str(task_id) for task_id in task_ids]
         if not ids:
             return
-        gate = self.gate
         # A transaction each: a broadcast of thousands would hold the loop for seconds. The first ON_LOOP are stored
         # now; the rest by the heartbeat, FLUSH_BUDGET per beat (meanwhile every worker's own revoked list, which
         # Celery's handler fills next, keeps them from starting).
@@ -58,29 +64,28 @@ class Revokes:
                 "celery-keyed: a revoke of %d tasks: %d are stored in the ledger by the heartbeat",
                 len(ids) + len(later), len(later),
             )  # fmt: skip
-        if gate.breaker.is_open:
+        if self.breaker.is_open:
             self.pending.extend([*ids, *later])
             return
         self.pending.extend(later)
         try:
             self._store(ids, local=True)
         except sa.exc.OperationalError as exc:
-            gate.breaker.open(exc)
+            self.breaker.open(exc)
             self.pending.extend(ids)
 
     def _store(self, task_ids: list[str], *, local: bool) -> None:
         """Store each revoke; one the ledger refuses for its value (a foreign task id it cannot hold: over 255
         characters' index row, a NUL) is logged and dropped, and never keeps the others from being stored. Celery's
         own in-memory revoke still applies to it. An unreachable ledger raises (the caller keeps the rest)."""
-        gate = self.gate
         for task_id in task_ids:  # a revoked group member: its group moves on (its promotions)
             try:
-                promotions = gate.ledger.revoke(task_id)
+                promotions = self.ledger.revoke(task_id)
             except (sa.exc.DataError, sa.exc.IntegrityError, sa.exc.ProgrammingError, LedgerError) as exc:
                 logger.error("celery-keyed: the ledger refused the revoke of %r: %s", task_id[:300], exc)
                 continue
-            gate.handoff.dispatch(promotions, local=local)
-        gate.sweeper.notify_never_ran()
+            self.dispatch(promotions, local=local)
+        self.notify_never_ran()
 
     def flush_pending(self, budget: int | None = None) -> None:
         """Heartbeat thread: store the revokes received while the ledger was unreachable, or beyond what one

@@ -21,16 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
 from celery_keyed import exceptions
 from celery_keyed.messages import context_from_record
 from celery_keyed.publisher import arrival_timeout, relay_outbox
-
-if TYPE_CHECKING:
-    from celery_keyed.gate import GateService
 
 logger = logging.getLogger("celery_keyed")
 
@@ -39,8 +37,22 @@ class Sweeper:
     """The sweeper of one gate. ``sweep_once`` is one turn, in the caller's thread; ``start`` / ``stop`` are
     safe to call twice."""
 
-    def __init__(self, gate: GateService) -> None:
-        self.gate = gate
+    def __init__(
+        self,
+        *,
+        app: Any,
+        settings: Any,
+        ledger: Any,
+        breaker: Any,
+        handoff: Any,
+        announce_never_ran: Callable[..., None],
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.ledger = ledger
+        self.breaker = breaker
+        self.handoff = handoff  # the dispatch of the promotions it finds
+        self.announce_never_ran = announce_never_ran
         self._last_reclaim = 0.0
         self._last_gone_check = time.monotonic()
         self._thread: threading.Thread | None = None
@@ -64,14 +76,13 @@ class Sweeper:
             thread.join(timeout=timeout)
 
     def _run(self, stop: threading.Event) -> None:
-        gate = self.gate
-        while not stop.wait(gate.settings.sweep_interval):
-            if gate.breaker.is_open:
+        while not stop.wait(self.settings.sweep_interval):
+            if self.breaker.is_open:
                 continue
             try:
                 self.sweep_once()
             except sa.exc.OperationalError as exc:
-                gate.breaker.open(exc)
+                self.breaker.open(exc)
             except Exception:
                 logger.exception("celery-keyed: sweep failed")
 
@@ -79,8 +90,7 @@ class Sweeper:
         """Time-triggered work (D2); every quarter lease also the reaper (D7), but only once this process has
         reached the ledger for a full lease: a worker that was cut off cannot tell a dead peer from a peer
         that was cut off too."""
-        gate = self.gate
-        settings, ledger, handoff = gate.settings, gate.ledger, gate.handoff
+        settings, ledger, handoff = self.settings, self.ledger, self.handoff
         report = ledger.sweep(
             group_arrival_timeout=settings.group_arrival_timeout, reserve_timeout=settings.reserve_timeout
         )
@@ -90,7 +100,7 @@ class Sweeper:
             # Workers of this machine known dead (every process gone): no need to wait for their leases.
             self._last_gone_check = now
             handoff.dispatch(ledger.reclaim_gone_predecessors().promotions, local=False)
-        reachable_since = gate.breaker.reachable_since
+        reachable_since = self.breaker.reachable_since
         if now - reachable_since >= settings.lease and now - self._last_reclaim >= settings.lease / 4:
             self._last_reclaim = now
             reclaimed = ledger.reclaim()
@@ -105,7 +115,7 @@ class Sweeper:
         # The outbox (issue 14 item 8): registrations committed in a caller's transaction, and messages no worker
         # received within the arrival timeout, are published from their stored copy.
         relay_outbox(
-            gate.app,
+            self.app,
             ledger,
             arrival_timeout=arrival_timeout(settings, grouped=False),
             grouped_timeout=arrival_timeout(settings, grouped=True),
@@ -113,20 +123,20 @@ class Sweeper:
 
     def notify_never_ran(self) -> None:
         """Store a failure result for every task that got a final outcome without running (D11)."""
-        rows = self.gate.ledger.unnotified()
+        rows = self.ledger.unnotified()
         done = []
         for row in rows:
             self.store_never_ran(row.task_id, row.outcome, row.detail, None, task_name=row.task_name)
             done.append(row.task_id)
         if done:
-            self.gate.ledger.mark_notified(done)
+            self.ledger.mark_notified(done)
 
     def store_never_ran(
         self, task_id: str, outcome: str, detail: str, record: dict[str, Any] | None, task_name: str = ""
     ) -> None:
         """Store the failure result of a task that will never run (``KeyedRejected``, ``KeyedExpired``…, D11)
         through its task's result backend, and announce it."""
-        app = self.gate.app
+        app = self.app
         exc = exceptions.BY_OUTCOME.get(outcome, exceptions.KeyedOutcome)(detail)
         context = context_from_record(record) if record else {"id": task_id, "task": task_name}
         try:
@@ -137,4 +147,4 @@ class Sweeper:
             backend.mark_as_failure(task_id, exc, request=Context(context), store_result=True)
         except Exception:
             logger.exception("celery-keyed: could not store the %s outcome of %s", outcome, task_id)
-        self.gate.announce_never_ran(task_id, outcome, detail, str(context.get("task") or task_name), None)
+        self.announce_never_ran(task_id, outcome, detail, str(context.get("task") or task_name), None)

@@ -146,31 +146,31 @@ def receipt_jobs(n: int) -> list[Job]:
 def test_the_receipt_service_parks_a_batch_in_one_ledger_call() -> None:
     from types import SimpleNamespace
 
-    from celery_keyed.gate import GateService
+    from celery_keyed.worker.decide import Decide
 
     boom = RuntimeError("refused")
     ledger = ReceiptLedger(["parked", None, boom])
     jobs = receipt_jobs(3)
-    GateService._park_received(SimpleNamespace(ledger=ledger), jobs)  # type: ignore[arg-type]
+    Decide._park_received(SimpleNamespace(ledger=ledger), jobs)  # type: ignore[arg-type]
     assert ledger.calls == [("many", 3)]
     assert [j.result for j in jobs[:2]] == [(None, "parked"), (None, None)]
     assert jobs[2].result is None and jobs[2].error is boom  # its own call's error: admission at pool-ready decides
 
     single = ReceiptLedger(["parked"])
     one = receipt_jobs(1)
-    GateService._park_received(SimpleNamespace(ledger=single), one)  # type: ignore[arg-type]
+    Decide._park_received(SimpleNamespace(ledger=single), one)  # type: ignore[arg-type]
     assert single.calls == [("one", 1)] and one[0].result == (None, "parked")
 
 
 def test_an_unreachable_ledger_fails_every_job_of_the_receipt_batch() -> None:
     from types import SimpleNamespace
 
-    from celery_keyed.gate import GateService
+    from celery_keyed.worker.decide import Decide
 
     down = ConnectionError("down")
     ledger = ReceiptLedger(down)  # type: ignore[arg-type]
     jobs = receipt_jobs(2)
-    GateService._park_received(SimpleNamespace(ledger=ledger), jobs)  # type: ignore[arg-type]
+    Decide._park_received(SimpleNamespace(ledger=ledger), jobs)  # type: ignore[arg-type]
     assert all(j.error is down and j.result is None for j in jobs)
 
 

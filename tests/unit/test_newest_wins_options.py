@@ -91,15 +91,20 @@ def test_apply_async_sends_the_header_per_task_call_and_name(monkeypatch: pytest
 def test_a_cancel_passed_on_raises_the_flag_and_the_release_records_superseded() -> None:
     """The gate's side on a pool that cannot terminate (threads): the flag ``keyed_cancelled()`` reads, and the
     outcome its release hands to the releaser whatever the body's outcome was."""
-    from celery_keyed.gate import GateService, Running
+    from celery_keyed.worker.cancels import Cancels
+    from celery_keyed.worker.finish import Finish
+    from celery_keyed.worker.running import Running
+
+    class Gate(Cancels, Finish):  # the running table's cancels and releases, on one table
+        pass
 
     handed: list[tuple[Any, ...]] = []
-    gate: Any = GateService.__new__(GateService)
+    gate: Any = Gate.__new__(Gate)
     gate.lock = threading.Lock()
     gate.pid = os.getpid()
     gate.running = {}
     gate.releasing = 0
-    gate.heartbeat = SimpleNamespace(can_terminate=lambda: False)
+    gate.can_terminate = lambda: False
     gate.handoff = SimpleNamespace(note_run=lambda seconds: None)
     gate.fit_prefetch = lambda: None
     gate.releaser = SimpleNamespace(

@@ -70,6 +70,14 @@ def _gate(ledger: FakeLedger) -> Any:
     return gate
 
 
+def heartbeat_of(gate: Any) -> Any:
+    """A heartbeat whose collaborators are the fake gate's."""
+    fields = ("settings", "consumer", "ledger", "lock", "running", "handoff", "releaser", "breaker", "revokes")
+    heartbeat = Heartbeat(**{name: getattr(gate, name, None) for name in fields}, life=gate)
+    heartbeat.check_cancels = getattr(gate, "check_cancels", lambda: None)
+    return heartbeat
+
+
 def _track(gate: Any, task_id: str, *, pid: int | None = None, lease_from: float | None = None) -> Running:
     token = Token(task_id, 0)
     request = SimpleNamespace(name="t", keyed_claim=(token, 1), keyed_started=True, worker_pid=pid, keyed_fenced=None)
@@ -107,7 +115,7 @@ def test_every_failed_renewal_counts_towards_the_fence(error: BaseException) -> 
     the deadline passes → the fence acts, whatever the error."""
     ledger = FakeLedger()
     gate = _gate(ledger)
-    heartbeat = Heartbeat(gate)
+    heartbeat = heartbeat_of(gate)
     acted = _fenced(heartbeat)
     entry = _track(gate, "a")
     start = entry.lease_from
@@ -130,7 +138,7 @@ def test_the_deadline_counts_from_when_the_renewal_was_sent() -> None:
     while the database counts the lease from its transaction's clock). ``lease_from`` is the time before the send."""
     ledger = FakeLedger()
     gate = _gate(ledger)
-    heartbeat = Heartbeat(gate)
+    heartbeat = heartbeat_of(gate)
     _fenced(heartbeat)
     entry = _track(gate, "a", lease_from=time.monotonic() - 3.0)
     ledger.delay = 0.3
@@ -148,7 +156,7 @@ def test_an_attempt_not_renewed_keeps_its_own_deadline() -> None:
     heartbeat at once; one claimed after the renewal was sent keeps the time before its own claim."""
     ledger = FakeLedger()
     gate = _gate(ledger)
-    heartbeat = Heartbeat(gate)
+    heartbeat = heartbeat_of(gate)
     acted = _fenced(heartbeat)
     kept = _track(gate, "kept", lease_from=time.monotonic() - 2.0)
     lost = _track(gate, "lost", lease_from=time.monotonic() - 2.0)
@@ -167,7 +175,7 @@ def test_the_fence_fires_while_the_heartbeat_is_blocked_on_the_ledger() -> None:
     gate.settings.lease, gate.settings.self_fence_margin, gate.settings.heartbeat_interval = 1.2, 0.2, 0.2
     gate.closed = False
     gate.stopping.set()  # no never-started check
-    heartbeat = Heartbeat(gate)
+    heartbeat = heartbeat_of(gate)
     heartbeat.can_terminate = lambda: True  # type: ignore[method-assign]
     blocked = threading.Event()
     release = threading.Event()
@@ -199,7 +207,7 @@ def test_an_attempt_without_a_pool_process_yet_is_fenced_once_it_has_one() -> No
     fence asks again at its next look and kills it once it runs (its body must not run on a lapsed lease)."""
     ledger = FakeLedger()
     gate = _gate(ledger)
-    heartbeat = Heartbeat(gate)
+    heartbeat = heartbeat_of(gate)
     heartbeat.can_terminate = lambda: True  # type: ignore[method-assign]
     entry = _track(gate, "late", lease_from=time.monotonic() - LEASE)
     assert heartbeat.fence.fence_once().fenced == [] and not entry.fenced

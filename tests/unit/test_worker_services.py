@@ -87,13 +87,37 @@ def fake_gate() -> SimpleNamespace:
     return gate
 
 
+def releaser_of(gate: Any, **kwargs: Any) -> Releaser:
+    """A releaser whose collaborators are the fake gate's."""
+    ledger, handoff, breaker = (getattr(gate, name, None) for name in ("ledger", "handoff", "breaker"))
+    return Releaser(ledger=ledger, handoff=handoff, breaker=breaker, life=gate, **kwargs)
+
+
+def handoff_of(gate: Any) -> Any:
+    """A handoff whose collaborators are the fake gate's."""
+    from celery_keyed.worker.handoff import Handoff
+
+    fields = ("app", "settings", "consumer", "ledger")
+    handoff = Handoff(**{name: getattr(gate, name, None) for name in fields}, life=gate, lock=threading.Lock())
+    handoff.releaser, handoff.held_mutex_keys = gate.releaser, getattr(gate, "held_mutex_keys", None)
+    return handoff
+
+
+def heartbeat_of(gate: Any) -> Any:
+    """A heartbeat whose collaborators are the fake gate's."""
+    fields = ("settings", "consumer", "ledger", "lock", "running", "handoff", "releaser", "breaker", "revokes")
+    heartbeat = Heartbeat(**{name: getattr(gate, name, None) for name in fields}, life=gate)
+    heartbeat.check_cancels = getattr(gate, "check_cancels", lambda: None)
+    return heartbeat
+
+
 def hand(releaser: Releaser, task_id: str, after: Any = None) -> None:
     releaser.hand_over(Token(task_id, 0), 1, Outcome.COMPLETED, key="k:1", name="t", contended=False, after=after)
 
 
 def test_the_releaser_gives_back_in_batches_in_order() -> None:
     gate = fake_gate()
-    releaser = Releaser(gate, batch=3)  # type: ignore[arg-type]
+    releaser = releaser_of(gate, batch=3)  # type: ignore[arg-type]
     releaser._accepting = True  # as start() does, without the thread: release_once is called by the test
     for n in range(7):
         hand(releaser, f"r{n}")
@@ -108,7 +132,7 @@ def test_the_releaser_gives_back_in_batches_in_order() -> None:
 
 def test_the_releaser_starts_and_stops_twice_and_loses_nothing() -> None:
     gate = fake_gate()
-    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser = releaser_of(gate)  # type: ignore[arg-type]
     releaser.start()
     releaser.start()
     assert [t.name for t in threading.enumerate()].count("keyed-releaser") == 1
@@ -142,7 +166,7 @@ def test_the_releaser_warms_its_connection_up_once_keyed_work_is_announced() -> 
             time.sleep(0.01)
         return [name for name, _ in gate.ledger.calls].count("warm_up") == count
 
-    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser = releaser_of(gate)  # type: ignore[arg-type]
     releaser.start()
     releaser.request_warm()
     assert warmed(1)
@@ -158,7 +182,7 @@ def test_the_releaser_warms_its_connection_up_once_keyed_work_is_announced() -> 
 
 def test_a_release_that_cannot_commit_is_kept_with_its_ack_and_retried() -> None:
     gate = fake_gate()
-    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser = releaser_of(gate)  # type: ignore[arg-type]
     releaser._accepting = True
     acked: list[str] = []
     gate.ledger.fail = sa.exc.OperationalError("SELECT 1", {}, Exception("down"))
@@ -181,7 +205,10 @@ def test_the_heartbeat_and_the_sweeper_start_and_stop_twice() -> None:
         settings=SimpleNamespace(heartbeat_interval=60.0, sweep_interval=60.0, lease=360.0, self_fence_margin=60.0),
         consumer=SimpleNamespace(pool=None),
     )
-    heartbeat, sweeper = Heartbeat(gate), Sweeper(gate)  # type: ignore[arg-type]
+    heartbeat = heartbeat_of(gate)
+    sweeper = Sweeper(
+        app=None, settings=gate.settings, ledger=None, breaker=None, handoff=None, announce_never_ran=lambda *a: None
+    )
     for service, name in ((heartbeat, "keyed-heartbeat"), (sweeper, "keyed-sweeper")):
         service.start()
         service.start()
@@ -195,17 +222,15 @@ def test_the_pool_counts_as_busy_only_with_requests_that_will_run(monkeypatch: p
     """``Handoff.pool_has_room``: received requests of keys with a line here will park and give their process back
     at once, so they do not make the pool look busy — a task with several keys too (a list header), when any of
     its keys has a line. Counted busy, the pool would make every promotion be published behind the broker's queue."""
-    import threading as _threading
 
     from celery.worker import state as worker_state
 
     from celery_keyed.headers import HEADER_KEY
-    from celery_keyed.worker.handoff import Handoff
 
     gate = SimpleNamespace(consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=1)), releaser=None)
-    releaser = Releaser(gate)  # type: ignore[arg-type]
+    releaser = releaser_of(gate)  # type: ignore[arg-type]
     gate.releaser = releaser
-    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+    handoff = handoff_of(gate)
 
     class Received:  # hashable, as Celery's requests are (they live in sets)
         def __init__(self, key: object) -> None:
@@ -229,15 +254,13 @@ def test_requests_of_a_mutex_running_here_or_of_the_released_key_do_not_make_the
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``Handoff.pool_has_room``: a received request of a mutex key whose attempt holds its claim here
-    (``GateService.held_mutex_keys``), or of the key whose release asks (its room goes to its line first), will park
+    (``Receipt.held_mutex_keys``), or of the key whose release asks (its room goes to its line first), will park
     and give its process back at once. Counted as work that will run, it made a burst's promotions be published
     behind the broker's whole queue (bench.gate d: 500-1000 ms handoffs) instead of started here."""
-    import threading as _threading
 
     from celery.worker import state as worker_state
 
     from celery_keyed.headers import HEADER_KEY
-    from celery_keyed.worker.handoff import Handoff
 
     held: set[str] = {"acct:1"}
     gate = SimpleNamespace(
@@ -245,8 +268,8 @@ def test_requests_of_a_mutex_running_here_or_of_the_released_key_do_not_make_the
         releaser=None,
         held_mutex_keys=lambda: set(held),
     )
-    gate.releaser = Releaser(gate)  # type: ignore[arg-type]
-    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+    gate.releaser = releaser_of(gate)  # type: ignore[arg-type]
+    handoff = handoff_of(gate)
 
     class Received:
         def __init__(self, key: object) -> None:
@@ -271,14 +294,15 @@ def test_requests_of_a_mutex_running_here_or_of_the_released_key_do_not_make_the
 
 
 def test_held_mutex_keys_are_the_running_keys_of_names_configured_as_mutexes() -> None:
-    """``GateService.held_mutex_keys``: keys whose attempt holds its claim here, when their name's configured
+    """``Receipt.held_mutex_keys``: keys whose attempt holds its claim here, when their name's configured
     limit is 1 (or the name is not configured); a gate's key (limit > 1) has room for more."""
     import threading as _threading
 
-    from celery_keyed.gate import GateService, Running
+    from celery_keyed.gate import Running
     from celery_keyed.headers import HEADER_KEY
     from celery_keyed.ledger import Token
     from celery_keyed.settings import NameConfig
+    from celery_keyed.worker.receipt import Receipt
 
     def running(task_id: str, key: str) -> Running:
         return Running(SimpleNamespace(_request_dict={HEADER_KEY: key}), Token(task_id, 0), 1)
@@ -297,21 +321,21 @@ def test_held_mutex_keys_are_the_running_keys_of_names_configured_as_mutexes() -
             limits={"stripe": NameConfig("stripe", limit=100), "solo": NameConfig("solo", limit=1)}
         ),
     )
-    assert GateService.held_mutex_keys(gate) == {"acct:1", "solo:9"}  # type: ignore[arg-type]
+    assert Receipt.held_mutex_keys(gate) == {"acct:1", "solo:9"}  # type: ignore[arg-type]
     # A claim bound here that waits for its request (a promotion, or a claim taken ahead) holds its key too.
     gate.handoff.prebound[Token("d", 0)] = Prebound(7, "acct:2", ahead=True)
     gate.handoff.prebound[Token("e", 0)] = Prebound(8, "stripe:eu")
-    assert GateService.held_mutex_keys(gate) == {"acct:1", "acct:2", "solo:9"}  # type: ignore[arg-type]
+    assert Receipt.held_mutex_keys(gate) == {"acct:1", "acct:2", "solo:9"}  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("nonce", [False, True])
 def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.MonkeyPatch, nonce: bool) -> None:
-    """``GateService.receive``: a request carrying a promotion's nonce is already bound in the ledger (D5): it goes
+    """``Receipt.receive``: a request carrying a promotion's nonce is already bound in the ledger (D5): it goes
     straight on to its admission, which confirms it; sent to the receipt service it would cost a round trip that
     cannot park it, while a pool process waits for it. A plain arrival of a key with a line here is parked there."""
-    from celery_keyed.gate import GateService
     from celery_keyed.headers import HEADER_KEY, HEADER_NONCE
     from celery_keyed.worker import intake
+    from celery_keyed.worker.receipt import Receipt
 
     submitted: list[Any] = []
     receipts = SimpleNamespace(accepting=True, submit=lambda job: submitted.append(job) or True)
@@ -332,11 +356,11 @@ def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.Mo
         headers[HEADER_NONCE] = "n-1"
     request = SimpleNamespace(_request_dict=headers, keyed_claim=None)
     handled: list[Any] = []
-    gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
+    gate._receipt_job = Receipt._receipt_job.__get__(gate)  # type: ignore[attr-defined]
     gate._decline_promotion = lambda request: False  # type: ignore[attr-defined]
     gate._warm_services = lambda: None  # type: ignore[attr-defined]
     _receipt_plumbing(gate)
-    answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
+    answer = Receipt.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if nonce:
         assert (answer, handled, submitted) == ("handled", [request], [])
     else:
@@ -355,12 +379,13 @@ def test_a_published_promotion_is_never_parked_at_receipt(monkeypatch: pytest.Mo
 def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
     monkeypatch: pytest.MonkeyPatch, limits: dict[str, Any], running_key: str, parked_at_receipt: bool
 ) -> None:
-    """``GateService.receive``: before its key ever parked or promoted here (not contended), an arrival of a mutex
+    """``Receipt.receive``: before its key ever parked or promoted here (not contended), an arrival of a mutex
     key whose attempt runs in this worker goes to the receipt service, which parks it without a pool process."""
-    from celery_keyed.gate import GateService, Running
+    from celery_keyed.gate import Running
     from celery_keyed.headers import HEADER_KEY
     from celery_keyed.ledger import Token
     from celery_keyed.worker import intake
+    from celery_keyed.worker.receipt import Receipt
 
     submitted: list[Any] = []
     receipts = SimpleNamespace(accepting=True, submit=lambda job: submitted.append(job) or True)
@@ -379,16 +404,16 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
         _line_here=lambda request, key: False,
         generation=1,
     )
-    gate._mutex_held_here = lambda key: GateService._mutex_held_here(gate, key)  # type: ignore[attr-defined]
-    gate.held_mutex_keys = lambda: GateService.held_mutex_keys(gate)  # type: ignore[attr-defined]
+    gate._mutex_held_here = lambda key: Receipt._mutex_held_here(gate, key)  # type: ignore[attr-defined]
+    gate.held_mutex_keys = lambda: Receipt.held_mutex_keys(gate)  # type: ignore[attr-defined]
     monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key="account:1"))
     request = SimpleNamespace(_request_dict={HEADER_KEY: "account:1"}, keyed_claim=None)
     handled: list[Any] = []
-    gate._receipt_job = GateService._receipt_job.__get__(gate)  # type: ignore[attr-defined]
+    gate._receipt_job = Receipt._receipt_job.__get__(gate)  # type: ignore[attr-defined]
     gate._decline_promotion = lambda request: False  # type: ignore[attr-defined]
     gate._warm_services = lambda: None  # type: ignore[attr-defined]
     _receipt_plumbing(gate)
-    answer = GateService.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
+    answer = Receipt.receive(gate, request, lambda r: handled.append(r) or "handled")  # type: ignore[arg-type]
     if parked_at_receipt:
         assert (answer, handled, len(submitted)) == (None, [], 1)
     else:
@@ -397,11 +422,11 @@ def test_an_arrival_of_a_mutex_key_running_here_is_parked_at_receipt(
 
 def _receipt_plumbing(gate: Any) -> None:
     """The receipt service's bookkeeping of the real gate on a fake one (claims ahead off)."""
-    from celery_keyed.gate import GateService
+    from celery_keyed.worker.receipt import Receipt
 
     gate._at_receipt = {}
-    gate._submit_receipt = GateService._submit_receipt.__get__(gate)
-    gate._pass_job = GateService._pass_job.__get__(gate)
+    gate._submit_receipt = Receipt._submit_receipt.__get__(gate)
+    gate._pass_job = Receipt._pass_job.__get__(gate)
     gate._ahead_job = lambda request, handle: None
 
 
@@ -411,8 +436,8 @@ def _waiting_gate(monkeypatch: pytest.MonkeyPatch, held: set[str]) -> tuple[Any,
     import threading as _threading
     from collections import deque
 
-    from celery_keyed.gate import GateService
     from celery_keyed.worker import intake
+    from celery_keyed.worker.receipt import Receipt
 
     submitted: list[Any] = []
     semaphore = SimpleNamespace(_waiting=deque())
@@ -438,7 +463,7 @@ def _waiting_gate(monkeypatch: pytest.MonkeyPatch, held: set[str]) -> tuple[Any,
         handoff=SimpleNamespace(prebound={}),
     )
     for name in ("park_waiting", "_park_waiting", "_undecided_keys", "_back_in_line"):
-        setattr(gate, name, getattr(GateService, name).__get__(gate))
+        setattr(gate, name, getattr(Receipt, name).__get__(gate))
     _receipt_plumbing(gate)
     monkeypatch.setattr(intake, "arrival_for", lambda request: SimpleNamespace(key=request._request_dict["keyed_key"]))
     return gate, semaphore, submitted
@@ -454,7 +479,7 @@ class _Request:
 def test_requests_waiting_for_a_pool_process_of_a_busy_key_go_to_the_receipt_service_in_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``GateService.park_waiting``: the requests in the pool semaphore's line whose key runs here (a mutex) are taken
+    """``Receipt.park_waiting``: the requests in the pool semaphore's line whose key runs here (a mutex) are taken
     out of it and handed to the receipt service in their order; the others keep their places. A key with a request
     whose admission is under way (it holds a process, its decision not back) is left alone: its later requests must
     not reach the ledger before it (D10)."""
@@ -490,13 +515,13 @@ def test_requests_waiting_for_a_pool_process_of_a_busy_key_go_to_the_receipt_ser
 def test_a_decided_batch_gives_its_pool_processes_back_after_parking_what_waits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``GateService._admitted``: a parked request's pool process is given back once ``park_waiting`` has looked, so
+    """``Start._admitted``: a parked request's pool process is given back once ``park_waiting`` has looked, so
     the requests of its key waiting in the pool semaphore's line are parked at receipt together, in order, and the
     process goes to the next request that will run. Given back at once, it went to the key's next request, whose
     admission was then under way (D10 kept the key where it was), and a burst was parked one request at a time."""
     from celery.worker import state as worker_state
 
-    from celery_keyed.gate import GateService
+    from celery_keyed.worker.start import Start
 
     gate, semaphore, submitted = _waiting_gate(monkeypatch, held={"acct:1"})
     given: list[str] = []
@@ -507,14 +532,14 @@ def test_a_decided_batch_gives_its_pool_processes_back_after_parking_what_waits(
 
     gate._pool_release = pool_release
     gate._frees = None
-    gate._free_pool_slot = GateService._free_pool_slot.__get__(gate)
+    gate._free_pool_slot = Start._free_pool_slot.__get__(gate)
     gate._start_decided = lambda job: gate._free_pool_slot()  # the batch's one verdict: parked, its process freed
     r1, other, r2 = _Request("r1", "acct:1"), _Request("u", None), _Request("r2", "acct:1")
     for request in (r1, other, r2):
         semaphore._waiting.append((lambda r: None, (request,), {}))
     monkeypatch.setattr(worker_state, "reserved_requests", {r1, other, r2})
     monkeypatch.setattr(worker_state, "active_requests", set())
-    GateService._admitted(gate, [SimpleNamespace(request=_Request("r0", "acct:1"))])  # type: ignore[arg-type]
+    Start._admitted(gate, [SimpleNamespace(request=_Request("r0", "acct:1"))])  # type: ignore[arg-type]
     assert [job.request.id for job in submitted] == ["r1", "r2"]  # parked together, in order
     assert given == ["u"]  # the process went to the request that will run
     assert gate._frees is None
@@ -523,7 +548,7 @@ def test_a_decided_batch_gives_its_pool_processes_back_after_parking_what_waits(
 
 
 def test_requests_sent_back_undecided_return_to_the_front_of_the_line_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GateService._back_in_line``: requests taken out of the pool semaphore's line that the ledger did not park
+    """``Receipt._back_in_line``: requests taken out of the pool semaphore's line that the ledger did not park
     (room after all) go back to its front, in the order they were taken, ahead of requests received after them."""
     gate, semaphore, _ = _waiting_gate(monkeypatch, held={"acct:1"})
     semaphore._waiting.append((lambda r: None, (_Request("later", None),), {}))
@@ -538,16 +563,15 @@ def test_a_busy_pool_of_short_runs_still_takes_a_promotion(monkeypatch: pytest.M
     """``Handoff.pool_has_room``: every process has work that will run, but the runs here are short (the typical run
     over the processes at most ``SOON``): the first process frees within one short run, so the promotion starts here
     (ahead of the waiting requests) instead of waiting behind the broker's queue. Long runs publish it."""
-    import threading as _threading
 
     from celery.worker import state as worker_state
 
     from celery_keyed.headers import HEADER_KEY
-    from celery_keyed.worker.handoff import SOON, Handoff
+    from celery_keyed.worker.handoff import SOON
 
     gate = SimpleNamespace(consumer=SimpleNamespace(pool=SimpleNamespace(num_processes=2)), releaser=None)
-    gate.releaser = Releaser(gate)  # type: ignore[arg-type]
-    handoff = Handoff(gate, _threading.Lock())  # type: ignore[arg-type]
+    gate.releaser = releaser_of(gate)  # type: ignore[arg-type]
+    handoff = handoff_of(gate)
 
     class Received:
         def __init__(self, key: str) -> None:
@@ -566,7 +590,7 @@ def test_a_busy_pool_of_short_runs_still_takes_a_promotion(monkeypatch: pytest.M
 
 
 def test_a_promotion_waiting_for_a_process_is_no_line_for_later_arrivals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GateService._line_here``: a received request whose admission is not decided keeps later arrivals of its key
+    """``Receipt._line_here``: a received request whose admission is not decided keeps later arrivals of its key
     from parking at receipt before it (D10) — but a promotion (bound here, or carrying a nonce) left the key's line in
     the ledger already: arrivals behind it park at once instead of each waiting for a process."""
     from celery.worker import state as worker_state
@@ -580,9 +604,9 @@ def test_a_promotion_waiting_for_a_process_is_no_line_for_later_arrivals(monkeyp
     )
     published._request_dict[HEADER_NONCE] = "6a1f0000-0000-4000-8000-000000000000"
     gate.handoff.prebound[Token("bound", 0)] = object()
-    from celery_keyed.gate import GateService
+    from celery_keyed.worker.receipt import Receipt
 
-    line_here = GateService._line_here.__get__(gate)
+    line_here = Receipt._line_here.__get__(gate)
     monkeypatch.setattr(worker_state, "active_requests", set())
     monkeypatch.setattr(worker_state, "reserved_requests", {bound, published, new})
     assert not line_here(new, "acct:1")
@@ -593,14 +617,14 @@ def test_a_promotion_waiting_for_a_process_is_no_line_for_later_arrivals(monkeyp
 def test_a_request_of_several_keys_or_a_hostile_key_header_waiting_here_breaks_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``GateService._line_here`` on a worker holding a request whose key header is a list (a task of several keys)
+    """``Receipt._line_here`` on a worker holding a request whose key header is a list (a task of several keys)
     or any other JSON value: a list's string keys are lines like a single key's (a later arrival of one of them does
     not park before it, D10); anything else is no key. It raised TypeError (unhashable list) on the consumer loop,
     which killed the worker (the demo's partner-API tasks, found in the sixth session)."""
     from celery.worker import state as worker_state
 
-    from celery_keyed.gate import GateService
     from celery_keyed.headers import HEADER_KEY
+    from celery_keyed.worker.receipt import Receipt
 
     gate, _, _ = _waiting_gate(monkeypatch, held=set())
     several, new = _Request("several", "api"), _Request("new", "tenant:t1")
@@ -608,7 +632,7 @@ def test_a_request_of_several_keys_or_a_hostile_key_header_waiting_here_breaks_n
     hostile = [_Request(f"h{i}", "x") for i in range(4)]
     for request, value in zip(hostile, [{"a": 1}, [["nested"]], 7, None], strict=True):
         request._request_dict[HEADER_KEY] = value
-    line_here = GateService._line_here.__get__(gate)
+    line_here = Receipt._line_here.__get__(gate)
     monkeypatch.setattr(worker_state, "active_requests", set())
     monkeypatch.setattr(worker_state, "reserved_requests", {*hostile, new})
     assert not line_here(new, "tenant:t1")
@@ -618,10 +642,10 @@ def test_a_request_of_several_keys_or_a_hostile_key_header_waiting_here_breaks_n
 
 
 def test_a_fault_of_the_receipt_shortcuts_never_reaches_the_consumer_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GateService.receive`` and ``park_waiting`` run on Celery's consumer loop, where an exception is an
+    """``Receipt.receive`` and ``park_waiting`` run on Celery's consumer loop, where an exception is an
     "Unrecoverable error" that stops the worker: a fault in either leaves the request on Celery's own path (it waits
     for a pool process, where its admission decides) and the worker running."""
-    from celery_keyed.gate import GateService
+    from celery_keyed.worker.receipt import Receipt
 
     def broken(*args: object, **kwargs: object) -> None:
         raise TypeError("unhashable type: 'list'")
@@ -629,13 +653,13 @@ def test_a_fault_of_the_receipt_shortcuts_never_reaches_the_consumer_loop(monkey
     handled: list[object] = []
     gate = SimpleNamespace(_receipt_job=broken, _park_waiting=broken, receipts=None, _warm_services=lambda: None)
     request = _Request("r", "acct:1")
-    assert GateService.receive(gate, request, handled.append) is None  # type: ignore[arg-type]
+    assert Receipt.receive(gate, request, handled.append) is None  # type: ignore[arg-type]
     assert handled == [request]
-    assert GateService.park_waiting(gate) == 0  # type: ignore[arg-type]
+    assert Receipt.park_waiting(gate) == 0  # type: ignore[arg-type]
     given_back = _Request("given back", "acct:1")  # the fault came after its message went back to the broker
     given_back.acknowledged = True  # type: ignore[attr-defined]
     monkeypatch.setattr("celery.worker.state.task_ready", lambda request: None)
-    assert GateService.receive(gate, given_back, handled.append) is None  # type: ignore[arg-type]
+    assert Receipt.receive(gate, given_back, handled.append) is None  # type: ignore[arg-type]
     assert handled == [request]  # it never also runs here
 
 
@@ -659,13 +683,13 @@ class _Promotion:
 def test_a_published_promotion_is_given_back_once_when_the_pool_has_long_work(
     monkeypatch: pytest.MonkeyPatch, room: bool
 ) -> None:
-    """``GateService._decline_promotion``: a promotion fetched from the broker by a worker whose every process has
+    """``Receipt._decline_promotion``: a promotion fetched from the broker by a worker whose every process has
     long work (a free prefetch slot fetches as readily as an idle worker) is requeued for a worker waiting on the
     queue — once: delivered here again, it is kept (no bouncing when every pool is busy). With room it is kept at
     once. Without a nonce (an arrival, or a promotion bound here) nothing is declined."""
     from celery.worker import state as worker_state
 
-    from celery_keyed.gate import GateService
+    from celery_keyed.worker.receipt import Receipt
 
     asked: list[object] = []
 
@@ -678,7 +702,7 @@ def test_a_published_promotion_is_given_back_once_when_the_pool_has_long_work(
     gate = SimpleNamespace(
         closed=False, stopping=threading.Event(), handoff=SimpleNamespace(pool_has_room=pool_has_room), _declined={}
     )
-    decline = GateService._decline_promotion.__get__(gate)
+    decline = Receipt._decline_promotion.__get__(gate)
     first = _Promotion("6a1f0000-0000-4000-8000-000000000001")
     assert decline(first) is (not room)
     assert asked == [first]  # the promotion itself is not counted as work that will run here
@@ -705,12 +729,12 @@ def test_the_first_keyed_arrival_asks_every_pinned_thread_to_warm_up_once() -> N
 
 
 def test_a_request_of_a_key_at_the_receipt_service_is_handed_on_after_it_in_order() -> None:
-    """``GateService._pass_job``: while a request of a key is at the receipt service (a park, or a claim taken
+    """``Receipt._pass_job``: while a request of a key is at the receipt service (a park, or a claim taken
     ahead), a later request of that key — one key, or a list of keys that names it — goes there too, to be handed on
     after it with no ledger call (D10); its keys count until the loop acts on it (``_received``). Any other request,
     and a hostile key header, goes straight on."""
-    from celery_keyed.gate import GateService
     from celery_keyed.headers import HEADER_KEY
+    from celery_keyed.worker.receipt import Receipt
 
     submitted: list[Any] = []
     gate = SimpleNamespace(
@@ -723,13 +747,13 @@ def test_a_request_of_a_key_at_the_receipt_service_is_handed_on_after_it_in_orde
     handed: list[str] = []
     for header in ("acct:9", {"x": 1}, None, ["other:2"]):
         request = SimpleNamespace(_request_dict={HEADER_KEY: header})
-        assert GateService._pass_job(gate, request, handed.append) is None  # type: ignore[arg-type]
+        assert Receipt._pass_job(gate, request, handed.append) is None  # type: ignore[arg-type]
     several = SimpleNamespace(id="m", _request_dict={HEADER_KEY: ["acct:1", "other:2", 7]}, keyed_receipt=False)
-    job = GateService._pass_job(gate, several, lambda r: handed.append(r.id))  # type: ignore[arg-type]
+    job = Receipt._pass_job(gate, several, lambda r: handed.append(r.id))  # type: ignore[arg-type]
     assert job is not None and job.extra["pass"] and job.extra["keys"] == ["acct:1", "other:2"]
-    assert GateService._submit_receipt(gate, job)  # type: ignore[arg-type]
+    assert Receipt._submit_receipt(gate, job)  # type: ignore[arg-type]
     assert gate._at_receipt == {"acct:1": 2, "other:2": 1}
-    GateService._received(gate, job)  # type: ignore[arg-type]
+    Receipt._received(gate, job)  # type: ignore[arg-type]
     assert handed == ["m"] and gate._at_receipt == {"acct:1": 1}
 
 
@@ -738,7 +762,7 @@ def test_requests_that_hold_a_slot_wait_first_oldest_first(monkeypatch: pytest.M
     taken ahead) wait ahead of those that hold none, in the order they joined. Newest first, a key whose release had
     just bound its next attempt here kept the process that freed, release after release, while the slots held by the
     other keys' promotions and claims waited (peers W4: the last keys ran alone at the end). A request sent back
-    undecided (``GateService._back_in_line``) goes behind those that hold a slot, ahead of the others."""
+    undecided (``Receipt._back_in_line``) goes behind those that hold a slot, ahead of the others."""
     from celery_keyed.worker.handoff import _HandoffConsumer, join_line
 
     gate, semaphore, _ = _waiting_gate(monkeypatch, held=set())
@@ -752,7 +776,7 @@ def test_requests_that_hold_a_slot_wait_first_oldest_first(monkeypatch: pytest.M
     join_line(consumer, semaphore._waiting[-1][1][0])
     assert order() == ["plain1"]
     ahead = _Request("ahead", "b")
-    ahead.keyed_slot_held = True  # a claim taken ahead (GateService._received)
+    ahead.keyed_slot_held = True  # a claim taken ahead (Receipt._received)
     consumer.on_task_request(ahead)
     join_line(consumer, ahead)
     promotions.on_task_request(_Request("p1", "c"))
@@ -770,14 +794,15 @@ def test_requests_that_hold_a_slot_wait_first_oldest_first(monkeypatch: pytest.M
 
 
 def test_a_release_is_handed_over_even_if_fitting_the_prefetch_window_fails() -> None:
-    """``GateService.release``: the prefetch window is refitted after the release is handed to the releaser, and a
+    """``Finish.release``: the prefetch window is refitted after the release is handed to the releaser, and a
     fault there is logged; it never keeps a slot from going back."""
     import os
 
-    from celery_keyed.gate import GateService, Running
+    from celery_keyed.worker.finish import Finish
+    from celery_keyed.worker.running import Running
 
     handed: list[Any] = []
-    gate: Any = GateService.__new__(GateService)
+    gate: Any = Finish.__new__(Finish)
     gate.lock = threading.Lock()
     gate.pid = os.getpid()
     gate.running = {}
