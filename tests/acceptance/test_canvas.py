@@ -30,6 +30,9 @@ LIMITS = {
     "cvf": {"limit": 1, "max_waiting": 0},
 }
 
+#: The name of each outcome's keys (the others: "cva", a mutex).
+PREFIX = {"rejected": "cvr", "expired": "cvx", "superseded": "cvs", "refused_at_send": "cvf"}
+
 #: What the member's result is, per outcome (None: it runs and returns its note "x").
 FAILS_WITH: dict[str, type[Exception] | None] = {
     "admitted": None,
@@ -88,7 +91,7 @@ class Case:
     def __init__(self, cluster: Cluster, app: Any, outcome: str) -> None:
         self.cluster, self.app, self.outcome = cluster, app, outcome
         self.case = f"{outcome}-{next(_cases)}-{uuid.uuid4().hex[:6]}"
-        prefix = {"rejected": "cvr", "expired": "cvx", "superseded": "cvs", "refused_at_send": "cvf"}.get(outcome, "cva")
+        prefix = PREFIX.get(outcome, "cva")
         self.key = f"{prefix}:{self.case}"
 
     def member(self) -> Any:
@@ -147,11 +150,12 @@ def test_chain(canvas_cluster: Cluster, app: Any, outcome: str) -> None:
         assert result.get(timeout=WAIT) == "tail"
         assert case.started("x") == 1 and case.errbacks() == []
         return
+    # Fresh results, without the parents the caller's result object holds: what any reader of the backend sees.
+    tail, member = app.app.AsyncResult(result.id), app.app.AsyncResult(result.parent.id)
     with pytest.raises(expected):
-        result.get(timeout=WAIT)
-    member = result.parent
+        tail.get(timeout=WAIT)
     with pytest.raises(expected):
-        member.get(timeout=5)
+        member.get(timeout=WAIT)
     canvas_cluster.wait_for(
         "SELECT count(*) FROM observed WHERE kind = 'errback' AND key = :c", 1, c=case.case, timeout=WAIT)
     assert case.errbacks() == [member.id]
@@ -189,7 +193,7 @@ def test_chord(canvas_cluster: Cluster, app: Any, outcome: str) -> None:
         assert sorted(result.get(timeout=WAIT)) == ["other", "x"]
         return
     with pytest.raises(ChordError) as failed:
-        result.get(timeout=WAIT)
+        app.app.AsyncResult(result.id).get(timeout=WAIT)  # the body's own result, as any reader of the backend sees it
     assert expected.__name__ in str(failed.value)
     canvas_cluster.wait_for(
         "SELECT count(*) FROM observed WHERE kind = 'errback' AND key = :c", 1, c=case.case, timeout=WAIT)
