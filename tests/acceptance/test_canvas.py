@@ -199,3 +199,20 @@ def test_chord(canvas_cluster: Cluster, app: Any, outcome: str) -> None:
         "SELECT count(*) FROM observed WHERE kind = 'errback' AND key = :c", 1, c=case.case, timeout=WAIT)
     assert case.errbacks() == [result.id]
     assert case.started(json.dumps(["x", "other"])) == 0 and case.started("x") == 0
+
+
+def test_refused_at_send_as_the_first_step_of_a_chain(canvas_cluster: Cluster, app: Any) -> None:
+    """The caller sends the first step: the chain's send answers a result instead of raising, and the whole chain is
+    failed with ``KeyedRejected`` (nothing published for it); a plain send of the same task still raises."""
+    case = Case(canvas_cluster, app, "refused_at_send")
+    canvas = chain(case.member(), app.cv_tail.si(case.case, "tail"))
+    canvas.link_error(app.cv_errback.s(case.case))
+    result = canvas.apply_async()
+    with pytest.raises(KeyedRejected):
+        app.app.AsyncResult(result.id).get(timeout=WAIT)
+    canvas_cluster.wait_for(
+        "SELECT count(*) FROM observed WHERE kind = 'errback' AND key = :c", 1, c=case.case, timeout=WAIT)
+    assert case.errbacks() == [result.parent.id]
+    assert case.started("tail") == 0 and case.started("x") == 0
+    with pytest.raises(KeyedRejected):
+        app.cv_feed.delay(case.key, "plain")
