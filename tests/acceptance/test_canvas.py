@@ -8,6 +8,7 @@ One cluster (one worker) serves every case; each case has keys of its own."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import uuid
@@ -20,6 +21,7 @@ from celery import chain, chord, group
 from celery.exceptions import ChordError
 
 from celery_keyed import KeyedExpired, KeyedRejected, KeyedSuperseded
+from celery_keyed.contrib.pytest import _close_backend
 from tests.acceptance.conftest import Cluster, make_cluster
 
 #: Names of the cases' keys: a mutex (no entry), no waiting room, a latest start, supersede, refused at send.
@@ -80,6 +82,13 @@ def app(canvas_cluster: Cluster) -> Iterator[Any]:
 
     ns = make_app(canvas_cluster.env)
     yield ns
+    # A result object collected after the session's Redis has stopped would unsubscribe from it and fail (an error
+    # at interpreter exit): forget the subscriptions, then close.
+    gc.collect()
+    consumer = getattr(ns.app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.subscribed_to.clear()
+    _close_backend(ns.app.backend)
     close_publisher(ns.app)
     ns.app.close()
 
