@@ -20,7 +20,7 @@ import pytest
 from celery import chain, chord, group
 from celery.exceptions import ChordError
 
-from celery_keyed import KeyedExpired, KeyedRejected, KeyedSuperseded
+from celery_keyed import KeyedExpired, KeyedRejected, KeyedRevoked, KeyedSuperseded
 from celery_keyed.contrib.pytest import _close_backend
 from tests.acceptance.conftest import Cluster, make_cluster
 
@@ -44,6 +44,7 @@ FAILS_WITH: dict[str, type[Exception] | None] = {
     "superseded": KeyedSuperseded,
     "debounced": KeyedSuperseded,
     "refused_at_send": KeyedRejected,
+    "revoked": KeyedRevoked,
 }
 
 #: Seconds a case waits for a result or an errback (everything it waits for takes a few seconds).
@@ -115,14 +116,19 @@ class Case:
 
     def before(self) -> None:
         """A blocker holding the key while the member arrives (parked, rejected, expired, superseded)."""
-        if self.outcome in ("parked", "rejected", "expired", "superseded"):
+        if self.outcome in ("parked", "rejected", "expired", "superseded", "revoked"):
             self.app.cv_step.delay(self.key, "blocker", 2.0)
             self.cluster.wait_for(
                 "SELECT count(*) FROM observed WHERE kind = 'start' AND key = :k", 1, k=self.key, timeout=60
             )
 
     def after(self) -> None:
-        """A newer call that replaces the parked member (superseded, debounced)."""
+        """A newer call that replaces the parked member (superseded, debounced), or its revoke (revoked)."""
+        if self.outcome == "revoked":
+            self.cluster.wait_for("SELECT count(*) FROM keyed_waiting WHERE key = :k", 1, k=self.key, timeout=WAIT)
+            parked = self.cluster.scalar("SELECT task_id FROM keyed_waiting WHERE key = :k", k=self.key)
+            self.app.app.control.revoke(parked)
+            return
         if self.outcome in ("superseded", "debounced"):
             self.cluster.wait_for("SELECT count(*) FROM keyed_waiting WHERE key = :k", 1, k=self.key, timeout=WAIT)
             newer = self.app.cv_doc.delay(self.key, "d", "newer") if self.outcome == "superseded" else (
