@@ -1,9 +1,8 @@
 """Keyed tasks inside Celery's canvas (chain, group, chord) with real prefork workers, a real Redis broker and result
 backend and a real Postgres ledger: whatever the gate decides for a member — admitted, parked then run, rejected
 (``max_waiting``), expired (``max_wait``), superseded, debounced away, refused at send, revoked while waiting —
-the chain goes on or fails as
-Celery's own chains do for a failed member, the group's results all complete, and the chord's body is called or
-errored: nothing waits for ever (docs/canvas.md has the table these tests check).
+the chain goes on or fails as Celery's own chains do for a failed member, the group's results all complete, and the
+chord's body is called or errored: nothing waits for ever (docs/canvas.md has the table these tests check).
 
 One cluster (one worker) serves every case; each case has keys of its own."""
 
