@@ -121,6 +121,7 @@ def context_from_record(record: dict[str, Any]) -> dict[str, Any]:
         "parent_id": headers.get("parent_id"),
         "reply_to": (record.get("properties") or {}).get("reply_to"),
         "correlation_id": (record.get("properties") or {}).get("correlation_id"),
+        "delivery_info": {},  # Celery's errback call reads it (a worker's request always has one)
     }
     if record.get("content_type") == "application/json":
         try:

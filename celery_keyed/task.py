@@ -18,6 +18,8 @@ from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, over
 
 from celery import Task, shared_task
 
+from celery_keyed.canvas import member_of_canvas, refuse_member
+from celery_keyed.exceptions import KeyedRejected
 from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names are part of task.py's API)
     GATE_HEADERS,
     HEADER_COST,
@@ -172,7 +174,12 @@ class KeyedTask(Task):
 
                 task_id = task_id or str(uuid.uuid4())
                 # Before the group number: a refused send registers nothing (D10's lost numbers stay real losses).
-                reserved = admit_at_send(self.app, task_id, first, dedupe_key=dedupe, connection=connection)
+                try:
+                    reserved = admit_at_send(self.app, task_id, first, dedupe_key=dedupe, connection=connection)
+                except KeyedRejected as refused:  # in a canvas: a failed member, not a send raising half-way
+                    if not member_of_canvas(options):
+                        raise
+                    return refuse_member(self, task_id, options, refused)
         if HEADER_GROUP in computed:
             same_group = inherited.get(HEADER_GROUP) == computed[HEADER_GROUP]
             if same_group and HEADER_GROUP_SEQ in inherited:

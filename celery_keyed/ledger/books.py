@@ -14,6 +14,7 @@ visibility timeout, the longest ETA or countdown).
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
@@ -50,11 +51,13 @@ BOOKS_ATTEMPT_IS_OVER = sa.text(
     "SELECT outcome IS NOT NULL OR finished_attempt >= :attempt FROM keyed_tasks WHERE task_id = :task_id"
 )
 
-# books_finish: the one final outcome of a task; no row = already recorded (the loser does nothing).
+# books_finish: the one final outcome of a task; no row = already recorded (the loser does nothing). ``message``: the
+# stored message of a parked task booked never-ran, kept until its result is stored (its canvas context,
+# docs/canvas.md).
 BOOKS_FINISH = sa.text(
     f"""
     UPDATE keyed_tasks SET outcome = :outcome, finished_at = {NOW}, detail = :detail,
-           finished_attempt = GREATEST(finished_attempt, :attempt)
+           finished_attempt = GREATEST(finished_attempt, :attempt), message = CAST(:message AS jsonb)
      WHERE task_id = :task_id AND outcome IS NULL
     RETURNING task_id
     """
@@ -96,12 +99,14 @@ BOOKS_REJECT_UNKEYABLE = sa.text(
 # books_unnotified: never-ran outcomes whose failure result is not stored yet (D11).
 BOOKS_UNNOTIFIED = sa.text(
     """
-    SELECT task_id, task_name, outcome, detail FROM keyed_tasks
+    SELECT task_id, task_name, outcome, detail, message FROM keyed_tasks
      WHERE NOT notified AND outcome = ANY(:outcomes)
      ORDER BY finished_at LIMIT :limit
     """
 )
-BOOKS_MARK_NOTIFIED = sa.text("UPDATE keyed_tasks SET notified = true WHERE task_id = ANY(:task_ids)")
+BOOKS_MARK_NOTIFIED = sa.text(
+    "UPDATE keyed_tasks SET notified = true, message = NULL WHERE task_id = ANY(:task_ids)"
+)
 
 # books_record_lost: a registered group number never received gets its one outcome, lost (D10); a task id that
 # arrived meanwhile keeps its own row (ON CONFLICT DO NOTHING).
@@ -161,10 +166,15 @@ def books_finish(
     *,
     attempt: int = 0,
     detail: str = "",
+    message: Any = None,
     now: datetime | None = None,
 ) -> bool:
-    """Record ``outcome`` as the task's final outcome; False if one was recorded before."""
-    params = {"task_id": task_id, "outcome": outcome, "attempt": attempt, "detail": detail, "now": now}
+    """Record ``outcome`` as the task's final outcome; False if one was recorded before. ``message``: the stored
+    message of a parked task that never ran, kept until its result is stored."""
+    params = {
+        "task_id": task_id, "outcome": outcome, "attempt": attempt, "detail": detail, "now": now,
+        "message": None if message is None else json.dumps(message),
+    }
     return conn.execute(BOOKS_FINISH, params).first() is not None
 
 

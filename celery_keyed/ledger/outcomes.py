@@ -7,6 +7,7 @@ number may start (D10, D11). Beneath ``admit``, ``release`` and ``revoke`` (they
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -36,10 +37,12 @@ def finish_never_ran(
     *,
     detail: str,
     dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    message: Any = None,
     now: datetime | None = None,
 ) -> list[Promotion]:
-    """Record the final outcome of a task that will not run; if it was a group member, the group moves on."""
-    books.books_finish(conn, token.task_id, outcome, attempt=token.attempt, detail=detail, now=now)
+    """Record the final outcome of a task that will not run; if it was a group member, the group moves on.
+    ``message``: its stored message when it was parked (kept until its result is stored: docs/canvas.md)."""
+    books.books_finish(conn, token.task_id, outcome, attempt=token.attempt, detail=detail, message=message, now=now)
     member = groups.members_get(conn, token.task_id)
     if member is None:
         return []

@@ -102,7 +102,7 @@ def _debounce(
     for r in rows:
         finish_never_ran(
             conn, Token(r.task_id, r.attempt), TaskOutcome.SUPERSEDED,
-            detail=f"debounced: replaced by {arrival.task_id}", now=now,
+            detail=f"debounced: replaced by {arrival.task_id}", message=r.message, now=now,
         )
     if len(rows) > 1:  # one place in the room goes to this arrival, the others are given back
         keys.keys_remove_waiting(conn, arrival.key, len(rows) - 1, now=now)
@@ -157,6 +157,7 @@ def _supersede(
         keys.keys_remove_waiting(conn, line, len(rows), now=now)
     for r in rows:
         finish_never_ran(
-            conn, Token(r.task_id, r.attempt), TaskOutcome.SUPERSEDED, detail=f"replaced by {arrival.task_id}", now=now
+            conn, Token(r.task_id, r.attempt), TaskOutcome.SUPERSEDED, detail=f"replaced by {arrival.task_id}",
+            message=r.message, now=now,
         )
     return [r.task_id for r in rows]

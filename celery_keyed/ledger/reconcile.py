@@ -126,6 +126,7 @@ def _expire_waiters(engine: sa.Engine, report: Report, *, dispatch: float, now: 
                         TaskOutcome.EXPIRED,
                         detail="not started before its deadline",
                         dispatch=dispatch,
+                        message=r.message,
                         now=now,
                     )
                     report.finished.append((r.task_id, TaskOutcome.EXPIRED))

@@ -62,5 +62,6 @@ def revoke(
         TaskOutcome.REVOKED,
         detail="revoked while waiting",
         dispatch=dispatch,
+        message=rows[0].message,
         now=now,
     )

@@ -205,7 +205,7 @@ WAITING_DELETE_SUPERSEDED = sa.text(
     """
     DELETE FROM keyed_waiting
      WHERE key = :key AND supersede_key = :supersede_key AND NOT shadow AND reserved_keys IS NULL
-    RETURNING task_id, attempt, group_key
+    RETURNING task_id, attempt, group_key, message
     """
 )
 
@@ -222,7 +222,7 @@ WAITING_DEBOUNCE_REPLACE = sa.text(
          WHERE key = :key AND debounce_key = :debounce_key AND NOT shadow AND not_before > {NOW}
            FOR UPDATE SKIP LOCKED) v
      WHERE w.task_id = v.task_id AND w.attempt = v.attempt
-    RETURNING w.task_id, w.attempt, w.group_key, w.debounce_cap
+    RETURNING w.task_id, w.attempt, w.group_key, w.debounce_cap, w.message
     """
 )
 
@@ -249,7 +249,7 @@ WAITING_DELETE_OLDEST = sa.text(
          WHERE key = :key AND NOT shadow AND reserved_keys IS NULL
          ORDER BY priority, arrival LIMIT 1 FOR UPDATE SKIP LOCKED) v
      WHERE w.task_id = v.task_id AND w.attempt = v.attempt
-    RETURNING w.task_id, w.attempt, w.group_key
+    RETURNING w.task_id, w.attempt, w.group_key, w.message
     """
 )
 
@@ -260,7 +260,8 @@ WAITING_DELETE_EXPIRED = sa.text(
         SELECT task_id, attempt FROM keyed_waiting
          WHERE deadline <= {NOW} ORDER BY deadline LIMIT :batch FOR UPDATE SKIP LOCKED) v
      WHERE w.task_id = v.task_id AND w.attempt = v.attempt
-    RETURNING w.task_id, w.attempt, w.key, w.group_key, w.shadow, w.cost, w.reserved_keys, w.reserved_shards
+    RETURNING w.task_id, w.attempt, w.key, w.group_key, w.shadow, w.cost, w.reserved_keys, w.reserved_shards,
+              w.message
     """
 )
 
@@ -279,7 +280,7 @@ WAITING_CLEAR_DUE = sa.text(
 # and a running attempt is revoked by Celery and released by its worker.
 WAITING_DELETE_TASK = sa.text(
     "DELETE FROM keyed_waiting WHERE task_id = :task_id AND NOT shadow"
-    " RETURNING task_id, attempt, key, group_key, shadow, cost, reserved_keys, reserved_shards"
+    " RETURNING task_id, attempt, key, group_key, shadow, cost, reserved_keys, reserved_shards, message"
 )
 
 # waiting_shadow_drop / waiting_shadow_live: a live claim's duplicate follows the claim's fate (D8).

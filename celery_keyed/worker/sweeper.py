@@ -126,7 +126,7 @@ class Sweeper:
         rows = self.ledger.unnotified()
         done = []
         for row in rows:
-            self.store_never_ran(row.task_id, row.outcome, row.detail, None, task_name=row.task_name)
+            self.store_never_ran(row.task_id, row.outcome, row.detail, row.message, task_name=row.task_name)
             done.append(row.task_id)
         if done:
             self.ledger.mark_notified(done)

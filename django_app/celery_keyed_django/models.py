@@ -327,6 +327,9 @@ class TaskRecord(models.Model):
     detail = models.TextField()
     duplicates = models.IntegerField()
     notified = models.BooleanField()
+    message = models.JSONField(
+        null=True, help_text="the stored message of a parked task that never ran, kept until its result is stored"
+    )
 
     class Meta:
         managed = False

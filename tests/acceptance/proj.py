@@ -209,6 +209,7 @@ def _define_tasks(app: Any, ns: Any) -> None:
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
     from tests.acceptance import (
+        canvas_tasks,
         composition_tasks,
         fault_tasks,
         newest_wins_tasks,
@@ -217,6 +218,7 @@ def _define_tasks(app: Any, ns: Any) -> None:
         throttle_tasks,
     )
 
+    canvas_tasks.define(app, ns)
     composition_tasks.define(app, ns)
     fault_tasks.define(app, ns)
     newest_wins_tasks.define(app, ns)

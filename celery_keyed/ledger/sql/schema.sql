@@ -197,9 +197,13 @@ CREATE TABLE keyed_tasks (
     detail text NOT NULL DEFAULT '',
     duplicates integer NOT NULL DEFAULT 0,
     notified boolean NOT NULL DEFAULT false,
+    -- the stored message of a parked task booked never-ran (0025): its canvas context for storing its result
+    message jsonb,
     CONSTRAINT keyed_tasks_outcome_known CHECK (outcome IN (
         'completed', 'failed', 'dead_lettered', 'expired', 'rejected', 'superseded', 'revoked', 'lost')),
-    CONSTRAINT keyed_tasks_finished_when_outcome CHECK ((outcome IS NULL) = (finished_at IS NULL))
+    CONSTRAINT keyed_tasks_finished_when_outcome CHECK ((outcome IS NULL) = (finished_at IS NULL)),
+    -- a message is kept only until the task's result is stored
+    CONSTRAINT keyed_tasks_message_until_notified CHECK (message IS NULL OR NOT notified)
 );
 CREATE INDEX keyed_tasks_outcome_idx ON keyed_tasks (outcome, finished_at);
 -- Outcomes of tasks that never ran and whose result is not stored yet (D11).
