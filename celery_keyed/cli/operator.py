@@ -94,12 +94,12 @@ def ledger_errors(settings: KeyedSettings, engine: sa.Engine) -> Iterator[None]:
         yield
     except SchemaMissing as exc:
         raise click.ClickException(f"{exc} ({where})") from None
-    except sa.exc.ProgrammingError as exc:
+    except (sa.exc.ProgrammingError, sa.exc.OperationalError) as exc:
         missing = schema_missing(exc, engine)  # undefined_table: never migrated, or behind this version
         if missing is not None:
             raise click.ClickException(f"{missing} ({where})") from None
-        raise
-    except sa.exc.OperationalError as exc:
+        if isinstance(exc, sa.exc.ProgrammingError):
+            raise
         raise click.ClickException(
             f"cannot reach the ledger at {safe_url(settings.database_url)}: {_first_line(exc)}"
         ) from None

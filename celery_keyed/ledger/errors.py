@@ -93,6 +93,13 @@ def data_refused(orig: BaseException) -> bool:
 #: the transaction to another server connection than the one that prepared it.
 _PREPARED_STATEMENT_LOST = frozenset({"26000", "42P05"})
 
+#: SQLSTATE classes the server reports about the ledger's statements or schema, never about the values a message
+#: carries (those are bound parameters: class 22 when refused): 42, a table, column or function missing (a schema
+#: behind this version), no privilege, a statement of ours wrong; 0A, a feature the server lacks; 3F, a schema missing.
+#: The database is not fit for the ledger now — the same as unreachable to a worker (it holds the task and tries again;
+#: the error is in its log): never a task's rejection.
+_NOT_FIT_CLASSES = frozenset({"42", "0A", "3F"})
+
 
 def infrastructure_fault(orig: BaseException) -> bool:
     """Whether a driver error says the database, or what stands between us and it, failed — not the statement or its
@@ -102,7 +109,8 @@ def infrastructure_fault(orig: BaseException) -> bool:
     ledger (held, admitted again) and never books a task as rejected because of it."""
     if isinstance(orig, psycopg.InternalError):
         return True
-    return str(getattr(orig, "sqlstate", "") or "") in _PREPARED_STATEMENT_LOST
+    sqlstate = str(getattr(orig, "sqlstate", "") or "")
+    return sqlstate in _PREPARED_STATEMENT_LOST or sqlstate[:2] in _NOT_FIT_CLASSES
 
 
 def as_operational_error(statement: Any, params: Any, orig: BaseException) -> sa.exc.OperationalError:

@@ -132,10 +132,11 @@ def schema_missing(exc: BaseException, engine: sa.Engine) -> SchemaMissing | Non
 @contextmanager
 def schema_required(engine: sa.Engine) -> Iterator[None]:
     """Turn "relation keyed_... does not exist" inside the block into :class:`SchemaMissing` (see
-    ``schema_missing``); every other error passes unchanged."""
+    ``schema_missing``); every other error passes unchanged. (A ledger engine raises it as an ``OperationalError``:
+    to a worker a schema it cannot use is a ledger it cannot use, errors.infrastructure_fault.)"""
     try:
         yield
-    except sa.exc.ProgrammingError as exc:
+    except (sa.exc.ProgrammingError, sa.exc.OperationalError) as exc:
         missing = schema_missing(exc, engine)
         if missing is None:
             raise
