@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The type check of make test and make lint: the package and the Django app (its generated migrations aside).
 MYPY := $(VPY) -m mypy celery_keyed django_app --exclude '/migrations/'
 
-.PHONY: venv test test-slow lint bench demo testbed clean chaos
+.PHONY: venv test test-slow lint bench demo testbed clean chaos docs
 
 venv: $(STAMP)
 
@@ -52,6 +52,10 @@ matrix: venv
 MATRIX_OFF_DEFAULT := "celery(line='5.5')" "celery(line='5.6')" "postgres(version='16')" "postgres(version='18')"
 matrix-smoke: venv
 	$(VENV)/bin/nox -s $(MATRIX_OFF_DEFAULT) -- smoke
+
+# The documentation site (mkdocs.yml): README as its home page and docs/, into build/site, warnings as errors.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: venv
 	$(VPY) -m ruff check .
