@@ -310,3 +310,24 @@ def _eta(value: Any) -> datetime | None:
         return datetime.fromisoformat(value)
     except ValueError:
         return None
+
+
+def register_group(app: Any, group_key: str, task_id: str, connection: Any) -> int | None:
+    """Allocate the group number of a call at publish (D10): on ``connection`` when the caller holds one, else on the
+    app's ledger; None (ordered by receipt) when registration is off or the ledger cannot be reached — the call is
+    still published, never lost."""
+    from celery_keyed.ledger import groups_register
+
+    if connection is not None:
+        return groups_register(connection, group_key, task_id)
+    publisher = publisher_for(app)
+    if publisher is None or not publisher.settings.register_groups:
+        return None
+    try:
+        with publisher.engine.begin() as conn:
+            return groups_register(conn, group_key, task_id)
+    except Exception as exc:  # the ledger is down: publish unregistered (ordered by receipt), do not fail
+        logger.warning(
+            "celery-keyed: could not register %s in group %s (%s); ordered by receipt", task_id, group_key, exc
+        )
+        return None

@@ -8,9 +8,7 @@ for a task with ``per_call_keys=True`` (worker/intake.py): so keys must depend o
 
 from __future__ import annotations
 
-import inspect
 import logging
-import re
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -18,6 +16,18 @@ from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, over
 
 from celery import Task, shared_task
 
+from celery_keyed.call_keys import (  # noqa: F401 (re-exported: task.py's API before call_keys)
+    KeySpec,
+    bind_arguments,
+    check_cost,
+    check_fair_weight,
+    check_mode,
+    check_on_newer,
+    evaluate_key,
+    evaluate_keys,
+    evaluate_weight,
+    key_spec,
+)
 from celery_keyed.canvas import member_of_canvas, refuse_member
 from celery_keyed.exceptions import KeyedRejected
 from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names are part of task.py's API)
@@ -37,14 +47,13 @@ from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names 
     NOT_INHERITED,
     OPTION_OF_HEADER,
 )
-from celery_keyed.ledger import COST_MAX, MAX_KEYS_PER_CALL, InvalidKey, normalize_key, validate_task_id
+from celery_keyed.ledger import InvalidKey, normalize_key, validate_task_id
+from celery_keyed.publisher import register_group
 
 logger = logging.getLogger("celery_keyed")
 
-KeySpec = str | tuple[str, Any] | Callable[..., Any] | list[Any] | None
 
 #: A template that is one whole field, like "{key}": the argument's value is the key, type-checked as such.
-_WHOLE_FIELD = re.compile(r"^\{(\w+)\}$")
 
 
 class KeyedTask(Task):
@@ -186,7 +195,7 @@ class KeyedTask(Task):
                 computed[HEADER_GROUP_SEQ] = inherited[HEADER_GROUP_SEQ]
             else:
                 task_id = task_id or str(uuid.uuid4())
-                seq = _register_group(self, computed[HEADER_GROUP], task_id, connection)
+                seq = register_group(self.app, computed[HEADER_GROUP], task_id, connection)
                 if seq is not None:
                     computed[HEADER_GROUP_SEQ] = seq
         headers.update(computed)
@@ -478,174 +487,6 @@ def set_cancel_probe(probe: Callable[[str, int], bool] | None) -> None:
     """Install (the gate's start) or remove (its shutdown) the probe behind ``KeyedTask.keyed_cancelled``."""
     global _cancel_probe
     _cancel_probe = probe
-
-
-def key_spec(task: Any, option: str) -> KeySpec:
-    """A task's key spec as declared: a callable class attribute is not bound to the task (it gets the call's
-    arguments, not ``self``)."""
-    value = inspect.getattr_static(task, option, None)
-    if isinstance(value, staticmethod | classmethod):
-        value = value.__get__(None, type(task))
-    return value
-
-
-def evaluate_key(
-    spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, option: str = "concurrency_key"
-) -> str | None:
-    """Evaluate a key spec against a call's arguments; the normalised key or None (unkeyed for this call)."""
-    if spec is None:
-        return None
-    if callable(spec) and not isinstance(spec, str | tuple):
-        value = spec(**bind_arguments(task, args, kwargs))  # by parameter name: lambda tenant_id, **_: ...
-        if value is None:
-            return None
-        return _normalize(value, task, option)
-    if isinstance(spec, str) and "{" in spec:
-        arguments = bind_arguments(task, args, kwargs)
-        whole = _WHOLE_FIELD.match(spec)
-        if whole and whole.group(1) in arguments:  # "{key}": the argument itself (a str or a tuple key)
-            value = arguments[whole.group(1)]
-            return None if value is None else _normalize(value, task, option)
-        try:
-            rendered = spec.format(**arguments)
-        except (KeyError, IndexError, AttributeError) as exc:
-            raise InvalidKey(
-                f"{task.name}: {option} template {spec!r} names {exc} which the call's arguments "
-                f"({sorted(arguments)}) do not have"
-            ) from None
-        return _normalize(rendered, task, option)
-    if isinstance(spec, list):
-        raise InvalidKey(f"{task.name}: {option} must be one key (only concurrency_key takes a list)")
-    return _normalize(spec, task, option)
-
-
-def evaluate_weight(spec: Any, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
-    """A ``fair_weight`` spec against a call's arguments: None (no weight of its own), a number, a callable of the
-    arguments by name, or a template naming one argument (``"{weight}"``); the checked weight (``InvalidKey`` for
-    anything else: bad input never waits)."""
-    value = spec
-    if callable(spec):
-        value = spec(**bind_arguments(task, args, kwargs))
-    elif isinstance(spec, str):
-        whole = _WHOLE_FIELD.match(spec)
-        arguments = bind_arguments(task, args, kwargs)
-        if whole is None or whole.group(1) not in arguments:
-            raise InvalidKey(f"{task.name}: fair_weight {spec!r} must name one argument of the call, like '{{weight}}'")
-        value = arguments[whole.group(1)]
-    return check_fair_weight(value, task)
-
-
-def check_fair_weight(value: Any, task: Any) -> float | None:
-    """A fair weight from a call or a header: None, or a number from FAIR_WEIGHT_MIN to FAIR_WEIGHT_MAX
-    (``InvalidKey`` otherwise)."""
-    if value is None:
-        return None
-    from celery_keyed.ledger import InvalidConfig, check_weight
-
-    try:
-        return check_weight(value, f"{getattr(task, 'name', task)}: fair_weight")
-    except InvalidConfig as exc:
-        raise InvalidKey(str(exc)) from None
-
-
-def evaluate_keys(spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | list[str] | None:
-    """A concurrency key spec against a call's arguments: one key, a list of keys (a list spec: each item a
-    template, callable, tuple or string; items that come out None are left out), or None (unkeyed)."""
-    if not isinstance(spec, list):
-        return evaluate_key(spec, task, args, kwargs)
-    if len(spec) > MAX_KEYS_PER_CALL:
-        raise InvalidKey(
-            f"{task.name}: concurrency_key lists {len(spec)} keys; a call takes at most {MAX_KEYS_PER_CALL}"
-        )
-    found = [k for k in (evaluate_key(item, task, args, kwargs) for item in spec) if k is not None]
-    if len(set(found)) != len(found):
-        raise InvalidKey(f"{task.name}: concurrency_key lists the same key twice: {found!r}")
-    if not found:
-        return None
-    return found[0] if len(found) == 1 else found
-
-
-def check_mode(mode: Any, task: Any, *, cost: Any = 1, keys: Any = None) -> bool:
-    """Whether ``concurrency_mode`` is ``"exclusive"`` (``InvalidKey`` for anything but "shared" / "exclusive", and
-    for an exclusive call with a cost or with several concurrency keys: bad input never waits)."""
-    if mode not in ("shared", "exclusive"):
-        name = getattr(task, "name", task)
-        raise InvalidKey(f"{name}: concurrency_mode must be 'shared' or 'exclusive', got {mode!r}")
-    if mode == "shared":
-        return False
-    if cost != 1:
-        raise InvalidKey(f"{getattr(task, 'name', task)}: an exclusive task takes its whole key; no concurrency_cost")
-    if isinstance(keys, list | tuple) and len(keys) > 1:
-        raise InvalidKey(f"{getattr(task, 'name', task)}: an exclusive task needs exactly one concurrency key")
-    return True
-
-
-def check_on_newer(policy: Any, task: Any) -> str | None:
-    """``on_newer`` must be None or "cancel_running" (``InvalidKey`` otherwise: bad input never waits)."""
-    from celery_keyed.ledger import check_on_newer as check
-
-    try:
-        check(policy)
-    except ValueError as exc:
-        raise InvalidKey(f"{getattr(task, 'name', task)}: {exc}") from None
-    return None if policy is None else str(policy)
-
-
-def check_cost(cost: Any, task: Any) -> int:
-    """A concurrency cost must be a positive integer up to ``COST_MAX``, the most slots a key can have (``InvalidKey``
-    otherwise: bad input never waits, and never reaches the ledger's integer columns). The producer checks it before
-    it sends, the worker's intake again for a foreign producer's ``keyed_cost`` header."""
-    if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
-        raise InvalidKey(f"{getattr(task, 'name', task)}: concurrency_cost must be a positive integer, got {cost!r}")
-    if cost > COST_MAX:
-        raise InvalidKey(
-            f"{getattr(task, 'name', task)}: concurrency_cost {cost} exceeds the largest cost {COST_MAX}"
-            " (the most slots a key can have)"
-        )
-    return cost
-
-
-def bind_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by parameter name, defaults applied (for key templates)."""
-    signature = inspect.signature(task.run)
-    try:
-        bound = signature.bind_partial(*args, **kwargs)
-    except TypeError as exc:
-        raise InvalidKey(f"{task.name}: cannot bind arguments {args!r} {kwargs!r} to compute its key: {exc}") from None
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    for name, param in signature.parameters.items():
-        if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
-            arguments.update(arguments.pop(name))
-    return arguments
-
-
-def _normalize(value: Any, task: Any, option: str) -> str:
-    try:
-        return normalize_key(value)
-    except InvalidKey as exc:
-        raise InvalidKey(f"{task.name}: {option}: {exc}") from None
-
-
-def _register_group(task: Any, group_key: str, task_id: str, connection: Any) -> int | None:
-    """Allocate the group number at publish (D10); None (ordered by receipt) when registration is off or the
-    ledger cannot be reached — the call is still published, never lost."""
-    from celery_keyed.ledger import groups_register
-    from celery_keyed.publisher import publisher_for
-
-    if connection is not None:
-        return groups_register(connection, group_key, task_id)
-    publisher = publisher_for(task.app)
-    if publisher is None or not publisher.settings.register_groups:
-        return None
-    try:
-        with publisher.engine.begin() as conn:
-            return groups_register(conn, group_key, task_id)
-    except Exception as exc:  # the ledger is down: publish unregistered (ordered by receipt), do not fail
-        logger.warning(
-            "celery-keyed: could not register %s in group %s (%s); ordered by receipt", task_id, group_key, exc
-        )
-        return None
 
 
 P = ParamSpec("P")

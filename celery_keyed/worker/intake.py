@@ -24,6 +24,16 @@ from typing import Any
 from celery.exceptions import InvalidTaskError
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 
+from celery_keyed.call_keys import (
+    check_cost,
+    check_fair_weight,
+    check_mode,
+    check_on_newer,
+    evaluate_key,
+    evaluate_keys,
+    evaluate_weight,
+    key_spec,
+)
 from celery_keyed.headers import (
     HEADER_COST,
     HEADER_DEBOUNCE,
@@ -47,16 +57,6 @@ from celery_keyed.ledger import (
     validate_task_id,
 )
 from celery_keyed.messages import record_message
-from celery_keyed.task import (
-    check_cost,
-    check_fair_weight,
-    check_mode,
-    check_on_newer,
-    evaluate_key,
-    evaluate_keys,
-    evaluate_weight,
-    key_spec,
-)
 
 logger = logging.getLogger("celery_keyed")
 
