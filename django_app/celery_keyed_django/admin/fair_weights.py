@@ -132,6 +132,11 @@ class FairWeightOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         return {}
 
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """No "Clear…" / "Resume…" button for whoever may only look (it would lead to a 403)."""
+        shown = super().get_list_display(request)
+        return shown if self.has_change_permission(request) else [c for c in shown if c != "clear_link"]
+
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         return ("name", "prefix") if obj is not None else ()
 

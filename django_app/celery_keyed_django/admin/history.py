@@ -13,7 +13,7 @@ from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.utils.html import format_html
 
-from celery_keyed_django.admin.base import ReadOnlyAdmin
+from celery_keyed_django.admin.base import ReadOnlyAdmin, configured_names
 from celery_keyed_django.admin.explain import ExplainPage
 from celery_keyed_django.admin.rendering import _limit_text, _url, age, explain_link, since
 from celery_keyed_django.models import OUTCOMES, Event, FairWeightLog, OverrideLog, TaskRecord
@@ -114,7 +114,12 @@ class OverrideLogAdmin(ReadOnlyAdmin):
 
     @admin.display(description="Old → new")
     def change_display(self, obj: OverrideLog) -> str:
-        return f"{_limit_text(obj.old_limit)} → {_limit_text(obj.new_limit)}"
+        known = obj.name in self._configured
+        return f"{_limit_text(obj.old_limit, configured=known)} → {_limit_text(obj.new_limit, configured=known)}"
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        self._configured = configured_names()  # once per page (a small table and the settings)
+        return super().changelist_view(request, extra_context)
 
     @admin.display(description="Who", ordering="author")
     def author_display(self, obj: OverrideLog) -> str:

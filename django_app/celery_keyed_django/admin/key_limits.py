@@ -130,6 +130,12 @@ class KeyOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         return {}
 
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """No "Clear…" / "Resume…" button for whoever may only look (it would lead to a 403)."""
+        shown = super().get_list_display(request)
+        buttons = ("resume_link", "clear_link")
+        return shown if self.has_change_permission(request) else [c for c in shown if c not in buttons]
+
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         fields = ["key", "pause_for", "slot_limit", "expires_at", "reason"]
         return [*fields, "audit_trail"] if obj is not None else fields

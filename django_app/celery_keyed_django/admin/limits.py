@@ -79,6 +79,11 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         return ("name", "audit_trail") if obj is not None else ()
 
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """No "Clear…" button for whoever may only look (it would lead to a 403)."""
+        shown = super().get_list_display(request)
+        return shown if self.has_change_permission(request) else [c for c in shown if c != "clear_link"]
+
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         fields = ["name", "slot_limit", "reason", "expires_at"]
         return [*fields, "audit_trail"] if obj is not None else fields
@@ -126,6 +131,7 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
     @admin.display(description="Audit trail")
     def audit_trail(self, obj: Override) -> str:
         rows = OverrideLog.objects.filter(name=obj.name).order_by("-at", "-id")[:25]
+        known = obj.name in configured_names()
         if not rows:
             return "No entries."
         body = format_html_join(
@@ -133,7 +139,8 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{} → {}</td><td>{}</td><td>{}</td></tr>",
             (
                 (timezone.localtime(r.at).strftime("%Y-%m-%d %H:%M:%S"), r.author or "—", r.action,
-                 _limit_text(r.old_limit), _limit_text(r.new_limit), r.reason or "—",
+                 _limit_text(r.old_limit, configured=known), _limit_text(r.new_limit, configured=known),
+                 r.reason or "—",
                  "" if r.expires_at is None else f"until {timezone.localtime(r.expires_at):%Y-%m-%d %H:%M}")
                 for r in rows
             ),

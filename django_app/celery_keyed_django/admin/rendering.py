@@ -70,9 +70,11 @@ def arguments_text(message: dict[str, Any] | None, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _limit_text(limit: int | None) -> str:
+def _limit_text(limit: int | None, *, configured: bool = True) -> str:
+    """A limit in an audit trail; None: no override, the name's configured limit — or, for a name configured
+    nowhere, the default "1 (default)" (the words of ``celery keyed set-limit``)."""
     if limit is None:
-        return "configured"
+        return "configured" if configured else "1 (default)"
     return "0 (paused)" if limit == 0 else str(limit)
 
 

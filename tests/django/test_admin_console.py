@@ -1,0 +1,53 @@
+"""The operator's console, as an operator's tour found it: the audit trail says what a name without configuration
+ran at before an override (1, the default, as the CLI says), and whoever may only look sees no "Clear…" or
+"Resume…" button that would lead to a 403."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from django.test import Client
+
+from celery_keyed.ledger import Ledger
+from tests.django.test_admin import client_for, post_override, staff, url
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def ledger(ledger_engine: sa.Engine) -> Ledger:
+    return Ledger(ledger_engine, holder="worker-1:4242:beef", lease=60.0)
+
+
+def test_the_audit_trail_of_an_unconfigured_name_says_it_was_1_by_default(
+    admin_client: Client, ledger: Ledger
+) -> None:
+    post_override(admin_client, "solo", 3, "first limit of a new vendor")
+    for page in (url("overridelog_changelist"), url("override_change", "solo")):
+        body = admin_client.get(page).content.decode()
+        assert "1 (default) → 3" in body, page
+        assert "configured → 3" not in body, page
+    # A configured name's entry still says "configured".
+    post_override(admin_client, "acct", 0, "incident")
+    assert "configured → 0 (paused)" in admin_client.get(url("overridelog_changelist")).content.decode()
+
+
+def test_a_view_only_user_sees_no_clear_or_resume_buttons(admin_client: Client, ledger: Ledger) -> None:
+    ledger.set_override("acct", 2, reason="set by code")
+    ledger.set_fair_weight("acct", "tenant", 2.0, reason="big tenant")
+    ledger.pause_key("acct:1", 600, reason="vendor 429")
+    ledger.set_key_limit("acct:2", 1, reason="vendor header")
+    pages = ("override_changelist", "fairweightoverride_changelist", "keyoverride_changelist")
+    viewer = client_for(staff("viewer", "view_override", "view_fairweightoverride", "view_keyoverride"))
+    for page in pages:
+        response = viewer.get(url(page))
+        assert response.status_code == 200, page
+        body = response.content.decode()
+        assert "Clear…" not in body and "Clear limit…" not in body and "Resume…" not in body, page
+    # Whoever may change limits still has them.
+    texts = {"override_changelist": ["Clear…"], "fairweightoverride_changelist": ["Clear…"],
+             "keyoverride_changelist": ["Resume…", "Clear limit…"]}
+    for page, wanted in texts.items():
+        body = admin_client.get(url(page)).content.decode()
+        for text in wanted:
+            assert text in body, (page, text)
