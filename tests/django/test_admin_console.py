@@ -1,6 +1,7 @@
 """The operator's console, as an operator's tour found it: the audit trail says what a name without configuration
 ran at before an override (1, the default, as the CLI says), and whoever may only look sees no "Clear…" or
-"Resume…" button that would lead to a 403."""
+"Resume…" button that would lead to a 403; the keys' "By name" filter lists a busy name that runs on the default
+mutex."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sqlalchemy as sa
 from django.test import Client
 
 from celery_keyed.ledger import Ledger
-from tests.django.test_admin import client_for, post_override, staff, url
+from tests.django.test_admin import arrival, client_for, post_override, staff, url
 
 pytestmark = pytest.mark.django_db
 
@@ -51,3 +52,11 @@ def test_a_view_only_user_sees_no_clear_or_resume_buttons(admin_client: Client, 
         body = admin_client.get(url(page)).content.decode()
         for text in wanted:
             assert text in body, (page, text)
+
+
+def test_the_keys_name_filter_lists_busy_names_on_the_default_mutex(admin_client: Client, ledger: Ledger) -> None:
+    ledger.admit(arrival("t-run", key="plain:1"))  # a name configured nowhere: a mutex, one running
+    ledger.admit(arrival("t-wait", key="plain:1"))  # and one waiting
+    body = admin_client.get(url("key_changelist")).content.decode()
+    assert 'href="?name=plain"' in body
+    assert 'href="?name=acct"' in body  # configured names are still listed

@@ -33,8 +33,11 @@ class NameFilter(admin.SimpleListFilter):
     parameter_name = "name"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        # Configured and overridden names only (small tables); any other name is reachable by search.
-        names = configured_names() | set(Override.objects.values_list("name", flat=True))
+        # Configured and overridden names (small tables), and the names of busy keys — a name configured nowhere
+        # runs on the default mutex and must be listed while it has tasks in flight or waiting (one query).
+        busy = (Slot.objects.filter(used__gt=0).values_list("name", flat=True)
+                .union(Key.objects.filter(waiting__gt=0).values_list("name", flat=True)))
+        names = configured_names() | set(Override.objects.values_list("name", flat=True)) | set(busy)
         return [(n, n) for n in sorted(names)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
