@@ -60,3 +60,12 @@ def test_the_keys_name_filter_lists_busy_names_on_the_default_mutex(admin_client
     body = admin_client.get(url("key_changelist")).content.decode()
     assert 'href="?name=plain"' in body
     assert 'href="?name=acct"' in body  # configured names are still listed
+
+
+def test_a_name_configured_nowhere_is_said_the_same_way_on_every_page(admin_client: Client, ledger: Ledger) -> None:
+    ledger.set_override("solo", 2, reason="a new vendor")
+    ledger.admit(arrival("t-plain", key="plain:1"))
+    for page in ("override_changelist", "key_changelist"):
+        body = admin_client.get(url(page)).content.decode()
+        assert "not configured: default (mutex)" in body, page
+        assert "⚠" not in body, page

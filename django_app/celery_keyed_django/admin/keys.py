@@ -24,7 +24,7 @@ from celery_keyed_django.admin.base import (
     _override_link,
     configured_names,
 )
-from celery_keyed_django.admin.rendering import _url, since
+from celery_keyed_django.admin.rendering import UNCONFIGURED, _url, since
 from celery_keyed_django.models import Key, KeyOverride, Override, Slot, Waiting
 
 
@@ -134,7 +134,7 @@ class KeyAdmin(ReadOnlyAdmin):
     @admin.display(description="Limit from")
     def source_display(self, obj: Any) -> str:
         source = _key_limit_and_source(obj)[1]
-        label = {"override": "override", "config": "configuration", "default": "default (mutex)",
+        label = {"override": "override", "config": "configuration", "default": UNCONFIGURED,
                  "key_paused": "the key's pause", "key": "the key's own limit"}[source]
         if source.startswith("key"):
             return format_html('<a href="{}">{}</a>', _url("keyoverride_change", quote(obj.key)), label)

@@ -28,6 +28,7 @@ from celery_keyed_django.admin.base import (
 from celery_keyed_django.admin.rendering import (
     APP,
     CHANGE_LIMITS,
+    UNCONFIGURED,
     _limit_text,
     _promotions_text,
     _url,
@@ -112,8 +113,9 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
             return str(obj.configured_limit)
         if obj.name in ledger_access.configured_names():
             return "in settings (not synced by a worker yet)"
-        return format_html('<span style="color:#a66400" title="{}">⚠ not configured</span>',
-                           "No worker has this name in keyed_concurrency_limits: its keys default to 1 (mutex).")
+        return format_html('<span style="color:#a66400" title="{}">{}</span>',
+                           "No worker has this name in keyed_concurrency_limits: its keys default to 1 (mutex).",
+                           UNCONFIGURED)
 
     @admin.display(description="Expires", ordering="expires_at")
     def expiry_display(self, obj: Override) -> str:

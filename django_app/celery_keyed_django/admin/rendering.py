@@ -16,6 +16,9 @@ from django.utils.http import urlencode
 APP = "celery_keyed_django"
 CHANGE_LIMITS = f"{APP}.change_limits"
 
+#: How every page says that a name is configured nowhere (its keys run at 1: a mutex).
+UNCONFIGURED = "not configured: default (mutex)"
+
 def age(delta: timedelta | None) -> str:
     """A duration as an operator reads it: ``45s``, ``3m 05s``, ``2h 04m``, ``3d 4h``."""
     if delta is None:
