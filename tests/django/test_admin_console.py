@@ -69,3 +69,11 @@ def test_a_name_configured_nowhere_is_said_the_same_way_on_every_page(admin_clie
         body = admin_client.get(url(page)).content.decode()
         assert "not configured: default (mutex)" in body, page
         assert "⚠" not in body, page
+
+
+def test_task_outcomes_tell_running_from_waiting(admin_client: Client, ledger: Ledger) -> None:
+    ledger.admit(arrival("t-run"))
+    ledger.admit(arrival("t-wait"))
+    body = admin_client.get(url("taskrecord_changelist")).content.decode()
+    assert "<em>running</em>" in body and "<em>waiting</em>" in body
+    assert "<em>in progress</em>" not in body

@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin
-from django.db.models import QuerySet
+from django.db.models import Exists, OuterRef, QuerySet, Subquery
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.utils.html import format_html
@@ -16,7 +16,7 @@ from django.utils.html import format_html
 from celery_keyed_django.admin.base import ReadOnlyAdmin, configured_names
 from celery_keyed_django.admin.explain import ExplainPage
 from celery_keyed_django.admin.rendering import _limit_text, _url, age, explain_link, since
-from celery_keyed_django.models import OUTCOMES, Event, FairWeightLog, OverrideLog, TaskRecord
+from celery_keyed_django.models import OUTCOMES, Claim, Event, FairWeightLog, OverrideLog, TaskRecord, Waiting
 
 
 class OutcomeFilter(admin.SimpleListFilter):
@@ -24,7 +24,7 @@ class OutcomeFilter(admin.SimpleListFilter):
     parameter_name = "outcome"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("open", "still waiting or running"), *OUTCOMES]
+        return [("open", "in progress (waiting or running)"), *OUTCOMES]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value() == "open":
@@ -62,6 +62,13 @@ class TaskRecordAdmin(ExplainPage, ReadOnlyAdmin):
     )
     empty_state = "No keyed task has arrived yet."
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[TaskRecord]:
+        """Each open task's claim state and whether it is parked: one indexed lookup per shown row each."""
+        return super().get_queryset(request).annotate(
+            claim_state=Subquery(Claim.objects.filter(task_id=OuterRef("task_id")).values("state")[:1]),
+            parked=Exists(Waiting.objects.filter(task_id=OuterRef("task_id"), shadow=False)),
+        )
+
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         context = {"explain_url": _url("explain"), **(extra_context or {})}
         return super().changelist_view(request, extra_context=context)
@@ -72,8 +79,10 @@ class TaskRecordAdmin(ExplainPage, ReadOnlyAdmin):
 
     @admin.display(description="Outcome", ordering="outcome")
     def outcome_display(self, obj: TaskRecord) -> str:
-        if obj.outcome is None:
-            return format_html("<em>{}</em>", "in progress")
+        if obj.outcome is None:  # running (or starting, or over with its slot held), waiting, or between attempts
+            words = {"running": "running", "promoted": "starting (given a slot)",
+                     "uncertain": "over, slot held"}.get(obj.claim_state or "")
+            return format_html("<em>{}</em>", words or ("waiting" if obj.parked else "in progress"))
         colour = "#2a7d2a" if obj.outcome == "completed" else "#ba2121"
         return format_html('<span style="color:{}">{}</span>', colour, obj.get_outcome_display())
 
