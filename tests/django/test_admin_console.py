@@ -77,3 +77,5 @@ def test_task_outcomes_tell_running_from_waiting(admin_client: Client, ledger: L
     body = admin_client.get(url("taskrecord_changelist")).content.decode()
     assert "<em>running</em>" in body and "<em>waiting</em>" in body
     assert "<em>in progress</em>" not in body
+    # The time shown for a finished task includes its wait, and says so.
+    assert "Arrival to finish (wait + run)" in body and ">Took<" not in body

@@ -90,7 +90,7 @@ class TaskRecordAdmin(ExplainPage, ReadOnlyAdmin):
     def arrived_display(self, obj: TaskRecord) -> str:
         return format_html('<span title="{}">{} ago</span>', obj.arrived_at.isoformat(), since(obj.arrived_at))
 
-    @admin.display(description="Took", ordering="finished_at")
+    @admin.display(description="Arrival to finish (wait + run)", ordering="finished_at")
     def took_display(self, obj: TaskRecord) -> str:
         if obj.finished_at is None:
             return "—"
