@@ -57,7 +57,7 @@ IMPORT_EXCEPTIONS = {
     # except force_release.
     ("django_app/celery_keyed_django/ledger.py", "celery_keyed.ledger.bounds"),
     ("django_app/celery_keyed_django/schema.py", "celery_keyed.ledger.migrations"),
-    ("django_app/celery_keyed_django/admin.py", "celery_keyed.ledger.admin_queries"),
+    ("django_app/celery_keyed_django/admin/claims.py", "celery_keyed.ledger.admin_queries"),
     ("django_app/celery_keyed_django/forms.py", "celery_keyed.ledger.bounds"),
     ("django_app/celery_keyed_django/forms.py", "celery_keyed.ledger.errors"),
     ("django_app/celery_keyed_django/forms.py", "celery_keyed.ledger.keyspec"),

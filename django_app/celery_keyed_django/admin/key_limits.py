@@ -1,6 +1,5 @@
-"""The operators' admin of per-key overrides (issue 14 item 4, a key that throttles itself): pause one key (not its
-whole name) or give it a limit of its own, change or end either, with the audit trail (the overrides' own,
-``keyed_override_log``, filtered by key). Registered by ``admin.py``.
+"""Limits of keys: pause one key (not its whole name) or give it a limit of its own, change or end either, with the
+audit trail (the overrides' own, ``keyed_override_log``, filtered by key).
 
 Writes go through the ledger (``Ledger.pause_key`` / ``resume_key`` / ``set_key_limit`` / ``clear_key_limit``: the
 row, its audit entry and the promotions in one transaction), never through the read-only model; promotions are
@@ -24,7 +23,7 @@ from django.utils.html import format_html, format_html_join
 
 from celery_keyed.ledger import SECONDS_MAX, SLOT_LIMIT_MAX, InvalidKey, normalize_key
 from celery_keyed_django import ledger as ledger_access
-from celery_keyed_django.admin import APP, CHANGE_LIMITS, _promotions_text, _url, age, log_action
+from celery_keyed_django.admin.rendering import APP, CHANGE_LIMITS, _promotions_text, _url, age, log_action
 from celery_keyed_django.bad_input import RefusesBadInput
 from celery_keyed_django.forms import ReasonForm
 from celery_keyed_django.models import KeyOverride, OverrideLog
@@ -130,6 +129,12 @@ class KeyOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         return {}
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """No "Clear…" / "Resume…" button for whoever may only look (it would lead to a 403)."""
+        shown = super().get_list_display(request)
+        buttons = ("resume_link", "clear_link")
+        return shown if self.has_change_permission(request) else [c for c in shown if c not in buttons]
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         fields = ["key", "pause_for", "slot_limit", "expires_at", "reason"]

@@ -1,5 +1,5 @@
-"""The operators' admin of weighted fair sharing (issue 14 item 5): runtime fair weight overrides (set, change,
-clear, with their audit trail) and the audit trail itself. Registered by ``admin.py``.
+"""Limits of fair sharing: runtime fair weight overrides (set, change, clear; their audit trail is in
+``history``).
 
 Writes go through the ledger (``Ledger.set_fair_weight`` / ``clear_fair_weight``: upsert + audit row in one
 transaction), never through the read-only models. Who may write: the same permission as limit overrides
@@ -23,18 +23,10 @@ from django.utils.html import format_html
 
 from celery_keyed.ledger import FAIR_WEIGHT_MAX, FAIR_WEIGHT_MIN, InvalidConfig, check_prefix, validate_name
 from celery_keyed_django import ledger as ledger_access
-from celery_keyed_django.admin import (
-    APP,
-    CHANGE_LIMITS,
-    ReadOnlyAdmin,
-    _url,
-    age,
-    log_action,
-    since,
-)
+from celery_keyed_django.admin.rendering import APP, CHANGE_LIMITS, _url, age, log_action, since
 from celery_keyed_django.bad_input import RefusesBadInput
 from celery_keyed_django.forms import ReasonForm
-from celery_keyed_django.models import FairWeightLog, FairWeightOverride, Name
+from celery_keyed_django.models import FairWeightOverride, Name
 
 
 class FairWeightForm(forms.ModelForm):
@@ -108,10 +100,6 @@ class FairWeightForm(forms.ModelForm):
         return  # an existing override of (name, prefix) is replaced (set_fair_weight is an upsert)
 
 
-def _weight_text(weight: float | None) -> str:
-    return "—" if weight is None else f"{weight:g}"
-
-
 def _configured_weight(name: str, prefix: str) -> float | None:
     table = Name.objects.filter(name=name).values_list("fair_weights", flat=True).first()
     return None if not table else table.get(prefix)
@@ -143,6 +131,11 @@ class FairWeightOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         return {}
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """No "Clear…" / "Resume…" button for whoever may only look (it would lead to a 403)."""
+        shown = super().get_list_display(request)
+        return shown if self.has_change_permission(request) else [c for c in shown if c != "clear_link"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         return ("name", "prefix") if obj is not None else ()
@@ -242,27 +235,3 @@ class FairWeightOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
             "form": form,
         }
         return TemplateResponse(request, f"admin/{APP}/fairweightoverride/clear.html", context)
-
-
-@admin.register(FairWeightLog)
-class FairWeightLogAdmin(ReadOnlyAdmin):
-    list_display = ("when_display", "name", "prefix", "action", "change_display", "reason", "author_display")
-    list_display_links = None
-    list_filter = ("action",)
-    search_fields = ("=name", "prefix", "author", "reason")
-    ordering = ("-at", "-id")
-    list_title = "Fair weight audit trail"
-    page_help = "Every fair weight override set, cleared or lapsed: who, when, old → new weight, and why."
-    empty_state = "No fair weight override was ever set."
-
-    @admin.display(description="When", ordering="at")
-    def when_display(self, obj: FairWeightLog) -> str:
-        return timezone.localtime(obj.at).strftime("%Y-%m-%d %H:%M:%S")
-
-    @admin.display(description="Old → new")
-    def change_display(self, obj: FairWeightLog) -> str:
-        return f"{_weight_text(obj.old_weight)} → {_weight_text(obj.new_weight)}"
-
-    @admin.display(description="Who", ordering="author")
-    def author_display(self, obj: FairWeightLog) -> str:
-        return obj.author or ("the sweep" if obj.action == "expire" else "—")

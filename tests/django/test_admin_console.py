@@ -1,0 +1,81 @@
+"""The operator's console, as an operator's tour found it: the audit trail says what a name without configuration
+ran at before an override (1, the default, as the CLI says), and whoever may only look sees no "Clear…" or
+"Resume…" button that would lead to a 403; the keys' "By name" filter lists a busy name that runs on the default
+mutex."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from django.test import Client
+
+from celery_keyed.ledger import Ledger
+from tests.django.test_admin import arrival, client_for, post_override, staff, url
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def ledger(ledger_engine: sa.Engine) -> Ledger:
+    return Ledger(ledger_engine, holder="worker-1:4242:beef", lease=60.0)
+
+
+def test_the_audit_trail_of_an_unconfigured_name_says_it_was_1_by_default(
+    admin_client: Client, ledger: Ledger
+) -> None:
+    post_override(admin_client, "solo", 3, "first limit of a new vendor")
+    for page in (url("overridelog_changelist"), url("override_change", "solo")):
+        body = admin_client.get(page).content.decode()
+        assert "1 (default) → 3" in body, page
+        assert "configured → 3" not in body, page
+    # A configured name's entry still says "configured".
+    post_override(admin_client, "acct", 0, "incident")
+    assert "configured → 0 (paused)" in admin_client.get(url("overridelog_changelist")).content.decode()
+
+
+def test_a_view_only_user_sees_no_clear_or_resume_buttons(admin_client: Client, ledger: Ledger) -> None:
+    ledger.set_override("acct", 2, reason="set by code")
+    ledger.set_fair_weight("acct", "tenant", 2.0, reason="big tenant")
+    ledger.pause_key("acct:1", 600, reason="vendor 429")
+    ledger.set_key_limit("acct:2", 1, reason="vendor header")
+    pages = ("override_changelist", "fairweightoverride_changelist", "keyoverride_changelist")
+    viewer = client_for(staff("viewer", "view_override", "view_fairweightoverride", "view_keyoverride"))
+    for page in pages:
+        response = viewer.get(url(page))
+        assert response.status_code == 200, page
+        body = response.content.decode()
+        assert "Clear…" not in body and "Clear limit…" not in body and "Resume…" not in body, page
+    # Whoever may change limits still has them.
+    texts = {"override_changelist": ["Clear…"], "fairweightoverride_changelist": ["Clear…"],
+             "keyoverride_changelist": ["Resume…", "Clear limit…"]}
+    for page, wanted in texts.items():
+        body = admin_client.get(url(page)).content.decode()
+        for text in wanted:
+            assert text in body, (page, text)
+
+
+def test_the_keys_name_filter_lists_busy_names_on_the_default_mutex(admin_client: Client, ledger: Ledger) -> None:
+    ledger.admit(arrival("t-run", key="plain:1"))  # a name configured nowhere: a mutex, one running
+    ledger.admit(arrival("t-wait", key="plain:1"))  # and one waiting
+    body = admin_client.get(url("key_changelist")).content.decode()
+    assert 'href="?name=plain"' in body
+    assert 'href="?name=acct"' in body  # configured names are still listed
+
+
+def test_a_name_configured_nowhere_is_said_the_same_way_on_every_page(admin_client: Client, ledger: Ledger) -> None:
+    ledger.set_override("solo", 2, reason="a new vendor")
+    ledger.admit(arrival("t-plain", key="plain:1"))
+    for page in ("override_changelist", "key_changelist"):
+        body = admin_client.get(url(page)).content.decode()
+        assert "not configured: default (mutex)" in body, page
+        assert "⚠" not in body, page
+
+
+def test_task_outcomes_tell_running_from_waiting(admin_client: Client, ledger: Ledger) -> None:
+    ledger.admit(arrival("t-run"))
+    ledger.admit(arrival("t-wait"))
+    body = admin_client.get(url("taskrecord_changelist")).content.decode()
+    assert "<em>running</em>" in body and "<em>waiting</em>" in body
+    assert "<em>in progress</em>" not in body
+    # The time shown for a finished task includes its wait, and says so.
+    assert "Arrival to finish (wait + run)" in body and ">Took<" not in body
