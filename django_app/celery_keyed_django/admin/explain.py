@@ -5,7 +5,7 @@ outcomes' page (``ExplainPage``), linked from every task id the admin shows."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
@@ -22,7 +22,7 @@ from celery_keyed_django.forms import ExplainForm
 from celery_keyed_django.models import Claim
 
 
-class ExplainPage:
+class ExplainPage(admin.ModelAdmin if TYPE_CHECKING else object):  # type: ignore[misc]  # a ModelAdmin's mixin
     """Mixin for a ``ModelAdmin``: serves the explain page at ``explain/`` under its own pages (URL name
     ``celery_keyed_django_explain``), to whoever may view that model."""
 
