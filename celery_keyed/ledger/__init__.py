@@ -76,7 +76,7 @@ from celery_keyed.ledger.fair_weights import (
     fair_shares,
     fair_weight_overrides,
 )
-from celery_keyed.ledger.group_policies import GroupAction, GroupHold
+from celery_keyed.ledger.group_policies import GroupAction, GroupHold, held_groups
 from celery_keyed.ledger.groups import groups_register
 from celery_keyed.ledger.holders import (
     holders_gone,
@@ -177,6 +177,7 @@ __all__ = [
     "fair_shares",
     "fair_weight_overrides",
     "groups_register",
+    "held_groups",
     "holders_latest",
     "key_name",
     "key_overrides_live",
