@@ -127,7 +127,8 @@ def _held_by_me(conn: sa.Connection, task_id: str, group_key: str | None, facts:
     if hold is None or hold.held_task_id != task_id:
         return ""
     facts["group_hold"] = dict(hold._mapping)
-    return f"; its failure holds group {group_key} since {hold.held_since} ({_operator_actions(group_key)})"
+    since = f"{hold.held_since:%Y-%m-%d %H:%M:%S%z}"
+    return f"; its failure holds group {group_key} since {since} ({_operator_actions(group_key)})"
 
 
 def _operator_actions(group_key: str) -> str:
@@ -257,7 +258,8 @@ def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datet
         return Explanation(
             task_id,
             "held",
-            f"number {wait['group_seq']} of group {wait['group_key']}: the group is held since {hold.held_since}"
+            f"number {wait['group_seq']} of group {wait['group_key']}: the group is held since"
+            f" {hold.held_since:%Y-%m-%d %H:%M:%S%z}"
             f" because {hold.held_reason}; {_operator_actions(wait['group_key'])}",
             facts,
         )
