@@ -76,7 +76,7 @@ from celery_keyed.ledger.fair_weights import (
     fair_shares,
     fair_weight_overrides,
 )
-from celery_keyed.ledger.group_policies import GroupAction, GroupHold, held_groups
+from celery_keyed.ledger.group_policies import GroupHold, held_groups
 from celery_keyed.ledger.groups import groups_register
 from celery_keyed.ledger.holders import (
     holders_gone,
@@ -92,7 +92,7 @@ from celery_keyed.ledger.key_overrides import KeyOverride, key_overrides_live
 from celery_keyed.ledger.keys import keys_captured_by
 from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_key, validate_name, validate_task_id
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
-from celery_keyed.ledger.names import GROUP_FAILURE_POLICIES, NameConfig, names_newest_version, parse_limits
+from celery_keyed.ledger.names import NameConfig, names_newest_version, parse_limits
 from celery_keyed.ledger.outbox import outbox_by_name, outbox_register
 from celery_keyed.ledger.outcome_kinds import NEVER_RAN_KINDS, OUTCOME_KINDS
 from celery_keyed.ledger.overrides import clear_override, override_get, set_override
@@ -128,7 +128,6 @@ __all__ = [
     "EXCLUSIVE_COST",
     "FAIR_WEIGHT_MAX",
     "FAIR_WEIGHT_MIN",
-    "GROUP_FAILURE_POLICIES",
     "INT_MAX",
     "MAX_KEYS_PER_CALL",
     "NEVER_RAN_KINDS",
@@ -142,7 +141,6 @@ __all__ = [
     "Explanation",
     "FailoverLedger",
     "FairShare",
-    "GroupAction",
     "GroupHold",
     "HeldClaim",
     "InvalidConfig",
