@@ -447,7 +447,9 @@ class Group(models.Model):
 
     group_key = models.TextField(primary_key=True)
     next_seq = models.BigIntegerField()
-    held_since = models.DateTimeField(null=True, blank=True, help_text="held for an operator since (group_failure hold)")
+    held_since = models.DateTimeField(
+        null=True, blank=True, help_text="held for an operator since (group_failure hold)"
+    )
     held_task_id = models.TextField(null=True, blank=True, help_text="the head whose failure held the group")
     held_reason = models.TextField(null=True, blank=True)
 
