@@ -223,6 +223,24 @@ def test_hold_a_retry_holds_the_group_and_resume_runs_the_retry_first(ledger: Le
     assert ledger.books() == {"completed": 1, "open": 1, "arrivals": 2}
 
 
+def test_hold_a_retry_that_arrived_before_the_release_waits_for_the_operator(ledger: Ledger, scalar) -> None:
+    configure(ledger, "hold")
+    fence = start(ledger, "h", "n")
+    assert ledger.admit(Arrival("h", attempt=1, group_key="order:1")).verdict is Verdict.PARKED  # behind itself
+    assert ledger.release(Token("h", 0), fence, Outcome.RETRY).promotions == []
+    assert held(ledger) == "h"
+    assert scalar("SELECT bool_and(group_blocked) FROM keyed_waiting") is True  # out of every ready index
+    assert ledger.sweep().promotions == []
+    # the policy changed meanwhile: a hold already set stays until an operator ends it
+    configure(ledger, "halt")
+    assert ledger.sweep().promotions == [] and held(ledger) == "h"
+    action = ledger.resume_group("order:1")
+    assert action is not None
+    (p,) = action.promotions
+    assert p.token == Token("h", 1)
+    assert ids(complete(ledger, p)) == ["n"]
+
+
 def test_hold_skip_while_the_retry_is_in_transit_drops_it_when_it_arrives(ledger: Ledger) -> None:
     configure(ledger, "hold")
     fence = start(ledger, "h", "n")
