@@ -8,6 +8,7 @@
     celery -A proj keyed clear-limit NAME [--reason TEXT] [--author WHO]
     celery -A proj keyed pause-key / resume-key / set-key-limit / clear-key-limit KEY ...
     celery -A proj keyed set-weight / clear-weight NAME PREFIX ... ; celery -A proj keyed weights
+    celery -A proj keyed resume-group / skip-group-head GROUP_KEY [--reason TEXT] [--author WHO]
     celery -A proj keyed reconcile [--reclaim] [--json]
     celery -A proj keyed migrate [--json]
 
@@ -20,6 +21,7 @@ The package follows what an operator does:
 
 - ``status``, ``explain``, ``workers`` (``inspect``): look (nothing here writes);
 - ``limits``: change limits, pauses and fair weights at runtime;
+- ``groups``: resume a held group, or skip its failed head;
 - ``maintenance``: ``migrate`` and ``reconcile``;
 - ``operator`` (what every command shares), ``render`` (tables, JSON, times), ``dispatch`` (how the commands publish
   what a write promoted: one function).
@@ -30,6 +32,7 @@ from __future__ import annotations
 import click
 
 from celery_keyed.cli.explain import explain
+from celery_keyed.cli.groups import resume_group_command, skip_group_head_command
 from celery_keyed.cli.limits import (
     clear_key_limit_command,
     clear_limit,
@@ -76,6 +79,8 @@ for command in (
     set_weight,
     clear_weight,
     weights,
+    resume_group_command,
+    skip_group_head_command,
     reconcile,
     migrate_command,
 ):

@@ -1,5 +1,6 @@
 """``celery keyed status``: names and keys, their limits and where they come from, in flight, waiting, the rules
-that refuse or expire tasks, key overrides, fair shares, the workers' configuration versions, sends and the outbox.
+that refuse or expire tasks, key overrides, fair shares, held groups, the workers' configuration versions, sends and
+the outbox.
 
 One aggregated query per table, so it stays fast on 100,000 keys."""
 
@@ -17,10 +18,12 @@ from celery_keyed.ledger import (
     INT_MAX,
     STATEMENT_TIMEOUT_MAX,
     FairShare,
+    GroupHold,
     KeyOverride,
     KeyStatus,
     NameStatus,
     fair_shares,
+    held_groups,
     holders_latest,
     key_overrides_live,
     names_newest_version,
@@ -49,6 +52,7 @@ class Readings:
     outbox: list[Any]
     key_overrides: list[KeyOverride]
     shares: list[FairShare]
+    held: list[GroupHold]
 
 
 def read_status(operator: Operator, name: str | None, limit: int, idle: bool, timeout: float) -> Readings:
@@ -65,6 +69,7 @@ def read_status(operator: Operator, name: str | None, limit: int, idle: bool, ti
             outbox=[o for o in outbox_by_name(conn) if name is None or o.name == name],
             key_overrides=key_overrides_live(conn, name=name),  # a key's own pause or limit
             shares=fair_shares(conn, name=name, limit=max(limit, 1) * 10) if limit else [],
+            held=[g for g in held_groups(conn) if name is None or g.group_key.partition(":")[0] == name],
         )
 
 
@@ -113,6 +118,7 @@ def status(operator: Operator, name: str | None, limit: int, idle: bool, timeout
                 "outbox": [o.as_dict() for o in seen.outbox],
                 "key_overrides": [k.as_dict() for k in seen.key_overrides],
                 "fair_shares": [f.as_dict() for f in seen.shares],
+                "held_groups": [g.as_dict() for g in seen.held],
                 "notes": notes,
             }
         )
@@ -139,6 +145,8 @@ def status_sections(seen: Readings, *, name: str | None, limit: int, idle: bool)
         sections.append(key_overrides_table(seen.key_overrides))
     if seen.shares:
         sections.append(fair_shares_table(seen.shares))
+    if seen.held:
+        sections.append(held_groups_table(seen.held))
     if seen.workers:
         sections.append(f"configuration version stored: {seen.newest}\n" + workers_table(seen.workers, seen.newest))
     if seen.sends:
@@ -278,6 +286,8 @@ def rules(n: NameStatus) -> str:
         found.append("fair")
     if n.uncertain_hold:
         found.append(f"uncertain {n.uncertain_hold:g}s")
+    if n.group_failure != "halt":
+        found.append(f"group_failure {n.group_failure}")
     return ", ".join(found) or "-"
 
 
@@ -301,9 +311,27 @@ def rules_in_words(names: list[NameStatus]) -> list[str]:
             said.append(f"each key starts at most {rate_text(n.rate)}{burst}")
         if n.shards > 1:
             said.append(f"each key's limit is spread over {n.shards} shards")
+        if n.group_failure in GROUP_FAILURE_WORDS:
+            said.append(GROUP_FAILURE_WORDS[n.group_failure])
         if said:
             lines.append(f"{n.name}: " + "; ".join(said) + ".")
     return lines
+
+
+#: What a group whose policy is not the default does when its head fails, in words.
+GROUP_FAILURE_WORDS = {
+    "skip": "a group head that fails is dead-lettered at once (no retry) and its group moves on",
+    "hold": "a group head that fails holds its group until an operator resumes it or skips the head",
+}
+
+
+def held_groups_table(held: list[GroupHold]) -> str:
+    """The groups held for an operator, with the head that held them and why, and what to run."""
+    rows = [(g.group_key, when(g.held_since), g.task_id, g.members, g.reason) for g in held]
+    table = render_table(["held group", "since", "failed head", "members", "why"], rows)
+    return (table + "\nnothing of a held group starts until: celery keyed resume-group GROUP_KEY"
+            " (its head runs again or the next one starts) or celery keyed skip-group-head GROUP_KEY"
+            " (the failed head is dead-lettered)")
 
 
 def keys_table(keys: list[KeyStatus]) -> str:

@@ -76,6 +76,7 @@ from celery_keyed.ledger.fair_weights import (
     fair_shares,
     fair_weight_overrides,
 )
+from celery_keyed.ledger.group_policies import GroupHold, held_groups
 from celery_keyed.ledger.groups import groups_register
 from celery_keyed.ledger.holders import (
     holders_gone,
@@ -140,6 +141,7 @@ __all__ = [
     "Explanation",
     "FailoverLedger",
     "FairShare",
+    "GroupHold",
     "HeldClaim",
     "InvalidConfig",
     "InvalidKey",
@@ -173,6 +175,7 @@ __all__ = [
     "fair_shares",
     "fair_weight_overrides",
     "groups_register",
+    "held_groups",
     "holders_latest",
     "key_name",
     "key_overrides_live",

@@ -439,16 +439,17 @@ def _ready_to_start(
     conn: sa.Connection, arrival: Arrival, rooms: dict[str, int | None], *, group_seq: int | None,
     now: datetime | None,
 ) -> tuple[bool, bool]:
-    """(Whether the arrival heads its group — True without a group —, whether it may start now: room on every key,
-    its group's head and not busy, due, not debounced). Locks its group's row."""
+    """(Whether the arrival heads its group, not held for an operator — True without a group: else it parks blocked
+    by its group —, whether it may start now: room on every key, its group's head and not busy, due, not
+    debounced). Locks its group's row."""
     has_room = all(shard is not None for shard in rooms.values())
     head_ready = True
     is_head = True
     if arrival.group_key:
         groups.groups_lock(conn, arrival.group_key)
-        head, busy = groups.groups_head(conn, arrival.group_key)
-        is_head = head == group_seq
-        head_ready = is_head and not busy
+        head, busy, held = groups.groups_head_held(conn, arrival.group_key)
+        head_ready = head == group_seq and not busy
+        is_head = head == group_seq and not held
     not_due = arrival.not_before is not None and clock_is_future(conn, arrival.not_before, now)
     if arrival.debounce is not None:
         not_due = True  # a debounced arrival always waits out its quiet period, room or not (parking._debounce)

@@ -1,6 +1,7 @@
 """The operator's controls: audited runtime changes of limits and weights, and what is in force now — a name's
 override (``overrides``), a key's own limit or pause (``key_overrides``), a fair name's weights by prefix
-(``fair_weights``). Each change is one transaction and returns the promotions the room it made let in (D2).
+(``fair_weights``), a held group's resume or skip (``group_policies``). Each change is one transaction and returns
+the promotions the room it made let in (D2).
 
 :class:`OperatorControls` is the part of the ``Ledger`` facade that holds them: a ``session.LedgerSession`` with one
 method per control, each forwarding to its table module's function.
@@ -12,6 +13,14 @@ from datetime import datetime
 
 from celery_keyed.ledger.attempts import Promotion
 from celery_keyed.ledger.fair_weights import FairShare, clear_fair_weight, fair_shares, set_fair_weight
+from celery_keyed.ledger.group_policies import (
+    GroupAction,
+    GroupHold,
+    group_hold,
+    held_groups,
+    resume_group,
+    skip_group_head,
+)
 from celery_keyed.ledger.key_overrides import (
     KeyOverride,
     clear_key_limit,
@@ -150,3 +159,39 @@ class OperatorControls(LedgerSession):
         with schema_required(self.engine), self.engine.connect() as conn:
             return key_override_get(conn, key, now=now)
 
+
+    def resume_group(
+        self, group_key: str, *, reason: str = "", author: str = "", now: datetime | None = None
+    ) -> GroupAction | None:
+        """End the hold of a held group (its policy is ``hold`` and its head failed): its head — the failed task's
+        retry, or the next number when the failed task ended for good — may start (the promotions are in the
+        result). None when the group is not held (nothing changed). Recorded as a ``group_resumed`` event."""
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: resume_group(
+                    conn, group_key, reason=reason, author=author, dispatch=self.dispatch, now=now
+                )
+            )
+
+    def skip_group_head(
+        self, group_key: str, *, reason: str = "", author: str = "", now: datetime | None = None
+    ) -> GroupAction | None:
+        """Dead-letter the failed head of a held group (unless it ended already: ``skipped`` says) and end the hold:
+        the next number may start (the promotions are in the result). None when the group is not held. Recorded as a
+        ``group_head_skipped`` event."""
+        with schema_required(self.engine):
+            return self.transaction(
+                lambda conn: skip_group_head(
+                    conn, group_key, reason=reason, author=author, dispatch=self.dispatch, now=now
+                )
+            )
+
+    def group_hold(self, group_key: str) -> GroupHold | None:
+        """The hold of ``group_key`` (when, which head, why), or None when it is not held."""
+        with schema_required(self.engine), self.engine.connect() as conn:
+            return group_hold(conn, group_key)
+
+    def held_groups(self, *, limit: int = 100) -> list[GroupHold]:
+        """The held groups, oldest hold first."""
+        with schema_required(self.engine), self.engine.connect() as conn:
+            return held_groups(conn, limit=limit)

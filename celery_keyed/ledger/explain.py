@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from celery_keyed.ledger.bounds import is_exclusive
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.fair_weights import fair_shares
+from celery_keyed.ledger.groups import groups_hold_get
 from celery_keyed.ledger.key_overrides import KeyOverride, key_override_get
 from celery_keyed.ledger.keyspec import validate_task_id
 from celery_keyed.ledger.slots import in_flight
@@ -71,7 +72,7 @@ EXPLAIN_MEMBER = sa.text("SELECT group_key, seq, received FROM keyed_group_membe
 @dataclass
 class Explanation:
     """``state`` is one of unknown, outbox, registered, sent, running, promoted, waiting, paused, blocked, not_before,
-    debounced (a debounced task waiting out its key's quiet period),
+    debounced (a debounced task waiting out its key's quiet period), held (a member of a group held for an operator),
     shadow, between_attempts, finished; ``text`` says it in a sentence; ``facts`` has the numbers."""
 
     task_id: str
@@ -100,18 +101,39 @@ def explain(conn: sa.Connection, task_id: str, *, now: datetime | None = None) -
             {**claim, "mode": _mode(claim)},
         )
     if task["outcome"] is not None:
+        facts = dict(task)
         return Explanation(
             task_id,
             "finished",
-            f"finished: {task['outcome']}" + (f" ({task['detail']})" if task["detail"] else ""),
-            dict(task),
+            f"finished: {task['outcome']}" + (f" ({task['detail']})" if task["detail"] else "")
+            + _held_by_me(conn, task_id, task["group_key"], facts),
+            facts,
         )
     if claim is not None:
         return _explain_claim(task_id, claim)
     wait = conn.execute(EXPLAIN_WAITING, {"task_id": task_id, "now": now}).mappings().first()
     if wait is None:
-        return _explain_between_attempts(conn, task_id, task, now=now)
+        between = _explain_between_attempts(conn, task_id, task, now=now)
+        between.text += _held_by_me(conn, task_id, task["group_key"], between.facts)
+        return between
     return _explain_waiting(conn, task_id, wait, now=now)
+
+
+def _held_by_me(conn: sa.Connection, task_id: str, group_key: str | None, facts: dict[str, Any]) -> str:
+    """When ``task_id``'s failure holds its group for an operator: a clause saying so (and ``facts["group_hold"]``)."""
+    if group_key is None:
+        return ""
+    hold = groups_hold_get(conn, group_key)
+    if hold is None or hold.held_task_id != task_id:
+        return ""
+    facts["group_hold"] = dict(hold._mapping)
+    since = f"{hold.held_since:%Y-%m-%d %H:%M:%S%z}"
+    return f"; its failure holds group {group_key} since {since} ({_operator_actions(group_key)})"
+
+
+def _operator_actions(group_key: str) -> str:
+    return (f"nothing of the group starts until an operator resumes it (celery keyed resume-group {group_key}) or"
+            f" skips its failed head (celery keyed skip-group-head {group_key})")
 
 
 def _explain_not_received(conn: sa.Connection, task_id: str, member: Any, *, now: datetime | None) -> Explanation:
@@ -231,6 +253,16 @@ def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datet
         )
     if wait["not_due"]:
         return Explanation(task_id, "not_before", f"not before {wait['not_before']}", facts)
+    if wait["group_key"] is not None and (hold := groups_hold_get(conn, wait["group_key"])) is not None:
+        facts["group_hold"] = dict(hold._mapping)
+        return Explanation(
+            task_id,
+            "held",
+            f"number {wait['group_seq']} of group {wait['group_key']}: the group is held since"
+            f" {hold.held_since:%Y-%m-%d %H:%M:%S%z}"
+            f" because {hold.held_reason}; {_operator_actions(wait['group_key'])}",
+            facts,
+        )
     blocked = _blocked_by_group(conn, task_id, wait, facts) if wait["group_key"] is not None else None
     if blocked is not None:
         return blocked

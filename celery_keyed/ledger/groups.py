@@ -7,6 +7,11 @@ group_key; the unique index ``keyed_claims_one_per_group`` backs the rule). A he
 member row, so the group waits; its final outcome (success, dead-letter, expiry…) deletes the row and the next
 number becomes the head. A registered number never received within the arrival timeout is recorded lost and
 skipped. Every admission and advance locks the group row first (lock order: after slots and keys).
+
+A group whose name's failure policy is ``hold`` (``keyed_names.group_failure``, read by ``keyed_group_failure``) is
+held when its head fails (``GROUPS_HOLD``, by the release of the head): a held group counts as busy in
+``GROUPS_HEAD``, so nothing of it starts — not its head's retry, not the next number — until an operator resumes it
+(``GROUPS_RESUME``) or skips its head (``group_policies``). See docs/groups.md.
 """
 
 from __future__ import annotations
@@ -45,11 +50,62 @@ GROUPS_LOCK = sa.text(
 # groups_try_lock: lock the group row unless another transaction holds it (callers out of lock order).
 GROUPS_TRY_LOCK = sa.text("SELECT next_seq FROM keyed_groups WHERE group_key = :group_key FOR UPDATE SKIP LOCKED")
 
-# groups_head: the group's head number and whether an attempt of the group holds its claim.
+# groups_head: the group's head number, whether an attempt of the group holds its claim, whether it is held for an
+# operator (a held group is busy: nothing of it starts).
 GROUPS_HEAD = sa.text(
     """
     SELECT (SELECT min(seq) FROM keyed_group_members WHERE group_key = :group_key) AS head,
-           EXISTS (SELECT 1 FROM keyed_claims WHERE group_key = :group_key) AS busy
+           EXISTS (SELECT 1 FROM keyed_claims WHERE group_key = :group_key) AS running,
+           EXISTS (SELECT 1 FROM keyed_groups WHERE group_key = :group_key AND held_since IS NOT NULL) AS held
+    """
+)
+
+# groups_failure_policy: what the group does when its head fails (its name's group_failure; 'halt' by default).
+GROUPS_FAILURE_POLICY = sa.text("SELECT keyed_group_failure(:group_key)")
+
+# groups_hold: hold the group for an operator after its head failed — only when its name's policy is 'hold' (read
+# here, in the statement) and the group is not held already (the first failure's reason stays). Row: held now.
+GROUPS_HOLD = sa.text(
+    f"""
+    UPDATE keyed_groups SET held_since = {NOW}, held_task_id = :task_id, held_reason = :reason
+     WHERE group_key = :group_key AND held_since IS NULL AND keyed_group_failure(:group_key) = 'hold'
+    RETURNING group_key
+    """
+)
+
+# groups_block_members: a held group's parked members (its head's retry among them) leave the ready indexes.
+GROUPS_BLOCK_MEMBERS = sa.text(
+    "UPDATE keyed_waiting SET group_blocked = true WHERE group_key = :group_key AND NOT group_blocked AND NOT shadow"
+)
+
+# groups_resume: end the hold of a group (guarded: only a held group, only the hold the caller saw when it names
+# one). Row: the hold that ended.
+GROUPS_RESUME = sa.text(
+    """
+    UPDATE keyed_groups g SET held_since = NULL, held_task_id = NULL, held_reason = NULL
+      FROM (SELECT group_key, held_since, held_task_id, held_reason FROM keyed_groups
+             WHERE group_key = :group_key FOR UPDATE) old
+     WHERE g.group_key = old.group_key AND old.held_since IS NOT NULL
+       AND (CAST(:task_id AS text) IS NULL OR old.held_task_id = :task_id)
+    RETURNING old.held_since, old.held_task_id, old.held_reason
+    """
+)
+
+# groups_hold_get: the hold of a group (None when it is not held).
+GROUPS_HOLD_GET = sa.text(
+    """
+    SELECT group_key, held_since, held_task_id, held_reason, keyed_group_failure(group_key) AS policy
+      FROM keyed_groups WHERE group_key = :group_key AND held_since IS NOT NULL
+    """
+)
+
+# groups_held: the held groups, oldest hold first, with their members still to run (status).
+GROUPS_HELD = sa.text(
+    """
+    SELECT g.group_key, g.held_since, g.held_task_id, g.held_reason,
+           (SELECT count(*) FROM keyed_group_members m WHERE m.group_key = g.group_key) AS members
+      FROM keyed_groups g WHERE g.held_since IS NOT NULL
+     ORDER BY g.held_since, g.group_key LIMIT :limit
     """
 )
 
@@ -98,9 +154,37 @@ def groups_try_lock(conn: sa.Connection, group_key: str) -> bool:
 
 
 def groups_head(conn: sa.Connection, group_key: str) -> tuple[int | None, bool]:
-    """(head number or None when the group is empty, whether an attempt holds the group)."""
+    """(head number or None when the group is empty, whether nothing of it may start: an attempt holds the group,
+    or it is held for an operator)."""
     row = conn.execute(GROUPS_HEAD, {"group_key": group_key}).one()
-    return row.head, bool(row.busy)
+    return row.head, bool(row.running or row.held)
+
+
+def groups_head_held(conn: sa.Connection, group_key: str) -> tuple[int | None, bool, bool]:
+    """(head number or None, whether nothing of it may start, whether it is held for an operator)."""
+    row = conn.execute(GROUPS_HEAD, {"group_key": group_key}).one()
+    return row.head, bool(row.running or row.held), bool(row.held)
+
+
+def groups_failure_policy(conn: sa.Connection, group_key: str) -> str:
+    """What ``group_key`` does when its head fails: ``halt``, ``skip`` or ``hold`` (its name's ``group_failure``)."""
+    return str(conn.execute(GROUPS_FAILURE_POLICY, {"group_key": group_key}).scalar_one())
+
+
+def groups_hold(
+    conn: sa.Connection, group_key: str, task_id: str, *, reason: str, now: datetime | None = None
+) -> bool:
+    """Hold ``group_key`` (locked by the caller) after its head ``task_id`` failed, when its policy is ``hold`` and it
+    is not held yet; its parked members leave the ready indexes. True: held now."""
+    params = {"group_key": group_key, "task_id": task_id, "reason": reason, "now": now}
+    if conn.execute(GROUPS_HOLD, params).first() is None:
+        return False
+    conn.execute(GROUPS_BLOCK_MEMBERS, {"group_key": group_key})
+    return True
+
+
+def groups_hold_get(conn: sa.Connection, group_key: str) -> sa.Row[Any] | None:
+    return conn.execute(GROUPS_HOLD_GET, {"group_key": group_key}).first()
 
 
 def members_get(conn: sa.Connection, task_id: str) -> sa.Row[Any] | None:

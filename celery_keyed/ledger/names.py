@@ -34,12 +34,17 @@ from celery_keyed.ledger.fair_weights import check_weights
 from celery_keyed.ledger.keyspec import validate_name
 
 Overflow = Literal["reject", "supersede"]
+#: What a group of the name does when its head fails (docs/groups.md): wait through its retries and move on after its
+#: final failure (halt), dead-letter it at once and move on (skip), or wait for an operator (hold).
+GroupFailure = Literal["halt", "skip", "hold"]
+GROUP_FAILURE_POLICIES: tuple[str, ...] = ("halt", "skip", "hold")
 
 _KNOWN_OPTIONS = {
     "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair", "fair_weights",
     "admit_at_send", "register_at_publish",
     "debounce", "debounce_max", "debounce_keep",
     "on_newer",
+    "group_failure",
 }
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -58,7 +63,11 @@ class NameConfig:
     ``admit_at_send``: producers ask the ledger before publishing a task of this name and raise ``KeyedRejected``
     when its waiting room is full or its dedupe key is live (read by the producer from its own settings; not
     stored in the ledger); ``register_at_publish``: producers store each message of this name in the ledger's
-    outbox at publish, and what no worker receives in time is published again (producer side too)."""
+    outbox at publish, and what no worker receives in time is published again (producer side too);
+    ``group_failure``: what a group whose key has this name does when its head fails — ``"halt"`` (the default: the
+    group waits through the head's retries and moves on once its final failure is dead-lettered), ``"skip"`` (the
+    head is dead-lettered at its first failure, retry or not, and the next member starts at once), ``"hold"`` (the
+    group waits for an operator: ``Ledger.resume_group`` / ``Ledger.skip_group_head``)."""
 
     name: str
     limit: int = 1
@@ -81,6 +90,8 @@ class NameConfig:
     # Newest wins (issue 14 item 1; producer side, like debounce: not stored in the ledger): a task of this name
     # without its own on_newer option is published with this policy ("cancel_running"; README "Newest wins").
     on_newer: str | None = None
+    # Group failure policies (issue 29 item 4): stored in the ledger, read by the release of a group's head.
+    group_failure: GroupFailure = "halt"
 
     def __post_init__(self) -> None:
         # Every number is checked against what its column and the clock can hold (ledger/bounds.py), so a value
@@ -129,6 +140,10 @@ class NameConfig:
             )
         if self.overflow not in ("reject", "supersede"):
             raise InvalidConfig(f"{self.name}: overflow must be 'reject' or 'supersede', got {self.overflow!r}")
+        if self.group_failure not in GROUP_FAILURE_POLICIES:
+            raise InvalidConfig(
+                f"{self.name}: group_failure must be 'halt', 'skip' or 'hold', got {self.group_failure!r}"
+            )
 
     def _check_producer_side(self) -> None:
         """Debounce and newest wins (producer-side policies, not stored in the ledger)."""
@@ -188,14 +203,15 @@ def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
 NAMES_UPSERT = sa.text(
     f"""
     INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, rate, burst,
-                             fair, fair_weights, config_version, updated_at)
+                             fair, fair_weights, group_failure, config_version, updated_at)
     SELECT :name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, :rate, :burst, :fair,
-           CAST(:fair_weights AS jsonb), :version, {NOW}
+           CAST(:fair_weights AS jsonb), :group_failure, :version, {NOW}
      WHERE NOT EXISTS (SELECT 1 FROM keyed_names n WHERE n.config_version > :version)
     ON CONFLICT (name) DO UPDATE SET
         slot_limit = excluded.slot_limit, shards = excluded.shards, max_waiting = excluded.max_waiting,
         max_wait = excluded.max_wait, overflow = excluded.overflow, uncertain_hold = excluded.uncertain_hold,
         rate = excluded.rate, burst = excluded.burst, fair = excluded.fair, fair_weights = excluded.fair_weights,
+        group_failure = excluded.group_failure,
         config_version = excluded.config_version,
         updated_at = excluded.updated_at
      WHERE keyed_names.config_version <= excluded.config_version
@@ -246,6 +262,7 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, n
             "burst": config.burst,
             "fair": config.fair,
             "fair_weights": None if config.fair_weights is None else json.dumps(dict(config.fair_weights)),
+            "group_failure": config.group_failure,
             "version": version,
             "now": now,
         },

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from celery_keyed.ledger import books, claims, driver, fast_paths, groups, keys, slots, waiting
 from celery_keyed.ledger.attempts import Outcome, Promotion, ReleaseReport, ReleaseRequest, Token
 from celery_keyed.ledger.keyspec import key_name
-from celery_keyed.ledger.outcomes import final_outcome, unblock_head
+from celery_keyed.ledger.outcomes import final_outcome, head_failure_policy, hold_group, unblock_head
 from celery_keyed.ledger.promote import (
     DEFAULT_DISPATCH_TIMEOUT,
     LocalHandoff,
@@ -191,11 +191,17 @@ def after_claim_removed(
     locked first, lock order), the slot, the shadows (D8), the group's head, and the promotions."""
     token = Token(row.task_id, row.attempt)
     report = ReleaseReport(released=True)
-    final = final_outcome(outcome, grouped=row.group_key is not None)
+    policy = head_failure_policy(conn, row.group_key, outcome)  # a failing group head: its group's policy
+    final = final_outcome(outcome, grouped=row.group_key is not None, policy=policy)
     # The task's row first (lock order): an arrival of the same task holds it while it looks for this claim and
     # parks a duplicate as its shadow; taking it here means we see that shadow (or it sees the claim gone).
     conn.execute(books.BOOKS_LOCK_TASK, {"task_id": token.task_id})
+    skipped_retry: Sequence[Any] = ()
     if final is not None:
+        if outcome is Outcome.RETRY:  # skip: the head asked for a retry and is dead-lettered instead
+            detail = f"dead-lettered at its failure, its group's policy is skip ({detail or 'a retry was asked for'})"
+            # its retry, if it arrived already, leaves the waiting room (it was blocked behind this very attempt)
+            skipped_retry = conn.execute(waiting.WAITING_DELETE_TASK, {"task_id": token.task_id}).all()
         if books.books_finish(conn, token.task_id, final, attempt=token.attempt, detail=detail, now=now):
             report.finished.append((token.task_id, final))
     elif outcome is Outcome.RETRY:
@@ -215,10 +221,16 @@ def after_claim_removed(
     freed = give_back_to_lines(conn, claims.Holding.of(row), lines, now=now)
     _shadows_follow(conn, token, row.key, outcome, now=now)
     to_lock = {key for key, _ in freed} | ({line} if line is not None else set())
+    to_lock |= {r.key for r in skipped_retry if r.key is not None}
     for key in sorted(to_lock):
         keys.keys_lock(conn, key, key_name(key), now=now)
+    for r in skipped_retry:
+        if r.key is not None:
+            keys.keys_remove_waiting(conn, r.key, now=now)
     if parked is not None and waiting.waiting_restore(conn, parked) and line is not None:
         keys.keys_add_waiting(conn, line, force=True)
+    if policy == "hold":  # its group waits for an operator (before the next number could become the head)
+        hold_group(conn, row.group_key, token, outcome, detail=detail, now=now)
     if row.group_key is not None and final is not None:
         groups.groups_lock(conn, row.group_key)
         groups.members_finish(conn, token.task_id)

@@ -103,6 +103,7 @@ STATUS_NAMES = sa.text(
            {_AGE} AS oldest_waiting_age,
            c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version,
            COALESCE(c.shards, 1) AS shards, c.max_waiting, c.max_wait, COALESCE(c.overflow, 'reject') AS overflow,
+           COALESCE(c.group_failure, 'halt') AS group_failure,
            COALESCE(w.debounced, 0) AS debounced,
            COALESCE(k.paused_keys, 0) AS paused_keys, COALESCE(k.limited_keys, 0) AS limited_keys
       FROM names n
@@ -199,6 +200,7 @@ class NameStatus:
     max_waiting: int | None = None
     overflow: str = "reject"
     max_wait: float | None = None
+    group_failure: str = "halt"  # what a group of the name does when its head fails (halt, skip, hold)
 
     @property
     def paused(self) -> bool:
@@ -277,6 +279,7 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             max_waiting=r["max_waiting"],
             overflow=r["overflow"],
             max_wait=r["max_wait"],
+            group_failure=r["group_failure"],
         )
         for r in rows
     ]

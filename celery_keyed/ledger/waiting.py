@@ -195,9 +195,14 @@ WAITING_RESTORE = sa.text(
     """
 )
 
-# waiting_unblock_group_head: the group's head moved to this member; it may now be promoted by its key.
+# waiting_unblock_group_head: the group's head moved to this member; it may now be promoted by its key — unless its
+# group is held for an operator (then it stays blocked until the group is resumed).
 WAITING_UNBLOCK = sa.text(
-    "UPDATE keyed_waiting SET group_blocked = false WHERE group_key = :group_key AND group_seq = :seq"
+    """
+    UPDATE keyed_waiting SET group_blocked = false
+     WHERE group_key = :group_key AND group_seq = :seq
+       AND NOT EXISTS (SELECT 1 FROM keyed_groups g WHERE g.group_key = :group_key AND g.held_since IS NOT NULL)
+    """
 )
 
 # waiting_delete_superseded: remove the parked attempts of a key with this supersede key (never shadows).

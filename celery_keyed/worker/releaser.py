@@ -309,7 +309,8 @@ class Releaser:
             self.mark_contended(job.key)
         for task_id, final in report.finished:
             if final == "dead_lettered":
-                logger.error("celery-keyed: group head %s[%s] dead-lettered; its group moves on", job.name, task_id)
+                logger.error("celery-keyed: group head %s[%s] dead-lettered (its group's failure policy decides what"
+                             " follows: docs/groups.md)", job.name, task_id)
         metrics.promoted(report.promotions, job.released_at)
         self.handoff.dispatch(report.promotions, local=local, granted=granted)
 

@@ -52,6 +52,9 @@ class Name(models.Model):
     config_version = models.IntegerField(
         "configuration version", help_text="keyed_config_version of the worker that stored it (older never overwrite)"
     )
+    group_failure = models.TextField(  # group failure policies (0027)
+        help_text="what a group of this name does when its head fails: halt, skip or hold"
+    )
 
     class Meta:
         managed = False
@@ -444,6 +447,11 @@ class Group(models.Model):
 
     group_key = models.TextField(primary_key=True)
     next_seq = models.BigIntegerField()
+    held_since = models.DateTimeField(
+        null=True, blank=True, help_text="held for an operator since (group_failure hold)"
+    )
+    held_task_id = models.TextField(null=True, blank=True, help_text="the head whose failure held the group")
+    held_reason = models.TextField(null=True, blank=True)
 
     class Meta:
         managed = False

@@ -212,6 +212,7 @@ def _define_tasks(app: Any, ns: Any) -> None:
         canvas_tasks,
         composition_tasks,
         fault_tasks,
+        group_policy_tasks,
         newest_wins_tasks,
         retry_tasks,
         shutdown_tasks,
@@ -225,6 +226,7 @@ def _define_tasks(app: Any, ns: Any) -> None:
     shutdown_tasks.define(app, ns)
     throttle_tasks.define(app, ns)
     retry_tasks.define(app, ns)
+    group_policy_tasks.define(app, ns)
 
 
 if "CELERY_BROKER_URL" in os.environ and "KEYED_DATABASE_URL" in os.environ:

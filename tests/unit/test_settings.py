@@ -74,3 +74,12 @@ def test_claim_ahead_is_a_flag_or_the_most_seconds_a_request_may_be_expected_to_
 def test_claim_ahead_rejects_anything_else(value: object) -> None:
     with pytest.raises(InvalidConfig, match="keyed_claim_ahead must be True, False or a number of seconds"):
         read_settings({"keyed_database_url": URL, "keyed_claim_ahead": value})
+
+
+def test_a_group_failure_policy_is_read_from_the_limits_and_checked() -> None:
+    limits = {"order": {"group_failure": "skip"}}
+    settings = read_settings({"keyed_database_url": URL, "keyed_concurrency_limits": limits})
+    assert settings.limits["order"].group_failure == "skip"
+    assert settings.limits["order"].limit == 1  # a group name's entry leaves its keys' limit alone
+    with pytest.raises(InvalidConfig, match="order: group_failure must be 'halt', 'skip' or 'hold', got 'pause'"):
+        read_settings({"keyed_database_url": URL, "keyed_concurrency_limits": {"order": {"group_failure": "pause"}}})

@@ -37,7 +37,11 @@ CREATE TABLE keyed_names (
     CONSTRAINT keyed_names_burst_with_rate CHECK (burst IS NULL OR (rate IS NOT NULL AND burst >= 1)),
     -- weighted fair sharing (0016): {"fair-key prefix": weight, ...} from keyed_fair_weights (keyed_fair_weight)
     fair_weights jsonb,
-    CONSTRAINT keyed_names_fair_weights_object CHECK (fair_weights IS NULL OR jsonb_typeof(fair_weights) = 'object')
+    CONSTRAINT keyed_names_fair_weights_object CHECK (fair_weights IS NULL OR jsonb_typeof(fair_weights) = 'object'),
+    -- what a group of this name does when its head fails (0027): halt (wait through retries, move on after the
+    -- final failure), skip (dead-letter the head at once, move on), hold (wait for an operator)
+    group_failure text NOT NULL DEFAULT 'halt',
+    CONSTRAINT keyed_names_group_failure_known CHECK (group_failure IN ('halt', 'skip', 'hold'))
 );
 
 -- Overrides: an operator's runtime limit for a name (0 pauses), who, why, until when.
@@ -345,8 +349,16 @@ CREATE INDEX keyed_waiting_multi_idx ON keyed_waiting (priority DESC, arrival)
 -- Groups: one row per group_key, the lock of the group's admission and its sequence counter (D10).
 CREATE TABLE keyed_groups (
     group_key text PRIMARY KEY,
-    next_seq bigint NOT NULL DEFAULT 1
+    next_seq bigint NOT NULL DEFAULT 1,
+    -- a held group (0027, group_failure 'hold'): since when, the head whose failure held it, why; nothing of the
+    -- group starts until an operator resumes it or skips its head
+    held_since timestamptz,
+    held_task_id text,
+    held_reason text,
+    CONSTRAINT keyed_groups_hold_whole
+        CHECK ((held_since IS NULL) = (held_task_id IS NULL) AND (held_since IS NULL) = (held_reason IS NULL))
 );
+CREATE INDEX keyed_groups_held_idx ON keyed_groups (held_since) WHERE held_since IS NOT NULL;
 
 -- Group members: every task of a group from registration (at publish) or receipt until it finishes.
 -- The head of a group is its member with the lowest seq; only the head may run.
@@ -360,6 +372,12 @@ CREATE TABLE keyed_group_members (
     CONSTRAINT keyed_group_members_task_once UNIQUE (task_id)
 );
 CREATE INDEX keyed_group_members_unreceived_idx ON keyed_group_members (registered_at) WHERE NOT received;
+
+-- keyed_group_failure: the failure policy of a group key's name ('halt' when the name has no row).
+CREATE FUNCTION keyed_group_failure(p_group_key text) RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT COALESCE((SELECT n.group_failure FROM keyed_names n WHERE n.name = split_part(p_group_key, ':', 1)), 'halt')
+$$;
 
 -- Ledger facts: drift found by reconcile and forced releases (recorded breaches), for operators.
 CREATE TABLE keyed_events (
@@ -1465,7 +1483,8 @@ CREATE TABLE keyed_ledger_identity (
 
 ALTER TABLE keyed_events DROP CONSTRAINT keyed_events_kind_known;
 ALTER TABLE keyed_events ADD CONSTRAINT keyed_events_kind_known
-    CHECK (kind IN ('drift', 'forced_release', 'reclaimed', 'duplicate', 'retry_missing', 'failover', 'reasserted'));
+    CHECK (kind IN ('drift', 'forced_release', 'reclaimed', 'duplicate', 'retry_missing', 'failover', 'reasserted',
+                    'group_held', 'group_resumed', 'group_head_skipped'));
 
 -- keyed_ledger_timeline: the timeline this server writes on (a primary's WAL insert timeline; a standby's last
 -- checkpoint's). Read from memory, no file: cheap enough for every claim insert.
