@@ -515,8 +515,9 @@ LANGUAGE sql IMMUTABLE AS $$
                 ELSE p_limit / p_shards + CASE WHEN p_shard < p_limit % p_shards THEN 1 ELSE 0 END END
 $$;
 
--- The share of shard p_shard of key p_key now: keyed_shard_share(keyed_key_limit(p_key, p_now), p_shards, p_shard),
--- the one bound-check fragment of every claim: used + cost <= keyed_key_share(...) under the slot row's lock (D1).
+-- The share of shard p_shard of key p_key now: keyed_shard_share(keyed_key_limit(p_key, p_now), p_shards, p_shard).
+-- No guard of this version calls it since 0024 (keyed_row_share, which follows the rows' layout, replaced it): it is
+-- kept for the statements of workers from before 0024 during a rolling deploy.
 -- VOLATILE like keyed_key_limit, for the same reason (a guard re-checked after a lock wait reads the newest
 -- override). One PL/pgSQL function, not the SQL keyed_shard_share around keyed_key_limit: a SQL function whose
 -- argument is a volatile call is not inlined and is set up again at every statement that calls it (about 0.1 ms
@@ -630,7 +631,7 @@ $$;
 -- Locks: every task row first, in task id order; then the slot rows key by key in key order (a name with one shard
 -- waits for its row like any counter update; a sharded name picks with SKIP LOCKED, never waiting), so two batches
 -- never wait on each other in a cycle. The bound (D1) is the same guarded pick-and-take as fast_paths.CLAIM_NEW:
--- used + cost <= keyed_key_share(...) under the row's lock, and never ahead of a
+-- used + cost <= keyed_row_share(...) under the row's lock, and never ahead of a
 -- promotable waiter (the room belongs to the head of the line, D10).
 CREATE FUNCTION keyed_claim_many(
     p_task_ids text[], p_attempts integer[], p_task_names text[], p_keys text[], p_deadlines timestamptz[],
@@ -1618,7 +1619,7 @@ BEGIN
                   WHERE p_shard IS NULL OR g = p_shard LOOP
         UPDATE keyed_slots s SET used = s.used + p_cost
          WHERE s.key = p_key AND s.shard = v_try
-           AND s.used + p_cost <= keyed_key_share(p_key, now(), keyed_name_shards(s.name), s.shard)
+           AND s.used + p_cost <= keyed_row_share(p_key, now(), s.shards, keyed_name_shards(s.name), s.shard)
         RETURNING s.shard INTO v_shard;
         EXIT WHEN v_shard IS NOT NULL;
     END LOOP;

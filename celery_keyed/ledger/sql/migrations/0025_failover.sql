@@ -150,7 +150,7 @@ BEGIN
                   WHERE p_shard IS NULL OR g = p_shard LOOP
         UPDATE keyed_slots s SET used = s.used + p_cost
          WHERE s.key = p_key AND s.shard = v_try
-           AND s.used + p_cost <= keyed_key_share(p_key, now(), keyed_name_shards(s.name), s.shard)
+           AND s.used + p_cost <= keyed_row_share(p_key, now(), s.shards, keyed_name_shards(s.name), s.shard)
         RETURNING s.shard INTO v_shard;
         EXIT WHEN v_shard IS NOT NULL;
     END LOOP;
