@@ -130,9 +130,9 @@ def _result_scanner(app: Any) -> Iterator[list[Any]] | None:
     """The stored task results of a Redis result backend, in batches (None: another backend)."""
     backend = app.backend
     client = getattr(backend, "client", None)
-    if client is None or not hasattr(client, "scan_iter") or not hasattr(backend, "get_key_for_task"):
+    prefix = getattr(backend, "task_keyprefix", None)
+    if client is None or not hasattr(client, "scan_iter") or not isinstance(prefix, bytes | str):
         return None
-    prefix = backend.get_key_for_task("")
 
     def batches() -> Iterator[list[Any]]:
         keys: list[Any] = []
