@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery_keyed.call_keys import evaluate_keys, key_spec
@@ -123,7 +123,7 @@ def _parse_date(value: Any) -> datetime | None:
             return None
     else:
         return None
-    return done if done.tzinfo is not None else done.replace(tzinfo=timezone.utc)
+    return done if done.tzinfo is not None else done.replace(tzinfo=UTC)
 
 
 def _result_scanner(app: Any) -> Iterator[list[Any]] | None:
@@ -136,7 +136,8 @@ def _result_scanner(app: Any) -> Iterator[list[Any]] | None:
 
     def batches() -> Iterator[list[Any]]:
         keys: list[Any] = []
-        for key in client.scan_iter(match=prefix + (b"*" if isinstance(prefix, bytes) else "*"), count=SCAN_BATCH):
+        pattern = prefix + b"*" if isinstance(prefix, bytes) else f"{prefix}*"
+        for key in client.scan_iter(match=pattern, count=SCAN_BATCH):
             keys.append(key)
             if len(keys) >= SCAN_BATCH:
                 yield _decode(backend, client.mget(keys))
