@@ -51,26 +51,31 @@ def settle_lost_arrivals(app: Any, ledger: Ledger, *, retention: float | None = 
     if scan is None:
         logger.warning(
             "celery-keyed reconcile: after the ledger's failover at %s, tasks lost with the old primary cannot be "
-            "settled from their results: the result backend is not Redis", failover.at)
+            "settled from their results: the result backend is not Redis (or there is none)", failover.at)
         _settled.add(failover.at)
         return 0
     settled = 0
     unextended = 0
-    for metas in scan:
-        candidates: dict[str, LostArrival] = {}
-        for meta in metas:
-            lost = _lost_arrival(app, meta, since=since, until=failover.hold_until)
-            if lost is _UNEXTENDED:
-                unextended += 1
-            elif isinstance(lost, LostArrival):
-                candidates[lost.task_id] = lost
-        for task_id in sorted(books.never_seen(list(candidates))):
-            lost = candidates[task_id]
-            if books.settle(lost):
-                settled += 1
-                logger.warning(
-                    "celery-keyed reconcile: %s (%s) was lost with the ledger's failover; booked %s from its result",
-                    task_id, lost.task_name, lost.outcome)
+    try:
+        for metas in scan:
+            candidates: dict[str, LostArrival] = {}
+            for meta in metas:
+                lost = _lost_arrival(app, meta, since=since, until=failover.hold_until)
+                if lost is _UNEXTENDED:
+                    unextended += 1
+                elif isinstance(lost, LostArrival):
+                    candidates[lost.task_id] = lost
+            for task_id in sorted(books.never_seen(list(candidates))):
+                lost = candidates[task_id]
+                if books.settle(lost):
+                    settled += 1
+                    logger.warning(
+                        "celery-keyed reconcile: %s (%s) was lost with the ledger's failover; booked %s from its "
+                        "result", task_id, lost.task_name, lost.outcome)
+    except Exception:  # the result backend or the ledger unreachable: the next run reads them all again
+        logger.warning("celery-keyed reconcile: settling the books lost with the ledger's failover stopped; the "
+                       "next run tries again", exc_info=True)
+        return settled
     if unextended:
         logger.warning(
             "celery-keyed reconcile: %d results stored around the ledger's failover carry no task name "
