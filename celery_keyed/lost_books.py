@@ -4,8 +4,9 @@ After a standby is promoted, a keyed task that arrived, ran and finished on the 
 it lost has no row in the books when its worker died too (a worker that survives settles its own). What survives is
 its result. Once the failover's hold is over, each reconciler process reads, once per failover, the results stored
 from ``FAILOVER_LOOKBACK`` seconds before the failover to the hold's end; a SUCCESS or FAILURE of a keyed task the
-books never saw is booked completed or failed (``ledger.LostBooks.settle``: guarded in PostgreSQL, one outcome per
-task whoever else settles it).
+books never saw is booked completed or failed — or, for a ``Keyed…`` failure the ledger stored for a task that never
+ran, that outcome (rejected, expired, …) — by ``ledger.LostBooks.settle``: guarded in PostgreSQL, one outcome per
+task whoever else settles it.
 
 What it needs from the result backend: a Redis result backend (its keys are listed with SCAN) and extended results
 (``result_extended = True``: the task's name and arguments tell whether it was keyed, and its key). A task with no
@@ -20,6 +21,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery_keyed.call_keys import evaluate_keys, key_spec
+from celery_keyed.exceptions import BY_OUTCOME
 from celery_keyed.ledger import Ledger, LostArrival, LostBooks
 
 logger = logging.getLogger("celery_keyed")
@@ -32,6 +34,9 @@ FAILOVER_LOOKBACK = 600.0
 SCAN_BATCH = 500
 
 _OUTCOMES = {"SUCCESS": "completed", "FAILURE": "failed"}
+
+#: The never-ran outcome of each ``Keyed…`` failure the ledger stores for a task that did not run (rejected, …).
+_NEVER_RAN = {cls.__name__: outcome for outcome, cls in BY_OUTCOME.items()}
 
 #: The failovers (their detection time) this process has settled the lost books of.
 _settled: set[datetime] = set()
@@ -113,9 +118,18 @@ def _lost_arrival(app: Any, meta: Any, *, since: datetime, until: datetime) -> o
     if keys is None:
         return None  # a call of a keyed task without a key: never in the books
     key = keys if isinstance(keys, str) else keys[0]
+    if outcome == "failed":
+        outcome = _NEVER_RAN.get(_exception_name(meta.get("result")), outcome)
     retries = meta.get("retries")
     attempt = retries if isinstance(retries, int) and retries >= 0 else 0
     return LostArrival(task_id=task_id, attempt=attempt, task_name=name, key=key, outcome=outcome)
+
+
+def _exception_name(result: Any) -> str:
+    """The class name of a stored failure: a dict of a JSON result (``exc_type``) or the exception (pickle)."""
+    if isinstance(result, dict):
+        return str(result.get("exc_type") or "")
+    return type(result).__name__ if isinstance(result, BaseException) else ""
 
 
 def _parse_date(value: Any) -> datetime | None:

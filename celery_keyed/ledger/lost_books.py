@@ -4,10 +4,10 @@ A standby promoted after the primary died lacks the primary's last commits (asyn
 arrived, ran and finished in that window has no row here at all when its worker died with the primary (a worker
 that survives settles its own from its journal: ``worker.failover``). Its result in the result backend survives:
 the reconciler (``celery_keyed.lost_books``) reads the results stored around the failover and books each task the
-ledger never saw from its final result, through ``keyed_books_settle`` (migration 0025): one guarded statement that
-locks the task's row, writes nothing while an attempt of the task is claimed or waiting, and inserts the outcome only
-where the task has none (``ON CONFLICT … WHERE outcome IS NULL``) — so a redelivery, a surviving worker's journal and
-several reconcilers racing each other still leave one outcome per task.
+ledger never saw from its final result, through ``keyed_books_settle_from_result`` (migration 0030): one guarded
+statement that locks the task's row, writes nothing while an attempt of the task is claimed or waiting, and inserts
+the outcome only where the task has none (``ON CONFLICT … WHERE outcome IS NULL``) — so a redelivery, a surviving
+worker's journal and several reconcilers racing each other still leave one outcome per task.
 
 Tasks whose books are open here (the arrival replicated, the release did not) need nothing of this module: once no
 claim is left (a dead holder's is reclaimed a lease after the hold), reconcile settles them from their result like any
@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
-
-from celery_keyed.ledger.identity import books_settle
 
 # last_failover: when the last failover was detected (its 'failover' event), and until when it held new starts.
 LAST_FAILOVER = sa.text(
@@ -43,6 +41,12 @@ TASKS_NEVER_SEEN = sa.text(
 )
 
 
+# books_settle_from_result: book a lost task from its stored result (keyed_books_settle_from_result); True: recorded.
+BOOKS_SETTLE_FROM_RESULT = sa.text(
+    "SELECT keyed_books_settle_from_result(:task_id, :attempt, :task_name, :key, :outcome)"
+)
+
+
 @dataclass(frozen=True)
 class Failover:
     """The last failover the ledger recorded: detected ``at``, new starts held until ``hold_until``; ``now`` is the
@@ -60,7 +64,8 @@ class Failover:
 @dataclass(frozen=True)
 class LostArrival:
     """A task the ledger may have lost with a failover, as its stored result tells it: its final ``outcome``
-    ('completed' or 'failed'), the ``attempt`` that ended it, its name and (first) concurrency key."""
+    ('completed', 'failed', or the never-ran outcome of a stored ``Keyed…`` failure), the ``attempt`` that ended it, its
+    name and (first) concurrency key."""
 
     task_id: str
     attempt: int
@@ -90,13 +95,13 @@ class LostBooks:
 
     def settle(self, lost: LostArrival) -> bool:
         """Book ``lost``'s outcome unless the task has one, or an attempt of it is claimed or waiting
-        (``keyed_books_settle``); True when this call recorded it."""
+        (``keyed_books_settle_from_result``); True when this call recorded it."""
+        params = {
+            "task_id": lost.task_id,
+            "attempt": lost.attempt,
+            "task_name": lost.task_name,
+            "key": lost.key,
+            "outcome": lost.outcome,
+        }
         with self.engine.begin() as conn:
-            return books_settle(
-                conn,
-                task_id=lost.task_id,
-                attempt=lost.attempt,
-                task_name=lost.task_name,
-                key=lost.key,
-                outcome=lost.outcome,
-            )
+            return bool(conn.execute(BOOKS_SETTLE_FROM_RESULT, params).scalar())

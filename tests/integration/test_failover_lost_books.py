@@ -17,6 +17,7 @@ from celery.app.task import Context
 
 import celery_keyed
 from celery_keyed import beat, keyed_task, lost_books
+from celery_keyed.exceptions import KeyedRejected
 from celery_keyed.ledger import Arrival, Ledger, LostArrival, LostBooks, Outcome, Token, Verdict
 from celery_keyed.publisher import close_publisher
 from celery_keyed.testbed import PostgresServer
@@ -40,9 +41,9 @@ def app(pair: tuple[PostgresServer, PostgresStandby], redis_url: str, monkeypatc
     close_publisher(app)
 
 
-def _store(app: Any, task_id: str, name: str, state: str, *args: Any) -> None:
+def _store(app: Any, task_id: str, name: str, state: str, *args: Any, error: Exception | None = None) -> None:
     request = Context(id=task_id, task=name, args=list(args), kwargs={}, retries=0, hostname="w@dead")
-    result: Any = "done" if state == "SUCCESS" else RuntimeError("boom")
+    result: Any = "done" if state == "SUCCESS" else error or RuntimeError("boom")
     with warnings.catch_warnings():  # redis-py deprecates setex, which Celery's backend still calls
         warnings.simplefilter("ignore", DeprecationWarning)
         app.backend.store_result(task_id, result, state, request=request)
@@ -90,6 +91,8 @@ def test_tasks_lost_with_the_old_primary_are_booked_once_from_their_results(
         assert dead_worker.release(Token("stuck", 0), stuck.fence, Outcome.COMPLETED).released
         _store(app, "stuck", "lost.charge", "SUCCESS", 8)
         _store(app, "plain", "lost.plain", "SUCCESS", 5)  # an unkeyed task: never in the books
+        # refused at its arrival (its waiting room full): booked rejected, its KeyedRejected result stored
+        _store(app, "refused", "lost.charge", "FAILURE", 9, error=KeyedRejected("the waiting room of acct:9 is full"))
         assert set(_books(engine)) == {"kept", "ok", "bad", "died", "again", "stuck"}
         crash(primary)
         standby.promote()
@@ -114,8 +117,10 @@ def test_tasks_lost_with_the_old_primary_are_booked_once_from_their_results(
         rerun = revived.admit(Arrival(task_id="again", key="acct:6", message={"id": "again"}))
         assert rerun.verdict is Verdict.ADMITTED and rerun.fence is not None
         summary = beat.reconcile(app)
-        assert summary["settled_after_failover"] == 2
-        assert _books(engine) == {"kept": "completed", "ok": "completed", "bad": "failed", "again": None, "stuck": None}
+        assert summary["settled_after_failover"] == 3
+        assert _books(engine) == {
+            "kept": "completed", "ok": "completed", "bad": "failed", "refused": "rejected", "again": None, "stuck": None
+        }
         assert revived.release(Token("again", 0), rerun.fence, Outcome.COMPLETED).released
         with engine.connect() as conn:
             detail = conn.scalar(sa.text("SELECT detail FROM keyed_tasks WHERE task_id = 'ok'"))
@@ -127,7 +132,8 @@ def test_tasks_lost_with_the_old_primary_are_booked_once_from_their_results(
         assert beat.reconcile(app)["settled_after_failover"] == 0
         assert not books.settle(LostArrival("ok", 0, "lost.charge", "acct:2", "failed"))
         assert _books(engine) == {
-            "kept": "completed", "ok": "completed", "bad": "failed", "again": "completed", "stuck": None
+            "kept": "completed", "ok": "completed", "bad": "failed", "refused": "rejected", "again": "completed",
+            "stuck": None,
         }
 
         # the task whose body never ended comes back with its message: admitted and booked by its run
@@ -141,8 +147,8 @@ def test_tasks_lost_with_the_old_primary_are_booked_once_from_their_results(
             beat.reconcile(app)
             time.sleep(0.2)
         assert _books(engine) == {
-            "kept": "completed", "ok": "completed", "bad": "failed", "again": "completed", "died": "completed",
-            "stuck": "completed",
+            "kept": "completed", "ok": "completed", "bad": "failed", "refused": "rejected", "again": "completed",
+            "died": "completed", "stuck": "completed",
         }
     finally:
         engine.dispose()

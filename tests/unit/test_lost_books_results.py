@@ -9,6 +9,7 @@ from typing import Any
 from celery import Celery
 
 from celery_keyed import keyed_task
+from celery_keyed.exceptions import KeyedExpired
 from celery_keyed.ledger import LostArrival
 from celery_keyed.lost_books import _UNEXTENDED, _lost_arrival
 
@@ -51,6 +52,11 @@ def test_a_final_result_of_a_keyed_call_in_the_window_is_booked_with_its_key_and
     )
     failed = _lost_arrival(app, _meta("u.keyed", 3, status="FAILURE", retries=2), since=SINCE, until=UNTIL)
     assert failed == LostArrival("t1", 2, "u.keyed", "acct:3", "failed")
+    rejected = _meta("u.keyed", 3, status="FAILURE")
+    rejected["result"] = {"exc_type": "KeyedRejected", "exc_message": ["over max_waiting"], "exc_module": "x"}
+    assert _lost_arrival(app, rejected, since=SINCE, until=UNTIL).outcome == "rejected"  # type: ignore[attr-defined]
+    rejected["result"] = KeyedExpired("not started before its deadline")  # a pickled result: the exception itself
+    assert _lost_arrival(app, rejected, since=SINCE, until=UNTIL).outcome == "expired"  # type: ignore[attr-defined]
     naive = _meta("u.keyed", 3)
     naive["date_done"] = AT.replace(tzinfo=None).isoformat()  # a naive date is UTC
     assert isinstance(_lost_arrival(app, naive, since=SINCE, until=UNTIL), LostArrival)
