@@ -22,13 +22,15 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-# last_failover: when the last failover was detected (its 'failover' event), and until when it held new starts.
+# last_failover: when the last failover was detected (its 'failover' event, the latest before its hold's end: read
+# backwards on the events' time index, a lease's worth of events at most), and until when it held new starts.
 LAST_FAILOVER = sa.text(
     """
-    SELECT e.at, i.hold_until, now() AS now
-      FROM keyed_ledger_identity i,
-           LATERAL (SELECT max(ev.at) AS at FROM keyed_events ev WHERE ev.kind = 'failover') e
-     WHERE e.at IS NOT NULL AND i.hold_until IS NOT NULL
+    SELECT (SELECT ev.at FROM keyed_events ev WHERE ev.kind = 'failover' AND ev.at <= i.hold_until
+             ORDER BY ev.at DESC LIMIT 1) AS at,
+           i.hold_until, now() AS now
+      FROM keyed_ledger_identity i
+     WHERE i.hold_until IS NOT NULL
     """
 )
 
@@ -84,7 +86,7 @@ class LostBooks:
         """The last failover recorded (None: none ever)."""
         with self.engine.connect() as conn:
             row = conn.execute(LAST_FAILOVER).first()
-        return None if row is None else Failover(row.at, row.hold_until, row.now)
+        return None if row is None or row.at is None else Failover(row.at, row.hold_until, row.now)
 
     def never_seen(self, task_ids: Sequence[str]) -> set[str]:
         """Of ``task_ids``, those the books have no row for."""
