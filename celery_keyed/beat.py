@@ -11,6 +11,7 @@ from typing import Any
 from celery_keyed import metrics
 from celery_keyed.access import dispatch, publisher_for
 from celery_keyed.ledger import Ledger
+from celery_keyed.lost_books import settle_lost_arrivals
 from celery_keyed.publisher import arrival_timeout, relay_outbox
 
 logger = logging.getLogger("celery_keyed")
@@ -49,6 +50,7 @@ def reconcile(app: Any) -> dict[str, Any]:
         raise
     dispatch(app, report.promotions)
     settled = settle_from_results(app, ledger, age=settings.lease)
+    lost = settle_lost_arrivals(app, ledger, retention=settings.books_retention)
     outbox = relay_outbox(
         app,
         ledger,
@@ -69,6 +71,7 @@ def reconcile(app: Any) -> dict[str, Any]:
         "pruned": report.pruned,
         "retries_missing": report.retries_missing,
         "settled": settled,
+        "settled_after_failover": lost,
         "outbox": outbox,
     }
     logger.info("celery-keyed reconcile: %s", summary)

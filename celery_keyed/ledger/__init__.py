@@ -91,6 +91,7 @@ from celery_keyed.ledger.identity import ClaimHolding, FailoverLedger
 from celery_keyed.ledger.key_overrides import KeyOverride, key_overrides_live
 from celery_keyed.ledger.keys import keys_captured_by
 from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_key, validate_name, validate_task_id
+from celery_keyed.ledger.lost_books import LostArrival, LostBooks
 from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
 from celery_keyed.ledger.names import NameConfig, names_newest_version, parse_limits
 from celery_keyed.ledger.outbox import outbox_by_name, outbox_register
@@ -149,6 +150,8 @@ __all__ = [
     "KeyStatus",
     "Ledger",
     "LedgerError",
+    "LostArrival",
+    "LostBooks",
     "NameConfig",
     "NameStatus",
     "Outcome",

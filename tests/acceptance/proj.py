@@ -28,6 +28,7 @@ def make_app(env: Mapping[str, str]) -> Any:
     app.conf.update(
         broker_url=env["CELERY_BROKER_URL"],
         result_backend=env.get("CELERY_RESULT_BACKEND", env["CELERY_BROKER_URL"]),
+        result_extended=env.get("CELERY_RESULT_EXTENDED") == "1",
         keyed_database_url=env["KEYED_DATABASE_URL"],
         keyed_concurrency_limits=json.loads(env.get("KEYED_LIMITS", "{}")),
         keyed_lease=float(env.get("KEYED_LEASE", "10")),
