@@ -4,7 +4,7 @@ A standby promoted after the primary died lacks the primary's last commits (asyn
 arrived, ran and finished in that window has no row here at all when its worker died with the primary (a worker
 that survives settles its own from its journal: ``worker.failover``). Its result in the result backend survives:
 the reconciler (``celery_keyed.lost_books``) reads the results stored around the failover and books each task the
-ledger never saw from its final result, through ``keyed_books_settle_from_result`` (migration 0030): one guarded
+ledger never saw from its final result, through ``keyed_books_settle_from_result`` (migration 0028): one guarded
 statement that locks the task's row, writes nothing while an attempt of the task is claimed or waiting, and inserts
 the outcome only where the task has none (``ON CONFLICT … WHERE outcome IS NULL``) — so a redelivery, a surviving
 worker's journal and several reconcilers racing each other still leave one outcome per task.

@@ -1,4 +1,4 @@
--- 0030: books lost with a failover whose workers died too, settled by the reconciler from the result backend.
+-- 0028: books lost with a failover whose workers died too, settled by the reconciler from the result backend.
 
 -- keyed_books_settle_from_result: the books of a task lost with a failover whose worker died too, settled by the
 -- reconciler from the task's result in the result backend (its only trace): SUCCESS completed, FAILURE failed, or the

@@ -7,5 +7,5 @@ class Migration(migrations.Migration):
     atomic = False
     dependencies = [("celery_keyed_django", "0027_group_policies")]
     operations = [
-        apply_core_migrations(),  # ledger migration 0030_lost_books (a function only: no model changes)
+        apply_core_migrations(),  # ledger migration 0028_lost_books (a function only: no model changes)
     ]
