@@ -28,7 +28,8 @@ import sqlalchemy as sa
 
 from celery_keyed.engine import create_ledger_engine
 from celery_keyed.ledger import Ledger, Promotion
-from celery_keyed.messages import republish
+from celery_keyed.messages import Dispatched as Dispatched  # re-exported: dispatch's report
+from celery_keyed.messages import publish_promoted
 from celery_keyed.settings import KeyedSettings, read_settings
 
 logger = logging.getLogger("celery_keyed")
@@ -108,34 +109,7 @@ def ledger_for(app: Any) -> Ledger:
     return publisher.ledger
 
 
-@dataclass
-class Dispatched:
-    """What ``dispatch`` did: promotions published, and those it could not publish (their task ids) with the last
-    broker error. Promotions bound to a worker already (no nonce) are not published and not counted."""
-
-    published: int = 0
-    failed: list[str] = field(default_factory=list)
-    error: BaseException | None = None
-
-
 def dispatch(app: Any, promotions: Iterable[Promotion]) -> Dispatched:
-    """Publish each promoted attempt with its admission nonce (D5); a broker error is a warning (see the module
-    docstring), and the other promotions are still published."""
-    done = Dispatched()
-    for promotion in promotions:
-        if promotion.nonce is None:
-            continue
-        try:
-            republish(app, promotion.message, nonce=str(promotion.nonce))
-        except Exception as exc:  # the broker's errors are many (kombu, redis, amqp): any is the same here
-            done.failed.append(promotion.task_id)
-            done.error = exc
-            logger.warning(
-                "celery-keyed: could not publish promoted task %s (%s); it goes back in line after the dispatch"
-                " timeout",
-                promotion.task_id,
-                exc,
-            )
-        else:
-            done.published += 1
-    return done
+    """Publish each promoted attempt with its admission nonce; a broker error is a warning and the other promotions
+    are still published (``messages.publish_promoted``: the one policy, see the module docstring)."""
+    return publish_promoted(app, promotions)

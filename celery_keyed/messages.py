@@ -4,12 +4,17 @@ run here from the stored message (local handoff, D4) or republished with an admi
 from __future__ import annotations
 
 import base64
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kombu.message import Message
 from kombu.serialization import dumps
 
 from celery_keyed.headers import HEADER_NONCE
+
+logger = logging.getLogger("celery_keyed")
 
 #: Message properties worth keeping (the rest are per-delivery: delivery tags, body encoding…).
 _KEPT_PROPERTIES = ("priority", "correlation_id", "reply_to")
@@ -107,6 +112,47 @@ def republish(app: Any, record: dict[str, Any], *, nonce: str | None) -> None:
             retry=True,
             **record["properties"],
         )
+
+
+@dataclass
+class Dispatched:
+    """What ``publish_promoted`` did: promotions published, and those it could not publish (their task ids) with
+    the last broker error. Promotions bound to a worker already (no nonce) are not published and not counted."""
+
+    published: int = 0
+    failed: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def publish_promoted(
+    app: Any, promotions: Iterable[Any], *, on_published: Callable[[Any], None] | None = None
+) -> Dispatched:
+    """Publish each promoted attempt with its admission nonce, with the one policy for broker errors: the ledger
+    change that made the promotion is committed already, and a promotion that cannot be published stays in the
+    ledger and goes back in line after ``keyed_dispatch_timeout`` (the reaper voids its nonce) — so a broker error is
+    a warning, counted in the report, never raised, and the other promotions are still published. Every caller that
+    publishes promotions goes through here (``access.dispatch`` for beat, the CLI, the package API and the Django
+    app; the worker's handoff for those it does not run itself). ``on_published``: called with each one published."""
+    done = Dispatched()
+    for promotion in promotions:
+        if promotion.nonce is None:
+            continue
+        try:
+            republish(app, promotion.message, nonce=str(promotion.nonce))
+        except Exception as exc:  # the broker's errors are many (kombu, redis, amqp): any is the same here
+            done.failed.append(promotion.task_id)
+            done.error = exc
+            logger.warning(
+                "celery-keyed: could not publish promoted task %s (%s); it goes back in line after the dispatch"
+                " timeout",
+                promotion.task_id,
+                exc,
+            )
+            continue
+        done.published += 1
+        if on_published is not None:
+            on_published(promotion)
+    return done
 
 
 def context_from_record(record: dict[str, Any]) -> dict[str, Any]:

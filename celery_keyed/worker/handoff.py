@@ -42,7 +42,7 @@ from celery.worker.strategy import default as default_strategy
 from celery_keyed.engine import UNREACHABLE
 from celery_keyed.headers import HEADER_KEY
 from celery_keyed.ledger import Outcome, Promotion, Token
-from celery_keyed.messages import republish, restore_message
+from celery_keyed.messages import publish_promoted, restore_message
 from celery_keyed.worker.poolline import join_line, pool_line, slot_holders_ahead  # noqa: F401 (re-exported)
 from celery_keyed.worker.running import Prebound
 
@@ -427,12 +427,8 @@ class Handoff:
                 on_loop=False,
             )
             return
-        try:
-            republish(self.app, promotion.message, nonce=str(promotion.nonce))
-            self.announce_promoted(promotion, local=False)
-        except Exception:
-            # The promotion stays in the ledger; the reaper re-parks it after the dispatch timeout (D5).
-            logger.exception("celery-keyed: could not republish promoted %s", promotion.task_id)
+        # The one policy for broker errors (a warning; the promotion goes back in line after the dispatch timeout).
+        publish_promoted(self.app, [promotion], on_published=lambda p: self.announce_promoted(p, local=False))
 
     # -- promotions bound here (D4, D14) -----------------------------------------------------------------
 

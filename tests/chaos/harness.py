@@ -814,14 +814,14 @@ class Chaos:
         workers' (README "Rolling deploys"): a worker that starts again keeps it. The observer checks that no writer
         ran beside anything of its key and that at most K readers ran at once."""
         import celery_keyed
+        from celery_keyed.access import dispatch
         from celery_keyed.ledger import Ledger, NameConfig
-        from celery_keyed.messages import republish
 
         cfg = self.config
         rng = random.Random(cfg.seed * 104729 + int(fault.at * 10))
         path = rng.choice(RESHARD_PATHS)
         key = rng.choice(cfg.doc_key_names)
-        ledger = Ledger(self.engine, lease=cfg.lease)
+        ledger = Ledger(self.engine, lease=cfg.lease)  # the harness's own engine: the observer never shares the app's
         self.log_fault(
             f"reshard {DOC_NAME}: shards 1 -> {' -> '.join(map(str, path))}, limit {cfg.doc_limit} -> "
             f"{RESHARD_LOWERED} -> {cfg.doc_limit}, around a burst on {key}"
@@ -843,8 +843,7 @@ class Chaos:
                         {DOC_NAME: NameConfig(DOC_NAME, limit=cfg.doc_limit, shards=shards)},
                         version=self.config_version,
                     )
-                    for promotion in promotions:
-                        republish(self.ns.app, promotion.message, nonce=str(promotion.nonce))
+                    dispatch(self.ns.app, promotions)  # the one dispatch (and broker-error policy) users get
                     if step == 0:
                         celery_keyed.set_limit(self.ns.app, DOC_NAME, RESHARD_LOWERED, reason="chaos reshard")
                     if last:

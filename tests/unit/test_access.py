@@ -43,13 +43,11 @@ def test_one_builder_of_an_apps_ledger() -> None:
 
 
 def test_one_dispatch_of_promotions() -> None:
-    # access.py: promotions with their nonce; publisher.py: the outbox relay (a first publish, no nonce); the worker's
-    # handoff publishes its own promotions one at a time and falls back to its releaser (its own policy).
-    assert _calls("republish") == {
-        "celery_keyed/access.py",
-        "celery_keyed/publisher.py",
-        "celery_keyed/worker/handoff.py",
-    }
+    # messages.publish_promoted: the one loop and broker-error policy for promotions, used by access.dispatch
+    # (beat, the CLI, the task, the package API, the Django app) and by the worker's handoff (the promotions it does
+    # not run itself); publisher.py: the outbox relay (a first publish, no nonce).
+    assert _calls("republish") == {"celery_keyed/messages.py", "celery_keyed/publisher.py"}
+    assert _calls("publish_promoted") == {"celery_keyed/access.py", "celery_keyed/worker/handoff.py"}
 
 
 class _Producer:
