@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from celery_keyed.ledger import COST_MAX, MAX_KEYS_PER_CALL, InvalidKey, normalize_key
@@ -164,3 +165,33 @@ def _normalize(value: Any, task: Any, option: str) -> str:
         return normalize_key(value)
     except InvalidKey as exc:
         raise InvalidKey(f"{task.name}: {option}: {exc}") from None
+
+
+#: The keyed options a call may name (taken out of Celery's options by ``CallOptions.take``).
+CALL_KEY_OPTIONS = (
+    "concurrency_key", "group_key", "supersede_key", "concurrency_cost", "fair_key", "concurrency_mode", "fair_weight",
+    "on_newer",
+)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What one ``apply_async`` call says beyond Celery's own options (``take`` takes them out of those)."""
+
+    explicit: dict[str, Any]  # keys, group, cost, mode, fair key / weight, on_newer named by the call
+    connection: Any  # keyed_connection: the caller's ledger connection (its transaction)
+    at_send: bool | None  # keyed_admit_at_send
+    at_publish: bool | None  # keyed_register_at_publish
+    dedupe_spec: Any  # dedupe_key of the call, else the task's
+    debounce: dict[str, Any]  # debounce, debounce_max, debounce_keep of the call
+
+    @classmethod
+    def take(cls, task: Any, options: dict[str, Any]) -> CallOptions:
+        return cls(
+            explicit={name: options.pop(name) for name in CALL_KEY_OPTIONS if name in options},
+            connection=options.pop("keyed_connection", None),
+            at_send=options.pop("keyed_admit_at_send", None),
+            at_publish=options.pop("keyed_register_at_publish", None),
+            dedupe_spec=options.pop("dedupe_key") if "dedupe_key" in options else key_spec(task, "dedupe_key"),
+            debounce={k: options.pop(k) for k in ("debounce", "debounce_max", "debounce_keep") if k in options},
+        )

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
 from celery import Task, shared_task
 
 from celery_keyed.call_keys import (  # noqa: F401 (re-exported: task.py's API before call_keys)
+    CallOptions,
     KeySpec,
     bind_arguments,
     check_cost,
@@ -54,6 +56,13 @@ logger = logging.getLogger("celery_keyed")
 
 
 #: A template that is one whole field, like "{key}": the argument's value is the key, type-checked as such.
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A canvas member refused at send: its failed result (what ``apply_async`` returns for it)."""
+
+    result: Any
 
 
 class KeyedTask(Task):
@@ -137,95 +146,127 @@ class KeyedTask(Task):
             validate_task_id(task_id)  # the ledger keys its books by it: refused here, not rejected by the worker
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
-        explicit: dict[str, Any] = {
-            name: options.pop(name)
-            for name in (
-                "concurrency_key", "group_key", "supersede_key", "concurrency_cost", "fair_key", "concurrency_mode",
-                "fair_weight",
-            )
-            if name in options
-        }
-        if "on_newer" in options:
-            explicit["on_newer"] = options.pop("on_newer")
-        connection = options.pop("keyed_connection", None)
-        at_send = options.pop("keyed_admit_at_send", None)
-        at_publish = options.pop("keyed_register_at_publish", None)
-        dedupe_spec = options.pop("dedupe_key") if "dedupe_key" in options else key_spec(self, "dedupe_key")
-        debounce_call: dict[str, Any] = {
-            k: options.pop(k) for k in ("debounce", "debounce_max", "debounce_keep") if k in options
-        }
-        # An admission token and a fence never survive a retry or a copy (headers.NOT_INHERITED).
-        headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in NOT_INHERITED}
-        inherited = {h: headers.pop(h) for h in INHERITED if h in headers}
-        computed = self.keyed_headers(args, kwargs, explicit)
-        trusted = self.per_call_keys is True
-        if not trusted:
-            self._check_declared_bound(args, kwargs, explicit, computed)
-        # A retry or a copy keeps the keys it was sent with, unless the call names new ones; without per-call keys,
-        # those that decide the bound come from the declaration, as the worker computes them.
-        for header, option in OPTION_OF_HEADER.items():
-            if option not in explicit and header in inherited and (trusted or header not in BOUND_HEADERS):
-                computed[header] = inherited[header]
-        debounce = None if options.get("retries") else self._debounce_header(debounce_call, computed)
-        if debounce is not None:  # a retry is never debounced again (headers.NOT_INHERITED)
-            if HEADER_ON_NEWER in computed:
-                raise InvalidKey(f"{self.name}: on_newer='cancel_running' and debounce do not combine")
-            computed[HEADER_DEBOUNCE] = debounce
+        call = CallOptions.take(self, options)
+        headers, inherited, computed = self._call_headers(args, kwargs, call, options)
         reserved = False
-        if at_send is not False:
-            dedupe = evaluate_key(dedupe_spec, self, args, kwargs, option="dedupe_key")
-            keys = computed.get(HEADER_KEY)
-            first = keys[0] if isinstance(keys, list) else keys
-            if dedupe is not None and first is None:
-                raise InvalidKey(f"{self.name}: dedupe_key {dedupe!r} needs a concurrency key")
-            if first is not None and (at_send or dedupe is not None or self._admits_at_send(first)):
-                from celery_keyed.publisher import admit_at_send
-
-                task_id = task_id or str(uuid.uuid4())
-                # Before the group number: a refused send registers nothing (D10's lost numbers stay real losses).
-                try:
-                    reserved = admit_at_send(self.app, task_id, first, dedupe_key=dedupe, connection=connection)
-                except KeyedRejected as refused:  # in a canvas: a failed member, not a send raising half-way
-                    if not member_of_canvas(options):
-                        raise
-                    return refuse_member(self, task_id, options, refused)
-        if HEADER_GROUP in computed:
-            same_group = inherited.get(HEADER_GROUP) == computed[HEADER_GROUP]
-            if same_group and HEADER_GROUP_SEQ in inherited:
-                computed[HEADER_GROUP_SEQ] = inherited[HEADER_GROUP_SEQ]
-            else:
-                task_id = task_id or str(uuid.uuid4())
-                seq = register_group(self.app, computed[HEADER_GROUP], task_id, connection)
-                if seq is not None:
-                    computed[HEADER_GROUP_SEQ] = seq
+        if call.at_send is not False:
+            sent = self._admit_at_send_of(args, kwargs, call, computed, task_id, options)
+            if isinstance(sent, _Refused):  # in a canvas: a failed member, not a send raising half-way
+                return sent.result
+            task_id, reserved = sent
+        task_id = self._group_number(computed, inherited, task_id, call.connection)
         headers.update(computed)
         options["headers"] = headers
         try:
-            if self._registers_at_publish(computed, at_publish, options):
-                from celery_keyed.publisher import outbox_producer
-
-                task_id = task_id or str(uuid.uuid4())
-                with outbox_producer(
-                    self.app, options, task_id=task_id, task_name=self.name, connection=connection
-                ) as producer:
-                    return super().apply_async(args, kwargs, task_id=task_id, producer=producer, **options)
-            retry = self._registered_retry(computed, at_publish, options, task_id)
-            if retry is not None:  # a keyed retry: registered by its attempt, with a copy when the outbox is on
-                from celery_keyed.publisher import outbox_producer
-
-                assert task_id is not None  # _registered_retry answers None without one
-                with outbox_producer(
-                    self.app, options, task_id=task_id, task_name=self.name, attempt=int(options["retries"]),
-                    keep_copy=retry,
-                ) as producer:
-                    return super().apply_async(args, kwargs, task_id=task_id, producer=producer, **options)
-            return super().apply_async(args, kwargs, task_id=task_id, **options)
+            return self._publish(args, kwargs, task_id, computed, call, options)
         except BaseException:
-            if reserved and connection is None and task_id is not None:  # never published: give its place back
+            if reserved and call.connection is None and task_id is not None:  # never published: give its place back
                 from celery_keyed.publisher import forget_send
 
                 forget_send(self.app, task_id)
             raise
+
+    def _call_headers(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], call: CallOptions, options: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The message's headers without the keyed ones, the keyed headers it inherited (a retry, a copy), and the
+        keyed headers of this call (``computed``: declared or per call, inherited where the call names none, and its
+        debounce)."""
+        # An admission token and a fence never survive a retry or a copy (headers.NOT_INHERITED).
+        headers = {k: v for k, v in dict(options.get("headers") or {}).items() if k not in NOT_INHERITED}
+        inherited = {h: headers.pop(h) for h in INHERITED if h in headers}
+        computed = self.keyed_headers(args, kwargs, call.explicit)
+        trusted = self.per_call_keys is True
+        if not trusted:
+            self._check_declared_bound(args, kwargs, call.explicit, computed)
+        # A retry or a copy keeps the keys it was sent with, unless the call names new ones; without per-call keys,
+        # those that decide the bound come from the declaration, as the worker computes them.
+        for header, option in OPTION_OF_HEADER.items():
+            if option not in call.explicit and header in inherited and (trusted or header not in BOUND_HEADERS):
+                computed[header] = inherited[header]
+        debounce = None if options.get("retries") else self._debounce_header(call.debounce, computed)
+        if debounce is not None:  # a retry is never debounced again (headers.NOT_INHERITED)
+            if HEADER_ON_NEWER in computed:
+                raise InvalidKey(f"{self.name}: on_newer='cancel_running' and debounce do not combine")
+            computed[HEADER_DEBOUNCE] = debounce
+        return headers, inherited, computed
+
+    def _admit_at_send_of(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: CallOptions,
+        computed: Mapping[str, Any],
+        task_id: str | None,
+        options: Mapping[str, Any],
+    ) -> tuple[str | None, bool] | _Refused:
+        """Admit (or park) the call at send when the call, the class or its name asks it, or it has a dedupe key:
+        ``(task_id, reserved)``, or ``_Refused`` with the failed result of a refused canvas member."""
+        dedupe = evaluate_key(call.dedupe_spec, self, args, kwargs, option="dedupe_key")
+        keys = computed.get(HEADER_KEY)
+        first = keys[0] if isinstance(keys, list) else keys
+        if dedupe is not None and first is None:
+            raise InvalidKey(f"{self.name}: dedupe_key {dedupe!r} needs a concurrency key")
+        if first is None or not (call.at_send or dedupe is not None or self._admits_at_send(first)):
+            return task_id, False
+        from celery_keyed.publisher import admit_at_send
+
+        task_id = task_id or str(uuid.uuid4())
+        # Before the group number: a refused send registers nothing (a group's lost numbers stay real losses).
+        try:
+            return task_id, admit_at_send(self.app, task_id, first, dedupe_key=dedupe, connection=call.connection)
+        except KeyedRejected as refused:
+            if not member_of_canvas(options):
+                raise
+            return _Refused(refuse_member(self, task_id, options, refused))
+
+    def _group_number(
+        self, computed: dict[str, Any], inherited: Mapping[str, Any], task_id: str | None, connection: Any
+    ) -> str | None:
+        """A group member's number (``HEADER_GROUP_SEQ`` into ``computed``): inherited by a retry or a copy in the same
+        group, else registered now (which needs the task id: returned, made here when the call had none)."""
+        if HEADER_GROUP not in computed:
+            return task_id
+        same_group = inherited.get(HEADER_GROUP) == computed[HEADER_GROUP]
+        if same_group and HEADER_GROUP_SEQ in inherited:
+            computed[HEADER_GROUP_SEQ] = inherited[HEADER_GROUP_SEQ]
+            return task_id
+        task_id = task_id or str(uuid.uuid4())
+        seq = register_group(self.app, computed[HEADER_GROUP], task_id, connection)
+        if seq is not None:
+            computed[HEADER_GROUP_SEQ] = seq
+        return task_id
+
+    def _publish(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        task_id: str | None,
+        computed: Mapping[str, Any],
+        call: CallOptions,
+        options: dict[str, Any],
+    ) -> Any:
+        """Publish through Celery: through the outbox when the publish registers (a first keyed publish) or is a
+        registered keyed retry, else as Celery would."""
+        if self._registers_at_publish(computed, call.at_publish, options):
+            from celery_keyed.publisher import outbox_producer
+
+            task_id = task_id or str(uuid.uuid4())
+            with outbox_producer(
+                self.app, options, task_id=task_id, task_name=self.name, connection=call.connection
+            ) as producer:
+                return super().apply_async(args, kwargs, task_id=task_id, producer=producer, **options)
+        retry = self._registered_retry(computed, call.at_publish, options, task_id)
+        if retry is not None:  # a keyed retry: registered by its attempt, with a copy when the outbox is on
+            from celery_keyed.publisher import outbox_producer
+
+            assert task_id is not None  # _registered_retry answers None without one
+            with outbox_producer(
+                self.app, options, task_id=task_id, task_name=self.name, attempt=int(options["retries"]),
+                keep_copy=retry,
+            ) as producer:
+                return super().apply_async(args, kwargs, task_id=task_id, producer=producer, **options)
+        return super().apply_async(args, kwargs, task_id=task_id, **options)
 
     def _check_declared_bound(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: Mapping[str, Any], computed: Mapping[str, Any]

@@ -117,10 +117,45 @@ def _arrival_for(request: Any) -> Arrival | None:
     task = request.task
     sent = bound_headers(headers, task)  # every gate header is checked, whoever sent it
     declared = Declared(request)
+    key, group, cost, mode, seq = _bound_of(request, headers, sent, declared)
+    supersede, fair, weight = _sharing_of(headers, sent, declared)
+    if key is None and group is None:
+        return None
+    validate_task_id(request.id)
+    keys = [key] if isinstance(key, str) else list(key or [])
+    if keys and check_mode(mode, task, cost=cost, keys=keys):
+        cost = EXCLUSIVE_COST  # runs alone on its key (readers and writers; bounds.EXCLUSIVE_COST)
+    retries, priority = _checked_numbers(request, headers, seq)
+    return Arrival(
+        task_id=request.id,
+        attempt=retries,
+        key=keys[0] if keys else None,
+        extra_keys=tuple(keys[1:]),
+        cost=cost,
+        fair_key=fair,
+        fair_weight=weight,
+        group_key=group,
+        group_seq=seq,
+        task_name=request.name,
+        priority=priority,
+        deadline=request._expires,
+        supersede_key=supersede,
+        queue=(request.delivery_info or {}).get("routing_key"),
+        message=record_message(request._message, task_name=request.name),
+        on_newer=on_newer_of(request, keys),
+        **debounce_of(request, keys, group, retries),
+    )
+
+
+def _bound_of(
+    request: Any, headers: Mapping[str, Any], sent: SentOptions, declared: Declared
+) -> tuple[str | list[str] | None, str | None, int, str, Any]:
+    """The options that decide which bound applies (keys, group, cost, mode) and the group number: what the message
+    says for a task that accepts per-call keys; else what the task declares for these arguments, whatever the headers
+    say (a header never lets a message escape its task's declared bound). An absent header never drops a declared
+    key. A message whose headers differ from the declaration is logged, and its group number dropped with its group."""
+    task = request.task
     trusted = accepts_per_call_keys(task)
-    # The options that decide which bound applies (keys, group, cost, mode): what the message says for a task that
-    # accepts per-call keys; else what the task declares for these arguments, whatever the headers say (a header
-    # never lets a message escape its task's declared bound). An absent header never drops a declared key.
     key = sent.key if trusted and sent.key is not None else declared.key()
     group = sent.group if trusted and sent.group is not None else declared.group()
     cost = sent.cost if trusted and sent.cost is not None else check_cost(getattr(task, "concurrency_cost", 1), task)
@@ -135,21 +170,27 @@ def _arrival_for(request: Any) -> Arrival | None:
             )
             if "group_key" in ignored:
                 seq = None  # the number belongs to the group the message named
-    if HEADER_KEY in headers or HEADER_GROUP in headers:  # the producer decided the other options: as sent
-        supersede = sent.supersede
+    return key, group, cost, mode, seq
+
+
+def _sharing_of(
+    headers: Mapping[str, Any], sent: SentOptions, declared: Declared
+) -> tuple[str | None, str | None, float | None]:
+    """The supersede key, fair key and fair weight: as sent when the producer set the keyed headers (it decided
+    them), else computed from the declaration and the call's arguments."""
+    task = declared.task
+    if HEADER_KEY in headers or HEADER_GROUP in headers:
         fair = headers.get(HEADER_FAIR)
-        fair = None if fair is None else normalize_key(fair)
-        weight = check_fair_weight(headers.get(HEADER_FAIR_WEIGHT), task)
-    else:
-        supersede = declared.evaluate("supersede_key")
-        fair = declared.evaluate("fair_key")
-        weight = evaluate_weight(key_spec(task, "fair_weight"), task, *declared.call()) if fair is not None else None
-    if key is None and group is None:
-        return None
-    validate_task_id(request.id)
-    keys = [key] if isinstance(key, str) else list(key or [])
-    if keys and check_mode(mode, task, cost=cost, keys=keys):
-        cost = EXCLUSIVE_COST  # runs alone on its key (readers and writers; bounds.EXCLUSIVE_COST)
+        return sent.supersede, None if fair is None else normalize_key(fair), check_fair_weight(
+            headers.get(HEADER_FAIR_WEIGHT), task
+        )
+    fair = declared.evaluate("fair_key")
+    weight = evaluate_weight(key_spec(task, "fair_weight"), task, *declared.call()) if fair is not None else None
+    return declared.evaluate("supersede_key"), fair, weight
+
+
+def _checked_numbers(request: Any, headers: Mapping[str, Any], seq: Any) -> tuple[int, int]:
+    """The message's attempt (``retries``) and priority, and its group number, each checked (``InvalidKey``)."""
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= BIGINT_MAX):
         raise InvalidKey(f"header {HEADER_GROUP_SEQ} must be an integer from 0 to {BIGINT_MAX}, got {seq!r}")
     retries = headers.get("retries") or 0
@@ -158,25 +199,7 @@ def _arrival_for(request: Any) -> Arrival | None:
     priority = (request.delivery_info or {}).get("priority") or 0
     if isinstance(priority, bool) or not isinstance(priority, int) or not -INT_MAX <= priority <= INT_MAX:
         raise InvalidKey(f"message priority must be an integer, got {priority!r}")
-    return Arrival(
-        task_id=request.id,
-        attempt=retries,
-        key=keys[0] if keys else None,
-        extra_keys=tuple(keys[1:]),
-        cost=cost,
-        fair_key=fair,
-        fair_weight=weight,
-        group_key=group,
-        group_seq=seq,
-        task_name=request.name,
-        priority=int(priority),
-        deadline=request._expires,
-        supersede_key=supersede,
-        queue=(request.delivery_info or {}).get("routing_key"),
-        message=record_message(request._message, task_name=request.name),
-        on_newer=on_newer_of(request, keys),
-        **debounce_of(request, keys, group, retries),
-    )
+    return retries, int(priority)
 
 
 def accepts_per_call_keys(task: Any) -> bool:
