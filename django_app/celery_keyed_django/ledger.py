@@ -10,7 +10,9 @@ Settings (Django ``settings.py``, the names Celery users already use with ``name
 - ``CELERY_KEYED_CELERY_APP``: the Celery app (or its dotted path, ``"proj.celery:app"``) used to republish
   promotions; default: Celery's current app when ``celery_keyed.install()`` ran on it. Without one, promoted
   attempts are started by a worker's sweeper once their dispatch deadline passes;
-- ``CELERY_KEYED_DISPATCH_TIMEOUT`` / ``CELERY_KEYED_LEASE``: as the workers' ``keyed_*`` settings;
+- ``CELERY_KEYED_DISPATCH_TIMEOUT`` / ``CELERY_KEYED_LEASE`` / ``CELERY_KEYED_STATEMENT_TIMEOUT`` /
+  ``CELERY_KEYED_POOLER``: as the workers' ``keyed_*`` settings (the admin's connections follow the same session
+  rules as the workers': see ``engine_for``);
 - ``CELERY_KEYED_CONCURRENCY_LIMITS``: the names configured in code (used to flag unknown names).
 """
 
@@ -24,15 +26,16 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
-import psycopg
 import sqlalchemy as sa
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from sqlalchemy.pool import NullPool
 
 from celery_keyed.access import dispatch as dispatch_promotions
 from celery_keyed.access import ledger_on
+from celery_keyed.engine import SessionSettings
 from celery_keyed.ledger import DEFAULT_DISPATCH_TIMEOUT, Ledger, Promotion
 from celery_keyed.ledger.bounds import check_seconds
 
@@ -61,17 +64,30 @@ def connection_params(wrapper: BaseDatabaseWrapper) -> dict[str, Any]:
     return params
 
 
-def engine_for(wrapper: BaseDatabaseWrapper, *, pooled: bool = True) -> sa.Engine:
-    """A SQLAlchemy engine on the database of a Django connection (``pooled=False``: one connection per use)."""
+def engine_for(
+    wrapper: BaseDatabaseWrapper, *, pooled: bool = True, statement_timeout: float | None = None
+) -> sa.Engine:
+    """A SQLAlchemy engine on the database of a Django connection (``pooled=False``: one connection per use), with
+    the workers' session rules (``celery_keyed.engine.SessionSettings``): the statement timeout
+    (``CELERY_KEYED_STATEMENT_TIMEOUT``, or ``statement_timeout`` seconds, 0 for none) and durable commits set at
+    connect on a direct connection, per transaction behind a pooler (``CELERY_KEYED_POOLER``: True / False, unset
+    to detect it as the workers do) — where server-side prepared statements are off too, unless the database's
+    ``OPTIONS`` set ``prepare_threshold``."""
     params = connection_params(wrapper)
-
-    def connect() -> Any:
-        return psycopg.connect(**params)
-
-    if pooled:
-        return sa.create_engine("postgresql+psycopg://", creator=connect, pool_size=2, max_overflow=4,
-                                pool_pre_ping=True)
-    return sa.create_engine("postgresql+psycopg://", creator=connect, poolclass=NullPool)
+    own = dict(wrapper.settings_dict.get("OPTIONS") or {})
+    if "prepare_threshold" in own:  # the user's choice for this database (e.g. None behind PgBouncer): kept
+        params["prepare_threshold"] = own["prepare_threshold"]
+    timeout = _float_setting("CELERY_KEYED_STATEMENT_TIMEOUT", 5.0) if statement_timeout is None else statement_timeout
+    pooler = getattr(settings, "CELERY_KEYED_POOLER", None)
+    if pooler is not None and not isinstance(pooler, bool):
+        raise ImproperlyConfigured(f"CELERY_KEYED_POOLER must be True, False or None, got {pooler!r}")
+    # No creator: SQLAlchemy's own connect (with these arguments) is what the session rules' connect hook wraps.
+    pool_args: dict[str, Any] = (
+        {"pool_size": 2, "max_overflow": 4, "pool_pre_ping": True} if pooled else {"poolclass": NullPool}
+    )
+    engine = sa.create_engine("postgresql+psycopg://", connect_args=params, **pool_args)
+    SessionSettings(timeout, pooler=pooler, user_args={k: v for k, v in params.items() if k in own}).install(engine)
+    return engine
 
 
 def ledger_engine() -> sa.Engine:

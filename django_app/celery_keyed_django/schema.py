@@ -19,7 +19,7 @@ def _apply(apps: Any, schema_editor: Any) -> None:
 
     if schema_editor.connection.alias != database_alias():
         return
-    engine = engine_for(schema_editor.connection, pooled=False)
+    engine = engine_for(schema_editor.connection, pooled=False, statement_timeout=0)  # migrations: no timeout
     try:
         migrate(engine)
     finally:
