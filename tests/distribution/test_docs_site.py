@@ -22,7 +22,8 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     home = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
     assert "celery-keyed" in home and "Quick start" in home  # the README is the home page
-    for page in ("guide", "testing", "production", "canvas", "metrics", "worker", "ledger", "benchmarks"):
+    for page in ("guide", "features", "settings", "cli", "guarantees", "upgrading", "django", "events", "contributing",
+                 "testing", "production", "canvas", "metrics", "worker", "ledger", "benchmarks"):
         assert (tmp_path / "site" / page / "index.html").is_file(), page
 
 
