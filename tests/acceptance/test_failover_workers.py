@@ -50,13 +50,16 @@ class Failover:
 
 
 @pytest.fixture
-def failover(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Failover]:
+def failover(request: pytest.FixtureRequest, database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Failover]:
+    """A primary and a streaming standby (asynchronous; synchronous when the test is parametrized indirectly with
+    ``True``), workers on a multi-host URL of both."""
+    synchronous = bool(getattr(request, "param", False))
     with start_postgres(use_env=False) as primary:
         assert isinstance(primary, PostgresServer)
         engine = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{primary.port}/postgres")
         migrate(engine)
         engine.dispose()
-        with start_standby(primary, synchronous=False) as standby:
+        with start_standby(primary, synchronous=synchronous) as standby:
             for cluster in make_cluster(database_url, redis_url, tmp_path, {}):
                 cluster.env.update(
                     KEYED_DATABASE_URL=multi_host_url([primary, standby], "postgres"),
@@ -127,6 +130,27 @@ def test_async_failover_with_lag_keeps_the_bound_and_names_the_failover(failover
     assert "lease expired" not in _log(cluster)
     assert failover.ledger_scalar("SELECT count(*) FROM keyed_events WHERE kind = 'failover'") == 1
     _books_balance(failover, 60)
+
+
+@pytest.mark.parametrize("failover", [True], indirect=True, ids=["synchronous"])
+def test_sync_failover_loses_nothing_and_names_the_failover(failover: Failover, producer: Any) -> None:
+    """A synchronous standby: every ledger commit a worker acts on was on the standby before it returned, so a
+    failover in the middle of a run loses nothing — each task ends once, none runs beside another of its key, the
+    promoted standby's books balance without any repair, and the workers' logs name the failover."""
+    cluster = failover.cluster
+    cluster.start_worker("w1", concurrency=3)
+    cluster.start_worker("w2", concurrency=3)
+    results = [producer.hold.delay(KEYS[i % len(KEYS)], 0.3, note=str(i)) for i in range(40)]
+    cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'end'", 10, at_least=True)
+    failover.crash_and_promote()
+    results += [producer.hold.delay(KEYS[i % len(KEYS)], 0.3, note=str(i)) for i in range(40, 60)]
+    assert sorted(r.get(timeout=120) for r in results) == sorted(str(i) for i in range(60))
+    _no_overlap(cluster)
+    _wait_log(cluster, "ledger failover: a standby was promoted")
+    assert failover.ledger_scalar("SELECT count(*) FROM keyed_events WHERE kind = 'failover'") == 1
+    _books_balance(failover, 60)
+    ran = cluster.rows("SELECT note, count(*) AS n FROM observed WHERE kind = 'end' GROUP BY note")
+    assert {r.note: r.n for r in ran} == {str(i): 1 for i in range(60)}  # each body ran to its end once
 
 
 def test_long_tasks_in_flight_keep_running_through_a_failover(failover: Failover, producer: Any) -> None:
