@@ -27,7 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import fair_shares, status_names, status_prepare
+from celery_keyed.ledger import fair_shares, held_groups_by_name, status_names, status_prepare
 
 logger = logging.getLogger("celery_keyed")
 
@@ -255,6 +255,7 @@ class LedgerCollector(Collector):
         yield from self._families()
         yield from self._key_overrides([])
         yield from self._fair([])
+        yield self._groups_held({})
 
     def collect(self) -> Iterator[Metric]:
         started_at = time.perf_counter()
@@ -265,9 +266,10 @@ class LedgerCollector(Collector):
                 status_prepare(conn, timeout=self.timeout)
                 names = status_names(conn)
                 shares = fair_shares(conn, limit=FAIR_SERIES_MAX)
+                held = held_groups_by_name(conn)
         except Exception as exc:
             logger.warning("celery-keyed metrics: could not read the ledger: %s", exc)
-            names, shares = [], []
+            names, shares, held = [], [], {}
             up = 0.0
         in_flight, waiting, oldest, limit, keys, paused, up_family, duration = families
         for n in names:
@@ -282,6 +284,7 @@ class LedgerCollector(Collector):
         yield from families
         yield from self._key_overrides(names)
         yield from self._fair(shares)
+        yield self._groups_held(held)
 
     @staticmethod
     def _key_overrides(names: list[Any]) -> list[GaugeMetricFamily]:
@@ -327,6 +330,19 @@ class LedgerCollector(Collector):
             waiting.add_metric(list(labels), w)
             weight.add_metric(list(labels), wt)
         return [held, waiting, weight]
+
+    @staticmethod
+    def _groups_held(held: dict[str, int]) -> GaugeMetricFamily:
+        """Groups held for an operator (a group name whose ``group_failure`` is ``hold``, after its head failed), per
+        group name: nothing of a held group starts until someone resumes it or skips its head."""
+        family = GaugeMetricFamily(
+            "celery_keyed_groups_held",
+            "Groups of a group name held for an operator after their head failed (group_failure 'hold').",
+            labels=["name"],
+        )
+        for name, count in held.items():
+            family.add_metric([name], count)
+        return family
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:

@@ -76,7 +76,7 @@ from celery_keyed.ledger.fair_weights import (
     fair_shares,
     fair_weight_overrides,
 )
-from celery_keyed.ledger.group_policies import GroupHold, held_groups
+from celery_keyed.ledger.group_policies import GroupHold, held_groups, held_groups_by_name
 from celery_keyed.ledger.groups import groups_register
 from celery_keyed.ledger.holders import (
     holders_gone,
@@ -179,6 +179,7 @@ __all__ = [
     "fair_weight_overrides",
     "groups_register",
     "held_groups",
+    "held_groups_by_name",
     "holders_latest",
     "key_name",
     "key_overrides_live",

@@ -62,6 +62,20 @@ def held_groups(conn: sa.Connection, *, limit: int = 100) -> list[GroupHold]:
     ]
 
 
+# groups_held_by_name: how many groups of each group name are held now (the partial index of held groups).
+GROUPS_HELD_BY_NAME = sa.text(
+    """
+    SELECT split_part(group_key, ':', 1) AS name, count(*) AS held
+      FROM keyed_groups WHERE held_since IS NOT NULL GROUP BY 1 ORDER BY 1
+    """
+)
+
+
+def held_groups_by_name(conn: sa.Connection) -> dict[str, int]:
+    """How many groups of each group name are held for an operator now (names with none are left out)."""
+    return {r.name: int(r.held) for r in conn.execute(GROUPS_HELD_BY_NAME)}
+
+
 def group_hold(conn: sa.Connection, group_key: str) -> GroupHold | None:
     """The hold of ``group_key``, or None when it is not held."""
     row = groups.groups_hold_get(conn, group_key)

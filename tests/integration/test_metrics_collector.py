@@ -47,6 +47,22 @@ def fill(ledger: Ledger) -> None:
     ledger.set_override("stripe", 0, reason="incident 42", author="alice")
 
 
+def test_held_groups_per_group_name(registry: CollectorRegistry, ledger: Ledger) -> None:
+    """Two groups of "order" held after their heads failed, one of "ship" under the default policy (not held)."""
+    from celery_keyed.ledger import groups_register
+
+    ledger.configure({"order": NameConfig("order", group_failure="hold"), "ship": NameConfig("ship")})
+    for group, task_id in (("order:1", "o1"), ("order:2", "o2"), ("ship:1", "s1")):
+        ledger.transaction(lambda conn, g=group, t=task_id: groups_register(conn, g, t, now=None))
+        head = ledger.admit(Arrival(task_id, group_key=group, group_seq=1))
+        assert head.fence is not None
+        ledger.release(Token(task_id, 0), head.fence, Outcome.FAILED, detail="boom")
+    assert registry.get_sample_value("celery_keyed_groups_held", {"name": "order"}) == 2
+    assert registry.get_sample_value("celery_keyed_groups_held", {"name": "ship"}) is None
+    ledger.resume_group("order:1")
+    assert registry.get_sample_value("celery_keyed_groups_held", {"name": "order"}) == 1
+
+
 def test_collector_gauges_per_name(registry: CollectorRegistry, ledger: Ledger) -> None:
     fill(ledger)
     time.sleep(0.05)  # the parked rows are a little old

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from celery_keyed.ledger import Arrival, Ledger, NameConfig
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, groups_register
 from celery_keyed.metrics import LedgerCollector
 from celery_keyed.metrics_reference import MetricDoc, reference
 
@@ -28,8 +28,14 @@ def test_the_reference_is_every_metric_a_scrape_exports(database_url: str, ledge
     """A real scrape: the ledger collector on a ledger with a fair name (so every gauge family has samples) and the
     process collectors of the default registry; every family named celery_keyed_* is in the reference, with its
     type and labels, and nothing else is."""
-    ledger.configure({"api": NameConfig("api", limit=1, fair=True)})
+    ledger.configure({"api": NameConfig("api", limit=1, fair=True), "order": NameConfig("order", group_failure="hold")})
     ledger.admit(Arrival("a", key="api:1", fair_key="t1"))
+    # a held group (its head failed under group_failure 'hold'), for celery_keyed_groups_held
+    ledger.transaction(lambda conn: groups_register(conn, "order:1", "h", now=None))
+    head = ledger.admit(Arrival("h", group_key="order:1", group_seq=1))
+    assert head.fence is not None
+    ledger.release(Token("h", 0), head.fence, Outcome.FAILED, detail="held for the scrape")
+    assert ledger.group_hold("order:1") is not None
     registry = CollectorRegistry()
     collector = LedgerCollector(database_url, timeout=5.0)
     registry.register(collector)
