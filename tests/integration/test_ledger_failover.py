@@ -156,3 +156,83 @@ def test_a_restart_of_the_same_server_holds_nothing(caplog: pytest.LogCaptureFix
                 assert conn.scalar(sa.text("SELECT count(*) FROM keyed_claims WHERE task_id = 'before'")) == 1
         finally:
             engine.dispose()
+
+
+def test_a_claim_lost_with_a_shard_change_is_taken_back_within_the_new_servers_layout(
+    pair: tuple[PostgresServer, PostgresStandby],
+) -> None:
+    """Failover and a shard change: the old primary lowered a K = 2 gate from 2 shards to 1 and admitted a reader
+    after its standby's last WAL; the promoted standby still has 2 rows of share 1, one held. The lost reader takes its
+    row back; a claim that would put a second reader on a full row, or a writer beside a reader, is refused; the key's
+    bound (the sum over its rows) holds throughout, and the new server's own shard change then waits for what it
+    holds."""
+    from celery_keyed.ledger import EXCLUSIVE_COST, NameConfig
+
+    primary, standby = pair
+    engine = sa.create_engine(multi_host_url([primary, standby], "postgres"), pool_pre_ping=True)
+    ledger = Ledger(engine, holder="host:1:aaaa", lease=LEASE)
+
+    def rows() -> dict[int, int]:
+        with engine.connect() as conn:
+            found = conn.execute(sa.text("SELECT shard, used FROM keyed_slots WHERE key = 'doc:1' AND used > 0"))
+            return {r.shard: r.used for r in found}
+
+    def reassert(holding: ClaimHolding, holder: str) -> str:
+        with engine.begin() as conn:
+            return claims_reassert(conn, holding, holder=holder, task_name="t", lease=LEASE)
+
+    try:
+        ledger.configure({"doc": NameConfig("doc", limit=2, shards=2)})
+        kept = _admit(ledger, "kept", "doc:1")
+        assert kept.admitted and kept.shard is not None
+        standby.wait_caught_up()
+        standby.detach()  # what follows is lost with the primary
+        lost = _admit(ledger, "lost", "doc:1")
+        assert lost.admitted and lost.fence is not None and lost.shard is not None and lost.shard != kept.shard
+        ledger.configure({"doc": NameConfig("doc", limit=2, shards=1)}, version=1)
+        crash(primary)
+        standby.promote()
+        engine.dispose()
+        with engine.begin() as conn:
+            assert identity_check(conn, lease=LEASE).hold_until is not None
+        assert rows() == {kept.shard: 1}  # the promoted standby: the 2-shard layout, the lost claim gone
+
+        holding = ClaimHolding("lost", 0, lost.fence, "doc:1", lost.shard, 1, "doc", composite=False)
+        assert reassert(holding, ledger.holder) == "reasserted"
+        assert sorted(rows().values()) == [1, 1]
+        # a third reader on either row: each row's share (1 of K = 2 over 2 shards) is taken
+        for shard in (kept.shard, lost.shard):
+            extra = ClaimHolding(f"extra{shard}", 0, lost.fence + 10 + shard, "doc:1", shard, 1, "doc", composite=False)
+            assert reassert(extra, "host:2:bbbb") == "refused"
+        # a writer (the whole key, alone) beside the readers
+        writer = ClaimHolding("writer", 0, lost.fence + 20, "doc:1", 0, EXCLUSIVE_COST, "doc", composite=False)
+        assert reassert(writer, "host:2:bbbb") == "refused"
+        assert sum(rows().values()) == 2
+
+        # once the hold is over the new server's own change to 1 shard may move the key (both readers fit a row of
+        # share 2); a new reader then waits: the key's bound is the same K = 2
+        def admitted_elsewhere() -> bool:
+            try:
+                return _admit(ledger, "other", "acct:9").verdict is Verdict.ADMITTED
+            except sa.exc.OperationalError:
+                return False
+
+        _poll(admitted_elsewhere)
+        ledger.configure({"doc": NameConfig("doc", limit=2, shards=1)}, version=2)
+        assert _admit(ledger, "third", "doc:1").verdict is Verdict.PARKED
+        assert sum(rows().values()) == 2
+        assert ledger.release(Token("lost", 0), lost.fence, Outcome.COMPLETED).released
+        # the key still holds a reader on a row the new layout drops: until the sweep moves it, it runs below K (never
+        # above); then the parked reader takes the freed slot on the one row
+        assert sum(rows().values()) <= 2
+
+        def moved_and_promoted() -> bool:
+            ledger.sweep()
+            return sum(rows().values()) == 2
+
+        _poll(moved_and_promoted)
+        with engine.connect() as conn:
+            assert conn.scalar(sa.text("SELECT DISTINCT shards FROM keyed_slots WHERE key = 'doc:1'")) == 1
+            assert conn.scalar(sa.text("SELECT max(used) FROM keyed_slots WHERE key = 'doc:1'")) == 2
+    finally:
+        engine.dispose()
