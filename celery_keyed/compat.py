@@ -22,13 +22,21 @@ with plain Celery 5.7.0 / kombu 5.7.0 (``tests/chaos/repro_kombu_close.py``):
 
 The workaround: ``Channel._connparams()`` remembers the parameters it computed while the transport was
 attached, and a channel still open on a detached transport uses them, with socket timeouts bounded to
-``DETACHED_SOCKET_TIMEOUT`` since that only happens during teardown. (A channel closed for good, whose
-``connection`` is ``None``, is left to kombu's own behaviour.)
+``DETACHED_SOCKET_TIMEOUT`` since that only happens during teardown.
 The late close then restores the unacknowledged messages as kombu means it to (if Redis is back), or fails
 with a ``redis.ConnectionError`` that kombu and Celery already ignore (if it is not); the messages then stay
 in the ``unacked`` hash until the visibility timeout, exactly as when the first close fails. A channel that
 never computed parameters for that pool kind raises ``redis.ConnectionError`` instead of ``AttributeError``.
 Attached transports get the original method's result, untouched.
+
+The same guard covers a channel closed for good (its ``connection`` is ``None``), where kombu raises
+``AttributeError("'NoneType' object has no attribute 'client'")``: Celery acknowledges a task through
+``hub.call_soon`` (``Consumer.call_soon_ack``), so an acknowledgement asked for just before a broker reconnect runs
+after it, on the old message's closed channel. ``Message.ack_log_error`` forgives only connection errors, and the
+ready queue's callbacks run unguarded in the consumer loop: the worker died with ``Unrecoverable error`` (``make
+chaos``, seed 9, a task finished while Redis was restarting). The guard raises ``redis.ConnectionError`` instead,
+which ``ack_log_error`` logs and forgives; the message was put back by the channel's close (or comes back after
+the visibility timeout), and the ledger drops the second delivery of a task it has seen finish or start.
 
 ``patch_kombu_redis_restore_lock()``: on the Redis broker, no message of a dead worker is redelivered for five
 minutes after a Redis restart or outage. Upstream, plain kombu 5.7.0 (``tests/test_compat_restore_lock.py``
@@ -147,11 +155,16 @@ def _guard(original: Any) -> Any:
     @functools.wraps(original)
     def _connparams(self: Any, asynchronous: bool = False) -> Any:
         transport = getattr(self, "connection", None)
-        if transport is None or getattr(transport, "client", None) is not None:
-            # Attached (remember the result), or a channel closed for good (kombu's own error, as before).
+        if transport is None:
+            import redis
+
+            raise redis.exceptions.ConnectionError(
+                "kombu redis channel: closed (its connection was replaced); an acknowledgement or restore asked of "
+                "it now is dropped, and its unacknowledged messages come back to the queue"
+            )
+        if getattr(transport, "client", None) is not None:  # attached: kombu's own result, remembered
             params = original(self, asynchronous=asynchronous)
-            if transport is not None:
-                self.__dict__.setdefault(_CACHE, {})[bool(asynchronous)] = dict(params)
+            self.__dict__.setdefault(_CACHE, {})[bool(asynchronous)] = dict(params)
             return params
         remembered = self.__dict__.get(_CACHE, {}).get(bool(asynchronous))
         if remembered is None:

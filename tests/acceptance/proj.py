@@ -87,6 +87,16 @@ def _log_signals() -> None:
         getattr(signals, name).connect(receiver, weak=False)
 
 
+def wait_for_go(dsn: str, note: str, at_most: float) -> None:
+    """Block until the test inserts an ``observed`` row of kind 'go' for ``note`` (``Cluster.let_go``)."""
+    deadline = time.monotonic() + at_most
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            if conn.execute("SELECT 1 FROM observed WHERE kind = 'go' AND note = %s", (note,)).fetchone():
+                return
+            time.sleep(0.05)
+
+
 def observe(dsn: str, kind: str, task_id: str, key: str, note: str = "", fence: int | None = None) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         # claimed_at: when the ledger gave the running attempt its slot (a rate token is taken then).
@@ -104,7 +114,10 @@ def _define_tasks(app: Any, ns: Any) -> None:
         # The fence of its claim: fences grow with every claim, taken under the key's slot lock, so on one key
         # they give the order in which the ledger admitted the tasks (D10).
         observe(ns.dsn, "start", self.request.id, key, note, getattr(self.request, "keyed_fence", None))
-        time.sleep(seconds)
+        if seconds < 0:  # held until the test lets it go (a 'go' row for this note), at most -seconds
+            wait_for_go(ns.dsn, note, -seconds)
+        else:
+            time.sleep(seconds)
         observe(ns.dsn, "end", self.request.id, key, note)
         return note
 

@@ -335,12 +335,14 @@ def test_revoking_a_parked_task_records_it_and_completes_its_result(cluster: Clu
 def test_celery_revoke_broadcast_of_a_parked_task_reaches_the_ledger(cluster: Cluster, producer) -> None:
     """Celery's own ``app.control.revoke`` (not ``celery_keyed.revoke``): the parked task's message lives in the
     ledger, in no worker's memory, so the workers' revoke command stores the revoke there (both workers get the
-    broadcast: idempotent). Its result fails with KeyedRevoked, it never runs, and the key moves on."""
+    broadcast: idempotent). Its result fails with KeyedRevoked, it never runs, and the key moves on. The first
+    task holds the key until the revoke is in the ledger: a first task ending before the broadcast arrived would
+    promote the parked one into a worker's memory, where Celery's own revoke handles it (a REVOKED result)."""
     from celery_keyed import KeyedRevoked
 
     cluster.start_worker("w1", concurrency=2)
     cluster.start_worker("w2", concurrency=2)
-    first = producer.hold.delay("acct:crv", 2.0, note="first")
+    first = producer.hold.delay("acct:crv", -60.0, note="first")
     cluster.wait_for("SELECT count(*) FROM observed WHERE kind = 'start'", 1)
     parked = producer.hold.delay("acct:crv", 0.1, note="parked")
     cluster.wait_for("SELECT count(*) FROM keyed_waiting", 1)
@@ -349,6 +351,8 @@ def test_celery_revoke_broadcast_of_a_parked_task_reaches_the_ledger(cluster: Cl
         parked.get(timeout=30)
     assert cluster.scalar("SELECT outcome FROM keyed_tasks WHERE task_id = :id", id=parked.id) == "revoked"
     assert cluster.scalar("SELECT count(*) FROM keyed_waiting") == 0
+    assert cluster.scalar("SELECT count(*) FROM observed WHERE kind = 'end'") == 0  # still held: no promotion raced
+    cluster.let_go("first")
     assert first.get(timeout=30) == "first"
     assert producer.hold.delay("acct:crv", 0.1, note="then").get(timeout=30) == "then"  # no slot leaked
     assert cluster.scalar("SELECT count(*) FROM observed WHERE note = 'parked'") == 0

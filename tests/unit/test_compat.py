@@ -138,12 +138,15 @@ def test_applied_only_to_affected_kombu(monkeypatch: pytest.MonkeyPatch) -> None
     assert not hasattr(kombu_redis.Channel.__dict__["_connparams"], "__wrapped__")
 
 
-def test_a_channel_closed_for_good_keeps_kombus_behaviour() -> None:
-    assert compat.patch_kombu_redis_close(force=True)
+def test_a_channel_closed_for_good_raises_a_connection_error_not_attribute_error() -> None:
     conn = Connection(URL)
     channel = conn.default_channel
     channel.pool  # noqa: B018
     conn.close()
     assert channel.connection is None
-    with pytest.raises(AttributeError):  # as without the guard
+    with pytest.raises(AttributeError):  # kombu's own: not an error Celery's ack_log_error forgives
         channel._connparams()
+    assert compat.patch_kombu_redis_close(force=True)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        channel._connparams()
+    assert issubclass(redis.exceptions.ConnectionError, Connection(URL).connection_errors)
