@@ -65,12 +65,12 @@ class InTaskControls(Task):
         the name are not affected. A pause is only ever extended (several tasks pausing at once: the latest end
         wins). ``key``: which of the task's keys, when it has several. Returns the end of the pause in force.
         Audited (``keyed_override_log``: the task's name and id as author)."""
-        from celery_keyed import pause_key
+        from celery_keyed.access import ledger_for
 
-        return pause_key(
-            self.app, self._keyed_own_key(key), seconds, reason=reason or f"paused by {self.name}",
-            author=self._keyed_author(),
+        until, _ = ledger_for(self.app).pause_key(
+            self._keyed_own_key(key), seconds, reason=reason or f"paused by {self.name}", author=self._keyed_author()
         )
+        return until
 
     def keyed_set_limit(
         self,
@@ -85,13 +85,14 @@ class InTaskControls(Task):
         (or until a datetime; None: until cleared). Lowering never stops running tasks; raising starts waiting ones
         at once. Setting the limit the key has already, for the same reason, only moves its expiry (no new audit
         row). ``key``: which of the task's keys, when it has several."""
-        from celery_keyed import set_key_limit
+        from celery_keyed.access import dispatch, ledger_for
 
-        set_key_limit(
-            self.app, self._keyed_own_key(key), limit, reason=reason or f"set by {self.name}",
-            author=self._keyed_author(), expires_in=None if isinstance(expires, datetime) else expires,
+        promotions = ledger_for(self.app).set_key_limit(
+            self._keyed_own_key(key), limit, reason=reason or f"set by {self.name}", author=self._keyed_author(),
+            expires_in=None if isinstance(expires, datetime) else expires,
             expires_at=expires if isinstance(expires, datetime) else None,
         )
+        dispatch(self.app, promotions)
 
     def _keyed_own_key(self, key: str | None) -> str:
         """The concurrency key of the running call (its header, else computed from its arguments as a worker does
