@@ -1,6 +1,6 @@
 """The reconciler beat task ``celery_keyed.reconcile`` (registered by ``install(app)``): reclaim dead leases,
 void stuck promotions, sweep, check counters against claims, drop idle keys, prune the books after
-``keyed_books_retention``, publish the outbox's due messages (issue 14 item 8). Safe in several beats at once."""
+``keyed_books_retention``, publish the outbox's due messages. Safe in several beats at once."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ shows it on unpatched kombu):
    ``ConnectionError`` and the lock stays: Redis persisted it, so once back it refuses every worker's scan until
    the expiry. A lock taken by a ``SET`` whose reply was lost is left the same way (its token unknown).
 3. Meanwhile the messages of a worker that was killed or lost its connection wait in the ``unacked`` hash: the
-   chaos harness saw three tasks wait five minutes after a 6 s Redis outage (CI, seed 9; issue 13).
+   chaos harness saw three tasks wait five minutes after a 6 s Redis outage (CI, seed 9).
 
 The workaround: ``Mutex`` takes the lock with a token of its own and, when the release (or the acquire) fails
 with a connection error, remembers the token; its next use in the process (the next scan) first deletes the

@@ -23,17 +23,17 @@ HEADER_NONCE = "keyed_nonce"
 HEADER_COST = "keyed_cost"
 #: Whose share of a ``fair`` name's slots the call uses.
 HEADER_FAIR = "keyed_fair"
-#: The weight of that fair key as the call gives it (``fair_weight``; weighted fair sharing, issue 14 item 5).
+#: The weight of that fair key as the call gives it (``fair_weight``; weighted fair sharing).
 HEADER_FAIR_WEIGHT = "keyed_fair_weight"
 #: ``concurrency_mode``: "exclusive" (runs alone on its key) or "shared" (sent only when either is not the default).
 HEADER_MODE = "keyed_mode"
 #: The attempt's fence number, set by the worker in the request it runs (``self.request.keyed_fence``, D7); Celery
 #: copies request fields into a retry's headers, so it is stripped there like the nonce.
 HEADER_FENCE = "keyed_fence"
-#: Debounce (issue 14 item 2): ``[seconds, max_seconds, keep]`` of a debounced call, from the call's, the task's or
+#: Debounce: ``[seconds, max_seconds, keep]`` of a debounced call, from the call's, the task's or
 #: the name's options. Never survives a retry or a copy: a retry of a debounced task is not debounced again.
 HEADER_DEBOUNCE = "keyed_debounce"
-#: Newest wins (issue 14 item 1): ``"cancel_running"`` when a newer call of the same key and supersede key cancels the
+#: Newest wins: ``"cancel_running"`` when a newer call of the same key and supersede key cancels the
 #: running one (``on_newer``; sent only then). A retry keeps it, so that its claim can be cancelled too.
 HEADER_ON_NEWER = "keyed_on_newer"
 

@@ -56,7 +56,7 @@ def record_published(
     properties: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The record ``record_message`` makes of a received message, made at publish from the arguments Celery passes
-    to ``Producer.publish`` (the outbox, issue 14 item 8): the body serialized as kombu will send it, so the stored
+    to ``Producer.publish`` (the outbox): the body serialized as kombu will send it, so the stored
     copy can be published again as it was — uncompressed, as a received message is recorded (``compression`` is
     accepted and left out: a copy is published without it)."""
     headers = {k: v for k, v in dict(headers or {}).items() if k not in (HEADER_NONCE, "compression")}
@@ -97,7 +97,7 @@ def restore_message(record: dict[str, Any], *, nonce: str | None = None) -> Mess
 
 def republish(app: Any, record: dict[str, Any], *, nonce: str | None) -> None:
     """Publish a promoted attempt's stored message again, with its nonce (thread-safe: uses the pool); without a
-    nonce for a message of the outbox (issue 14 item 8): an ordinary arrival, as first published."""
+    nonce for a message of the outbox: an ordinary arrival, as first published."""
     headers = dict(record["headers"])
     if nonce is not None:
         headers[HEADER_NONCE] = nonce

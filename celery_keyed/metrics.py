@@ -1,6 +1,6 @@
 """Prometheus metrics (optional extra: ``pip install 'celery-keyed[prometheus]'``).
 
-Two kinds, documented in the README (section "Metrics"):
+Two kinds, documented in docs/metrics.md:
 
 - **Ledger gauges**, read from Postgres when scraped by ``LedgerCollector``: in flight, waiting, oldest waiting
   age, effective limit and keys, per name (never per key: 100,000 keys would be 100,000 series). One aggregated
@@ -288,7 +288,7 @@ class LedgerCollector(Collector):
 
     @staticmethod
     def _key_overrides(names: list[Any]) -> list[GaugeMetricFamily]:
-        """A key that throttles itself (issue 14 item 4): per name, how many of its keys are paused on their own now,
+        """A key that throttles itself: per name, how many of its keys are paused on their own now,
         and how many have a limit of their own (never a series per key)."""
         paused = GaugeMetricFamily(
             "celery_keyed_keys_paused", "Keys of a name paused on their own now (keyed_pause, pause-key).",
@@ -305,7 +305,7 @@ class LedgerCollector(Collector):
 
     @staticmethod
     def _fair(shares: list[Any]) -> list[GaugeMetricFamily]:
-        """Weighted fair sharing (issue 14 item 5): per fair name and fair key (summed over the name's keys; only
+        """Weighted fair sharing: per fair name and fair key (summed over the name's keys; only
         fair keys that hold or wait, at most FAIR_SERIES_MAX rows read), slots held, attempts waiting, weight."""
         held = GaugeMetricFamily(
             "celery_keyed_fair_in_flight", "Slots a fair key holds over the keys of a fair name.",

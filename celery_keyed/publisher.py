@@ -1,5 +1,5 @@
-"""The producer side's calls to the ledger (group registration at publish, D10; refusal at send, issue 14
-item 3; the outbox, issue 14 item 8), through the app's ledger access of this process (``access.publisher_for``:
+"""The producer side's calls to the ledger (group registration at publish, D10; refusal at send;
+the outbox), through the app's ledger access of this process (``access.publisher_for``:
 one engine per process and app, created on first use; a forked pool child creates its own)."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def registers_at_publish(app: Any, name: str | None) -> bool:
 
 
 class OutboxProducer:
-    """The kombu producer Celery publishes one keyed task with when the outbox is on (issue 14 item 8): its first
+    """The kombu producer Celery publishes one keyed task with when the outbox is on: its first
     ``publish`` (the task's message) stores the message in the ledger first — on ``connection``, the caller's open
     transaction, and then publishes nothing (the relay publishes it once that transaction has committed, so a
     rolled-back transaction publishes nothing and stores nothing); else in a transaction of its own, committed,

@@ -1,6 +1,6 @@
 """Settings of celery-keyed, read from the Celery app's configuration.
 
-Every setting is documented in the README (section "Settings"). In Django, put them in settings.py with the
+Every setting is documented in docs/settings.md. In Django, put them in settings.py with the
 ``CELERY_`` prefix (``CELERY_KEYED_DATABASE_URL``) when the app is configured with
 ``app.config_from_object("django.conf:settings", namespace="CELERY")``.
 """

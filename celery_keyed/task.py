@@ -77,21 +77,23 @@ class KeyedTask(InTaskControls):
     - ``concurrency_mode``: ``"shared"`` (the default: up to K attempts of a key run together) or
       ``"exclusive"``: the attempt runs alone on its key — it starts when nothing of the key runs, and nothing of
       the key starts while it runs; FIFO across modes, so readers never starve a writer (one concurrency key, an
-      unsharded name; README "Readers and writers");
+      unsharded name; docs/features.md "Readers and writers");
     - ``fair_key``: whose share of a ``fair`` name's slots the call uses (e.g. ``"tenant:{tenant_id}"``);
     - ``fair_weight``: that fair key's weight (a positive number, a callable of the call's arguments by name, or a
       template naming one argument, ``"{weight}"``; default: the name's ``keyed_fair_weights``, else 1): while
       several fair keys wait, each one's share of a key's slots follows its weight; a runtime override (``celery
-      keyed set-weight``) wins (README "Weighted fair sharing");
+      keyed set-weight``) wins (docs/features.md "Weighted fair sharing");
     - ``debounce`` (seconds), ``debounce_max`` (seconds from the burst's first arrival; default 60, or ``debounce``
       when longer) and ``debounce_keep`` (``"last"``, the default, or ``"first"``): calls of one key within the
-      quiet period replace each other and one runs once the key has been quiet that long (README "Debounce"; per
-      call ``apply_async(..., debounce=5.0)``, ``debounce=None`` for none; per name in ``keyed_concurrency_limits``);
-    - ``on_newer``: ``"cancel_running"`` (newest wins, issue 14 item 1): a newer call of the same first key and
+      quiet period replace each other and one runs once the key has been quiet that long (docs/features.md
+      "Debounce"; per call ``apply_async(..., debounce=5.0)``, ``debounce=None`` for none; per name in
+      ``keyed_concurrency_limits``);
+    - ``on_newer``: ``"cancel_running"`` (newest wins): a newer call of the same first key and
       supersede key (else the same task) cancels the attempt that holds a slot — prefork terminates its pool
       process, other pools make ``self.keyed_cancelled()`` true — records it ``superseded`` and runs the newest once
-      the slot is free; None (the default) keeps today's behaviour: the newer call waits (README "Newest wins"; per
-      call ``apply_async(..., on_newer=None)``; per name ``on_newer`` in ``keyed_concurrency_limits``);
+      the slot is free; None (the default) keeps today's behaviour: the newer call waits
+      (docs/features.md "Newest wins"; per call ``apply_async(..., on_newer=None)``; per name ``on_newer`` in
+      ``keyed_concurrency_limits``);
     - ``uncertain_hold``: seconds its slots stay held after a hard time limit or a lost worker, because the
       remote call it made may still be running (default: the names' ``uncertain_hold``, else none);
     - ``admit_at_send``: ask the ledger before publishing (one round trip in the caller's process) and raise
@@ -104,14 +106,14 @@ class KeyedTask(InTaskControls):
       there when no worker received it within ``keyed_send_arrival_timeout`` (the broker lost it); also per call
       ``keyed_register_at_publish=True`` (or ``False``), per name ``register_at_publish``, or for every keyed task
       ``keyed_register_at_publish``. With ``keyed_connection=conn`` the message is stored in the caller's
-      transaction and published by the relay after it commits (issue 14 item 8; README "Nothing lost when the
+      transaction and published by the relay after it commits (docs/features.md "Nothing lost when the
       broker loses it").
 
     - ``per_call_keys``: whether a call may name its own ``concurrency_key``, ``group_key``, ``concurrency_cost`` or
       ``concurrency_mode`` (``apply_async(..., concurrency_key=...)``, also in ``self.retry(...)``), which then wins
       over the class. Off by default: the worker computes those from the declaration and the call's arguments,
       whatever the message's headers say, so that no message escapes the task's declared bound; a per-call value
-      that differs from the declared one raises ``InvalidKey`` at the producer (README "Guarantees").
+      that differs from the declared one raises ``InvalidKey`` at the producer (docs/guarantees.md).
 
     ``concurrency_key`` may be a list of keys: all are claimed at once or none (``["tenant:{tenant_id}",
     "stripe"]``; list the narrow keys first, see docs/ledger.md). Per call, ``apply_async(...,

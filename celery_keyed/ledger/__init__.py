@@ -274,7 +274,7 @@ class Ledger(OperatorControls, ProducerCalls):
         self, limits: Mapping[str, NameConfig], *, version: int = 0, now: datetime | None = None
     ) -> list[Promotion]:
         """Store the names' configuration as configuration version ``version`` (``keyed_config_version``; a worker
-        does this at start) and record the version this holder runs. Rolling deploys (issue 14 item 7): a name
+        does this at start) and record the version this holder runs. Rolling deploys: a name
         stored by a newer version is kept as it is (guarded in SQL, ``names.NAMES_UPSERT``), and this is logged:
         the worker runs older configuration. Equal versions overwrite, as without versions. Returns the promotions
         a raised limit made."""

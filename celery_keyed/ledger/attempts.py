@@ -36,14 +36,14 @@ class Arrival:
     ``key`` (all claimed in one transaction or none; it waits in ``key``'s waiting room). ``cost``: slots it
     takes of each of its keys (a weighted slot). ``fair_key``: whose share of a fair name's slots it uses (e.g.
     the tenant). ``cost=EXCLUSIVE_COST`` (``bounds``): an exclusive attempt, alone on its key (readers and
-    writers: it starts when nothing of the key runs, and nothing starts while it runs). ``debounce`` (seconds;
-    issue 14 item 2): the attempt waits until its key has been quiet that long, and replaces
+    writers: it starts when nothing of the key runs, and nothing starts while it runs). ``debounce`` (seconds):
+    the attempt waits until its key has been quiet that long, and replaces
     (``debounce_keep="last"``) or gives way to (``"first"``) the waiting debounced attempt of its key with the same
     supersede key (else task name), at most ``debounce_max`` seconds after the burst's first arrival (default: 60,
-    or ``debounce`` when longer). See ``admit.admit`` and README "Debounce". ``on_newer="cancel_running"`` (issue 14
-    item 1, newest wins): its arrival asks the worker holding a running (or promoted) attempt of the same first key
-    and supersede key (else task name) to cancel it, and replaces the parked ones; see ``admit.admit`` and README
-    "Newest wins".
+    or ``debounce`` when longer). See ``admit.admit`` and docs/features.md "Debounce". ``on_newer="cancel_running"``
+    (newest wins): its arrival asks the worker holding a running (or promoted) attempt of the same first key
+    and supersede key (else task name) to cancel it, and replaces the parked ones; see ``admit.admit`` and
+    docs/features.md "Newest wins".
     """
 
     task_id: str

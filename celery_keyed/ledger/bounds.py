@@ -2,7 +2,7 @@
 
 Settings, ``set_override``, the CLI and the Django admin all check a number against these bounds before it reaches
 Postgres, so a value out of range is a clear error naming the option and its range, never a database error or a
-timestamp overflow in a running worker (issue 9).
+timestamp overflow in a running worker.
 """
 
 from __future__ import annotations

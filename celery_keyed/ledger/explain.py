@@ -56,7 +56,7 @@ EXPLAIN_SENT = sa.text(
     f"SELECT key, dedupe_key, sent_at, expires_at, expires_at > {NOW} AS holding FROM keyed_sent"
     " WHERE task_id = :task_id"
 )
-# explain_outbox: a task registered at publish (keyed_outbox, issue 14 item 8) and not received yet.
+# explain_outbox: a task registered at publish (keyed_outbox) and not received yet.
 EXPLAIN_OUTBOX = sa.text(
     f"SELECT registered_at, due_at, pending, republished, republished_at, due_at <= {NOW} AS due FROM keyed_outbox"
     " WHERE task_id = :task_id"
@@ -233,7 +233,7 @@ def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datet
     """A waiting attempt: a shadow, debounced, not due yet, blocked by its group, or waiting for slots."""
     facts = {**wait, "mode": _mode(wait)}
     own = key_override_get(conn, wait["key"], now=now) if wait["key"] is not None else None
-    if own is not None:  # a key override (issue 14 item 4): the key's own limit, its pause
+    if own is not None:  # a key override: the key's own limit, its pause
         facts["key_override"] = own.as_dict()
     if wait["shadow"]:
         return Explanation(
@@ -243,7 +243,7 @@ def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datet
             "(it runs only if that attempt's worker is lost)",
             facts,
         )
-    if wait["not_due"] and wait["debounce_cap"] is not None:  # debounce (issue 14 item 2)
+    if wait["not_due"] and wait["debounce_cap"] is not None:  # debounce
         return Explanation(
             task_id,
             "debounced",
@@ -322,7 +322,7 @@ def _waiting_for_slots(
 
 
 def _fair_text(conn: sa.Connection, wait: Any, facts: dict[str, Any], *, now: datetime | None) -> str:
-    """A waiter of a fair name (weighted fair sharing, issue 14 item 5): its fair key's weight, slots held and load,
+    """A waiter of a fair name (weighted fair sharing): its fair key's weight, slots held and load,
     and how many fair keys that wait have a lower load (they are served first); ``facts["fair_shares"]``."""
     shares = fair_shares(conn, key=wait["key"], now=now)
     facts["fair_shares"] = [s.as_dict() for s in shares]
@@ -341,7 +341,7 @@ def _fair_text(conn: sa.Connection, wait: Any, facts: dict[str, Any], *, now: da
 
 
 def _paused_text(wait: Any, own: KeyOverride | None) -> str:
-    """Why a waiter's key has limit 0: the key's own pause (issue 14 item 4), or its name's."""
+    """Why a waiter's key has limit 0: the key's own pause, or its name's."""
     if own is not None and own.paused_until is not None:
         by = f" by {own.pause_author}" if own.pause_author else ""
         return (

@@ -1,5 +1,5 @@
 """Fair weights: how a ``fair`` name's slots are shared among its fair keys (tables ``keyed_fair_weight_overrides``
-and ``keyed_fair_weight_log``, migration 0016; issue 14 item 5).
+and ``keyed_fair_weight_log``, migration 0016).
 
 While several fair keys of a key wait, promotion gives the next free slot to the head of the fair key with the
 lowest load = (slots it holds of the key) / weight, ties by priority then arrival (``waiting.WAITING_NEXT_FAIR``),

@@ -82,15 +82,15 @@ class NameConfig:
     fair_weights: Mapping[str, float] | None = None
     admit_at_send: bool = False
     register_at_publish: bool = False
-    # Debounce (issue 14 item 2; producer side, like admit_at_send: not stored in the ledger): a task of this name
-    # without its own debounce option is published debounced (README "Debounce").
+    # Debounce (producer side, like admit_at_send: not stored in the ledger): a task of this name
+    # without its own debounce option is published debounced (docs/features.md "Debounce").
     debounce: float | None = None
     debounce_max: float | None = None
     debounce_keep: str = "last"
-    # Newest wins (issue 14 item 1; producer side, like debounce: not stored in the ledger): a task of this name
-    # without its own on_newer option is published with this policy ("cancel_running"; README "Newest wins").
+    # Newest wins (producer side, like debounce: not stored in the ledger): a task of this name
+    # without its own on_newer option is published with this policy ("cancel_running"; docs/features.md "Newest wins").
     on_newer: str | None = None
-    # Group failure policies (issue 29 item 4): stored in the ledger, read by the release of a group's head.
+    # Group failure policies: stored in the ledger, read by the release of a group's head.
     group_failure: GroupFailure = "halt"
 
     def __post_init__(self) -> None:
@@ -197,7 +197,7 @@ def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
 
 
 # names_upsert: write one name's configuration (worker start, tests, admin), stamped with the configuration version
-# of the writer (keyed_config_version). Rolling deploys (issue 14 item 7): a writer with an older version never
+# of the writer (keyed_config_version). Rolling deploys: a writer with an older version never
 # overwrites a row stored by a newer one (the ON CONFLICT guard, evaluated on the locked row), nor adds a name
 # while the ledger holds any newer configuration (NOT EXISTS). No row returned = not written (a newer one rules).
 NAMES_UPSERT = sa.text(

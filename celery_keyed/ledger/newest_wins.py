@@ -20,7 +20,7 @@ Cancels = tuple[tuple[str, int, str | None], ...]
 def cancel_older(
     conn: sa.Connection, arrival: Arrival, *, now: datetime | None
 ) -> tuple[tuple[str, int, str | None], ...]:
-    """Newest wins (``on_newer="cancel_running"``, issue 14 item 1): ask for the cancellation of the attempts of the
+    """Newest wins (``on_newer="cancel_running"``): ask for the cancellation of the attempts of the
     arrival's first key and supersede key that hold a slot, in the arrival's transaction: the request commits with
     the arrival's claim or park, or not at all. The UPDATE waits for a release of that claim in progress: an attempt
     that released first has no row and is not cancelled. The newest itself is admitted or parked as any arrival: it

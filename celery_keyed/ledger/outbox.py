@@ -1,4 +1,4 @@
-"""Outbox: keyed messages registered at publish (table ``keyed_outbox``, migration 0008), issue 14 item 8.
+"""Outbox: keyed messages registered at publish (table ``keyed_outbox``, migration 0008).
 
 A producer with ``keyed_register_at_publish`` stores each keyed message here when it publishes it — in the caller's
 transaction when one is given (then the relay publishes it once that transaction has committed), else in a

@@ -4,8 +4,8 @@
 0 pauses a name. An override takes effect at the next claim (the claim statement reads it through
 ``keyed_effective_limit``); lowering never preempts running attempts; raising or clearing promotes waiters
 in the same transaction (D2). Every function runs in the caller's transaction, so an override can commit or
-roll back together with the caller's own work (DESIGN §3.7). The overrides of single keys (a key's own pause or limit,
-issue 14 item 4) are ``key_overrides.py``; both write the audit trail through ``OVERRIDE_LOG_INSERT``.
+roll back together with the caller's own work (DESIGN §3.7). The overrides of single keys (a key's own pause or limit)
+are ``key_overrides.py``; both write the audit trail through ``OVERRIDE_LOG_INSERT``.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def park(
 def _debounce(
     conn: sa.Connection, arrival: Arrival, promoted: list[Promotion], *, now: datetime | None
 ) -> tuple[list[str], Any] | Admission:
-    """Debounce per key (issue 14 item 2), with the key's slot and head rows locked (every arrival of the key takes
+    """Debounce per key, with the key's slot and head rows locked (every arrival of the key takes
     them first, so the arrivals of one burst are decided one after the other and one of them survives). A burst is
     *open* while its waiting row's due time (``not_before``) is in the future; a due row waits for a slot like any
     other and absorbs no arrival (a new burst begins).

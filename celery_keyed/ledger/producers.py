@@ -36,7 +36,7 @@ class ProducerCalls(LedgerSession):
         arrival_timeout: float = 3600.0,
         now: datetime | None = None,
     ) -> SendVerdict:
-        """Refusal at send (issue 14 item 3): one self-committing call of ``keyed_admit_at_send`` before a producer
+        """Refusal at send: one self-committing call of ``keyed_admit_at_send`` before a producer
         publishes ``task_id`` under ``key`` (its first concurrency key). Accepted: the task id's place in the key's
         waiting room (and its dedupe key) is reserved. Refused (``room_full``: the waiting room plus the sends
         not parked yet reach ``max_waiting``; ``duplicate``: the dedupe key is live in another task): nothing is
@@ -70,7 +70,7 @@ class ProducerCalls(LedgerSession):
         arrival_timeout: float = 3600.0,
         now: datetime | None = None,
     ) -> bool:
-        """The outbox (issue 14 item 8): store ``task_id``'s message, committed when this returns, before the
+        """The outbox: store ``task_id``'s message, committed when this returns, before the
         producer publishes it — one self-committing INSERT, one round trip. True when stored; False when the task id
         had already arrived or was registered (``ledger/outbox.py``)."""
         with schema_required(self.engine):

@@ -161,7 +161,7 @@ def promote_waiters(
     entry), in order. The caller holds the key's head row too.
 
     A fair name's line is read again after each promotion: the next free slot goes to the fair key with the lowest
-    load (slots held / weight) as this promotion left it (waiting.WAITING_NEXT_FAIR, issue 14 item 5).
+    load (slots held / weight) as this promotion left it (waiting.WAITING_NEXT_FAIR).
 
     FIFO per key: when the head of the line needs more slots than are free (a weight), nobody behind it passes:
     the free slots stay reserved for it. An attempt with several keys takes its other keys without waiting (out

@@ -1,4 +1,4 @@
-"""Sent: refusal at send (tables ``keyed_sent`` and ``keyed_send_refusals``), issue 14 item 3.
+"""Sent: refusal at send (tables ``keyed_sent`` and ``keyed_send_refusals``).
 
 A producer that sends with ``keyed_admit_at_send`` asks the ledger first, in one call of ``keyed_admit_at_send``
 (migration 0006): accepted, the task id gets a row in ``keyed_sent`` — its place in the key's waiting room and,

@@ -9,7 +9,7 @@ creates only what it needs), hence the full joins. A name's effective limit and 
 ``keyed_limits`` (migration 0020: ``keyed_effective_limit``'s rule, a live override, else the configured limit, with
 the one set of labels ``override`` / ``config``), the function the Django admin reads too (``name_limit_sql``); a
 name it does not list (only seen through its keys) runs at 1, source ``default``. A key's limit is
-``keyed_key_limit``'s (issue 14 item 4): its own pause (source ``key_paused``) or its own limit (``key``) when it has
+``keyed_key_limit``'s: its own pause (source ``key_paused``) or its own limit (``key``) when it has
 one and its name is not paused, else its name's. Nothing here writes.
 """
 
@@ -191,8 +191,8 @@ class NameStatus:
     fair: bool = False  # slots shared round-robin by fair key
     uncertain_hold: float | None = None
     config_version: int | None = None  # keyed_config_version that stored its configuration (None: not configured)
-    debounced: int = 0  # of the waiting: debounced tasks still in their key's quiet period (issue 14 item 2)
-    paused_keys: int = 0  # keys of the name paused on their own now (issue 14 item 4: keyed_pause, pause-key)
+    debounced: int = 0  # of the waiting: debounced tasks still in their key's quiet period
+    paused_keys: int = 0  # keys of the name paused on their own now (keyed_pause, pause-key)
     limited_keys: int = 0  # keys of the name with a limit of their own now (keyed_set_limit, set-key-limit)
     # the rules that refuse or end a task besides the limit: counter rows per key, the waiting room's size and what
     # a full one does (reject, or supersede the oldest), the longest wait before a task expires (None: no bound)
@@ -212,8 +212,8 @@ class NameStatus:
 
 @dataclass(frozen=True)
 class KeyStatus:
-    """One key: its effective ``limit`` and ``source`` (``key_paused`` / ``key``: the key's own pause or limit, issue 14
-    item 4; else its name's: ``override``, ``config`` or ``default``), in flight, waiting, oldest waiting arrival,
+    """One key: its effective ``limit`` and ``source`` (``key_paused`` / ``key``: the key's own pause or limit;
+    else its name's: ``override``, ``config`` or ``default``), in flight, waiting, oldest waiting arrival,
     and the end of its own pause (``paused_until``) if any."""
 
     key: str

@@ -135,7 +135,7 @@ WAITING_CLEAR_DUE_FOR_KEY = sa.text(
 
 # waiting_next_fair: the next promotable attempts of a key of a fair name: the head of each fair key's own line,
 # those whose fair key has the lowest load first — the slots it holds of the key divided by its weight
-# (keyed_fair_weight: override, else the head's call weight, else the name's table, else 1; issue 14 item 5) — then
+# (keyed_fair_weight: override, else the head's call weight, else the name's table, else 1) — then
 # by priority and arrival. With weights all 1 this is round-robin by slots held; promote.promote_waiters takes one
 # row per reading, so every promotion sees the loads the previous one left.
 WAITING_NEXT_FAIR = sa.text(
@@ -214,7 +214,7 @@ WAITING_DELETE_SUPERSEDED = sa.text(
     """
 )
 
-# waiting_debounce_replace: debounce, keep last (issue 14 item 2): remove the open burst of a key and debounce key —
+# waiting_debounce_replace: debounce, keep last: remove the open burst of a key and debounce key —
 # its waiting debounced row whose due time has not come (a due row is closed: it waits for a slot and absorbs no
 # arrival) — and answer its cap, which the replacing arrival inherits (the hard maximum counts from the burst's
 # first arrival). Run under the key's head row lock (keys_lock), which every arrival of the key takes first, so two

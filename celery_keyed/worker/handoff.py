@@ -262,7 +262,7 @@ class Handoff:
         self.typical_run = seconds if typical is None else typical + RUN_WEIGHT * (seconds - typical)
 
     def pool_has_room(self, released: str | None = None, *, exclude: Any = None) -> bool:
-        """Whether a promotion should start here rather than be published for any worker (D4 and issue 9 item 3:
+        """Whether a promotion should start here rather than be published for any worker (D4:
         a promotion bound here while the pool is busy holds its slot and keeps its line waiting on this worker
         while others idle).
 

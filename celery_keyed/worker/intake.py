@@ -380,7 +380,7 @@ def _seconds_or_none(value: Any) -> bool:
 
 
 def on_newer_of(request: Any, keys: list[str]) -> str | None:
-    """The newest-wins policy of an arrival (issue 14 item 1): from the ``keyed_on_newer`` header when the message
+    """The newest-wins policy of an arrival: from the ``keyed_on_newer`` header when the message
     carries gate headers (the producer decided: call, task or name), else (``send_task``) the task's own option.
     A malformed header raises ``InvalidKey`` (a recorded rejection, D16)."""
     if not keys:
@@ -392,7 +392,7 @@ def on_newer_of(request: Any, keys: list[str]) -> str | None:
 
 
 def debounce_of(request: Any, keys: list[str], group: str | None, retries: int) -> dict[str, Any]:
-    """The debounce options of an arrival (issue 14 item 2): from the ``keyed_debounce`` header when the message
+    """The debounce options of an arrival: from the ``keyed_debounce`` header when the message
     carries gate headers (the producer decided: call, task or name), else (``send_task``) from the task's own
     options. A retry is never debounced. A malformed header, or debounce with a group key, raises ``InvalidKey``
     (a recorded rejection, D16)."""

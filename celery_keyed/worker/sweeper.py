@@ -7,7 +7,7 @@ every quarter lease the claims of earlier worker starts on this machine whose pr
 quarter lease also the reaper — but only once this process has reached the ledger for a full lease
 (``Breaker.reachable_since``): a worker that was cut off cannot tell a dead peer from a peer that was cut off
 too. Then ``notify_never_ran`` stores a failure result for every task that got a final outcome without running;
-last, the outbox relay publishes what is due (``publisher.relay_outbox``, issue 14 item 8).
+last, the outbox relay publishes what is due (``publisher.relay_outbox``).
 
 Threads and fields: the sweeper's thread belongs to the consumer (started and stopped with it; skips its turn
 while the breaker is open). ``_last_reclaim`` and ``_last_gone_check`` are its thread's only (``sweep_once``
@@ -112,7 +112,7 @@ class Sweeper:
                 )
             handoff.dispatch(reclaimed.promotions, local=False)
         self.notify_never_ran()
-        # The outbox (issue 14 item 8): registrations committed in a caller's transaction, and messages no worker
+        # The outbox: registrations committed in a caller's transaction, and messages no worker
         # received within the arrival timeout, are published from their stored copy.
         relay_outbox(
             self.app,

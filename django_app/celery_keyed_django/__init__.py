@@ -2,5 +2,5 @@
 
 The core (``celery_keyed.ledger``) owns the schema; this app's migrations only apply the core's migrations to
 the Django database, its models mirror the ledger's tables with ``managed = False``, and its admin writes only
-through the ledger's own functions (overrides, fenced release, revoke). See the README, section "Django app".
+through the ledger's own functions (overrides, fenced release, revoke). See docs/django.md.
 """

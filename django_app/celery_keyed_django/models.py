@@ -249,7 +249,7 @@ class Holder(models.Model):
 
 
 class Sent(models.Model):
-    """A send accepted at send (``keyed_sent``, issue 14 item 3): its place in its key's waiting room and its dedupe
+    """A send accepted at send (``keyed_sent``): its place in its key's waiting room and its dedupe
     key, until its task's final outcome (or, never arrived, until ``expires_at``)."""
 
     task_id = models.TextField(primary_key=True)
@@ -288,7 +288,7 @@ class SendRefusals(models.Model):
 
 
 class Outbox(models.Model):
-    """A keyed message registered at publish and not received by a worker yet (``keyed_outbox``, issue 14 item 8):
+    """A keyed message registered at publish and not received by a worker yet (``keyed_outbox``):
     the relay publishes it again from this copy when it is due; its row goes when the task arrives."""
 
     task_id = models.TextField(primary_key=True)

@@ -105,7 +105,7 @@ class KeyAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Key]:
         in_flight = Slot.objects.filter(key=OuterRef("key")).values("key").annotate(total=Sum("used")).values("total")
         oldest = Waiting.objects.filter(key=OuterRef("key"), shadow=False).order_by("arrival").values("arrived_at")
-        own = KeyOverride.objects.filter(key=OuterRef("key"))  # a key's own pause or limit (issue 14 item 4)
+        own = KeyOverride.objects.filter(key=OuterRef("key"))  # a key's own pause or limit
         return _limits(super().get_queryset(request)).annotate(
             in_flight=Coalesce(Subquery(in_flight[:1]), 0),
             oldest_waiting=Subquery(oldest[:1]),

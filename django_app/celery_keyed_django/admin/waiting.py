@@ -111,7 +111,7 @@ class WaitingAdmin(ReadOnlyAdmin):
         if obj.group_blocked:
             return "blocked by group"
         if obj.not_before is not None and obj.debounce_cap is not None and obj.not_before > timezone.now():
-            return "debounced"  # issue 14 item 2: waits out its key's quiet period (at most until debounce_cap)
+            return "debounced"  # waits out its key's quiet period (at most until debounce_cap)
         if obj.not_before is not None:
             return "not due"
         return "in line"
