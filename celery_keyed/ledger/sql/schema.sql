@@ -359,6 +359,9 @@ CREATE TABLE keyed_groups (
         CHECK ((held_since IS NULL) = (held_task_id IS NULL) AND (held_since IS NULL) = (held_reason IS NULL))
 );
 CREATE INDEX keyed_groups_held_idx ON keyed_groups (held_since) WHERE held_since IS NOT NULL;
+COMMENT ON TABLE keyed_groups IS
+    'Ordered groups: the next number to register and, for a group of a name whose group_failure is hold, the hold '
+    'since its head failed (resume: celery keyed resume-group; skip the head: celery keyed skip-group-head).';
 
 -- Group members: every task of a group from registration (at publish) or receipt until it finishes.
 -- The head of a group is its member with the lowest seq; only the head may run.

@@ -3,7 +3,7 @@
 - ``overview``: the app's landing page — every name with in flight / limit, waiting, the oldest wait, pauses,
   rejections and expiries of the last hour, drift repaired by reconcile — then the pages grouped;
 - live state: ``keys`` (the live view), ``claims`` (held slots; force release), ``waiting`` (parked tasks; cancel),
-  ``workers`` (worker processes, accepted sends, the outbox);
+  ``workers`` (worker processes, accepted sends, the outbox), ``groups`` (held groups; resume, skip the head);
 - limits: ``limits`` (name overrides, configured names), ``key_limits`` (a key's pause or own limit),
   ``fair_weights`` (fair weight overrides);
 - history: ``history`` (task outcomes, the audit trails, ledger events) and ``explain`` (why a task is (not) running).
@@ -19,6 +19,7 @@ from __future__ import annotations
 from celery_keyed_django.admin import (  # noqa: F401  (each module registers its pages)
     claims,
     fair_weights,
+    groups,
     history,
     key_limits,
     keys,
