@@ -547,7 +547,7 @@ class Chaos:
         self.time_limited: dict[str, float] = {}  # task id -> its hard time limit (shorter than its body)
         self.writers: set[str] = set()  # task ids published as chaos.write (exclusive); other doc:N tasks read
         self.config_version = 0  # the harness's keyed_config_version: above the workers' (0), which keep it
-        self.sharded_rejections: set[str] = set()  # writers rejected at arrival: the name was sharded then (README)
+        self.sharded_rejections: set[str] = set()  # writers rejected at arrival: the name was sharded then
         self.published_at: dict[str, float] = {}  # task id -> when its publish returned (monotonic)
         self.redis_stops: list[float] = []  # when each Redis restart / outage began (monotonic)
         self.main_kills: list[float] = []  # when a worker's main process was SIGKILLed (monotonic): mid-pop losses
@@ -811,7 +811,7 @@ class Chaos:
         ...: up and down), as a deploy would, and lower its limit by an operator override meanwhile. Before each step,
         a burst of readers with a writer among them on one doc key, so the change meets readers running, a writer
         running or waiting, and readers in line behind it. The configuration is stored with a version above the
-        workers' (README "Rolling deploys"): a worker that starts again keeps it. The observer checks that no writer
+        workers' (docs/upgrading.md): a worker that starts again keeps it. The observer checks that no writer
         ran beside anything of its key and that at most K readers ran at once."""
         import celery_keyed
         from celery_keyed.access import dispatch
@@ -1031,7 +1031,7 @@ class Chaos:
         stop or a worker's main process SIGKILL, never in the ledger, never logged as received by a worker. kombu
         pops a message and records it as unacked in a second step; a connection that drops in between (Redis
         restarting, a worker killed mid-pop) loses it (plain Celery too: tests/chaos/repro_redis_loss.py,
-        tests/acceptance/midpop.py; README "Nothing lost when the broker loses it"). Everything else missing is a
+        tests/acceptance/midpop.py; docs/features.md, the outbox). Everything else missing is a
         failure."""
         seen = set(seen)
         unseen = [
@@ -1164,7 +1164,7 @@ class Chaos:
             return
         outcomes, results = state["outcomes"], state["results"]
         self.sharded_rejections -= set(per_task)  # only a writer that never ran is excused
-        figures[f"writers rejected at arrival while {DOC_NAME} was sharded (README: Readers and writers)"] = len(
+        figures[f"writers rejected at arrival while {DOC_NAME} was sharded (docs: Readers and writers)"] = len(
             self.sharded_rejections
         )
         dist = collections.Counter(outcomes.get(t, "missing") or "open" for t in self.tasks)
@@ -1173,7 +1173,7 @@ class Chaos:
         figures["Ledger.books()"] = books
         figures["claims / waiting rows left"] = f"{state['claims']} / {state['waiting']}"
         lost = set(self.broker_lost(outcomes)) - {b.task_id for b in bodies}
-        figures["lost by the Redis transport before any worker received them (README: Not guaranteed)"] = (
+        figures["lost by the Redis transport before any worker received them (docs/guarantees.md: not guaranteed)"] = (
             f"{len(lost)} {sorted(lost)[:5]}" if lost else 0
         )
         bad = {
@@ -1239,7 +1239,7 @@ class Chaos:
         """A body given a hard time limit shorter than itself fails (acks_on_timeout, Celery's default: acked, not
         run again) — unless it ran to its end before billiard killed its process (its worker's loop was held up,
         e.g. retrying the result backend through a Redis outage): then it stored SUCCESS and is booked completed.
-        A writer that arrived while its name was sharded is rejected (README "Readers and writers", Limits) when
+        A writer that arrived while its name was sharded is rejected (docs/features.md "Readers and writers") when
         it never ran. Every other task completes, however often its body was stopped."""
         if task_id in self.time_limited and booked != "completed":
             return "failed"
