@@ -225,28 +225,6 @@ class Key(models.Model):
         return self.key
 
 
-class HeldGroup(models.Model):
-    """An ordered group (``keyed_groups``); the admin shows the held ones: a group of a name whose ``group_failure`` is
-    ``hold``, held since its head failed, until an operator resumes it or skips its head."""
-
-    group_key = models.TextField(primary_key=True)
-    next_seq = models.BigIntegerField()
-    held_since = models.DateTimeField(null=True)
-    held_task_id = models.TextField("failed head", null=True)
-    held_reason = models.TextField("why", null=True)
-
-    class Meta:
-        managed = False
-        db_table = "keyed_groups"
-        default_permissions = ("view",)
-        permissions = (("release_groups", "Can resume held groups and skip their failed heads"),)
-        verbose_name = "held group"
-        ordering = ("held_since", "group_key")
-
-    def __str__(self) -> str:
-        return self.group_key
-
-
 class Holder(models.Model):
     """A worker process start (``keyed_holders``): hostname + pid + start nonce."""
 
@@ -479,6 +457,21 @@ class Group(models.Model):
         managed = False
         db_table = "keyed_groups"
         default_permissions = ()
+
+
+class HeldGroup(Group):
+    """The admin's view of the held groups: a group of a name whose ``group_failure`` is ``hold``, held since its head
+    failed, until an operator resumes it or skips its head."""
+
+    class Meta:
+        proxy = True
+        default_permissions = ("view",)
+        permissions = (("release_groups", "Can resume held groups and skip their failed heads"),)
+        verbose_name = "held group"
+        ordering = ("held_since", "group_key")
+
+    def __str__(self) -> str:
+        return self.group_key
 
 
 class GroupMember(models.Model):

@@ -40,6 +40,7 @@ def test_a_held_group_is_listed_with_its_failed_head_and_why(admin_client: Clien
     body = admin_client.get(url("heldgroup_changelist")).content.decode()
     assert "order:1" in body and "order:2" not in body
     assert "its head h (attempt 0) failed: ValueError(&#x27;bad row&#x27;)" in body
+    assert '<td class="field-members_display">1</td>' in body  # n waits; h (dead-lettered) left the group
 
 
 def test_resume_asks_for_a_reason_then_starts_the_next_number(

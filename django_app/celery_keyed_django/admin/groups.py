@@ -11,7 +11,8 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE
-from django.db.models import QuerySet
+from django.db.models import Count, OuterRef, QuerySet, Subquery
+from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
@@ -19,7 +20,7 @@ from celery_keyed_django import ledger as ledger_access
 from celery_keyed_django.admin.base import ReadOnlyAdmin
 from celery_keyed_django.admin.rendering import APP, _promotions_text, explain_link, log_action, since
 from celery_keyed_django.forms import ReasonForm
-from celery_keyed_django.models import HeldGroup
+from celery_keyed_django.models import GroupMember, HeldGroup
 
 #: What each action does, for its confirmation page and its message.
 ACTIONS = {
@@ -45,7 +46,10 @@ class HeldGroupAdmin(ReadOnlyAdmin):
     auto_refresh = True
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[HeldGroup]:
-        return super().get_queryset(request).filter(held_since__isnull=False)
+        members = (GroupMember.objects.filter(group_key=OuterRef("group_key")).order_by().values("group_key")
+                   .annotate(n=Count("*")).values("n"))
+        return super().get_queryset(request).filter(held_since__isnull=False).annotate(
+            members=Coalesce(Subquery(members), 0))
 
     def has_release_groups_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{APP}.release_groups")
@@ -58,13 +62,9 @@ class HeldGroupAdmin(ReadOnlyAdmin):
     def held_display(self, obj: HeldGroup) -> str:
         return since(obj.held_since)
 
-    @admin.display(description="Members left")
+    @admin.display(description="Members left", ordering="members")
     def members_display(self, obj: HeldGroup) -> int:
-        from django.db import connections
-
-        with connections[obj._state.db or "default"].cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM keyed_group_members WHERE group_key = %s", [obj.group_key])
-            return int(cursor.fetchone()[0])
+        return int(getattr(obj, "members", 0) or 0)
 
     @admin.action(description="Resume the selected groups…", permissions=["release_groups"])
     def resume_action(self, request: HttpRequest, queryset: QuerySet[HeldGroup]) -> HttpResponse | None:

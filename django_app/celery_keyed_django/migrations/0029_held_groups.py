@@ -1,6 +1,6 @@
-# The admin's held groups page: an unmanaged model over keyed_groups, with the permission to resume a held group or
-# skip its failed head.
-from django.db import migrations, models
+# The admin's held groups page: a proxy of the groups model, with the permission to resume a held group or skip its
+# failed head.
+from django.db import migrations
 
 from celery_keyed_django.schema import apply_core_migrations
 
@@ -16,19 +16,16 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name='HeldGroup',
             fields=[
-                ('group_key', models.TextField(primary_key=True, serialize=False)),
-                ('next_seq', models.BigIntegerField()),
-                ('held_since', models.DateTimeField(null=True)),
-                ('held_task_id', models.TextField(null=True, verbose_name='failed head')),
-                ('held_reason', models.TextField(null=True, verbose_name='why')),
             ],
             options={
                 'verbose_name': 'held group',
-                'db_table': 'keyed_groups',
                 'ordering': ('held_since', 'group_key'),
                 'permissions': (('release_groups', 'Can resume held groups and skip their failed heads'),),
-                'managed': False,
+                'proxy': True,
                 'default_permissions': ('view',),
+                'indexes': [],
+                'constraints': [],
             },
+            bases=('celery_keyed_django.group',),
         ),
     ]
