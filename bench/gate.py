@@ -221,8 +221,8 @@ class Bench:
             for w in started:
                 w.stop()
 
-    def wait_for(self, run: str, n: int, workers: list[Worker], timeout: float, ids: list[str] | None = None
-                 ) -> float:
+    def wait_for(self, run: str, n: int, workers: list[Worker], timeout: float, ids: list[str] | None = None,
+                 progress: Callable[[int], None] | None = None) -> float:
         """Wait until ``n`` tasks of ``run`` were observed. With ``ids``, also watch the ledger (every
         ``LEDGER_POLL`` s, by primary key): the wall time at which it had recorded (admitted or parked) every one
         of those task ids, else +inf."""
@@ -230,6 +230,8 @@ class Bench:
         deadline = time.monotonic() + timeout
         next_look = 0.0
         while (count := self.redis.llen(run)) < n:
+            if progress is not None:
+                progress(count)
             for w in workers:
                 w.check()
             if time.monotonic() > deadline:
@@ -296,20 +298,86 @@ class Worker:
 # -- scenarios ----------------------------------------------------------------------------------------------------
 
 
-def throughput(bench: Bench, variant: str, task: str, n: int, *, keyed_args: bool) -> tuple[float, float]:
-    """One worker (c=2) drains ``n`` tasks published before it starts: (tasks/s, broker messages per task)."""
+@dataclass
+class CpuWindow:
+    """Milliseconds of CPU per task, by process, spent while a drain went from 10 % to 90 % of its tasks observed
+    (``/proc`` through psutil): the worker's main process (the consumer loop and the gate's threads), its pool
+    processes, the PostgreSQL server (every backend and helper process) and the Redis server. The window leaves out
+    the worker's start and its last tasks."""
+    n: int
+    worker_pid: int
+    server_pids: tuple[int, int]  # (PostgreSQL's postmaster, Redis)
+    start: tuple[int, dict[str, float]] | None = None
+    end: tuple[int, dict[str, float]] | None = None
+
+    def progress(self, count: int) -> None:
+        if self.start is None and count >= self.n // 10:
+            self.start = (count, self._snapshot())
+        elif self.start is not None and self.end is None and count >= self.n * 9 // 10:
+            self.end = (count, self._snapshot())
+
+    def per_task(self) -> dict[str, float] | None:
+        """{"main", "pool", "postgres", "redis", "total"}: ms of CPU per task in the window, or None (not seen)."""
+        if self.start is None or self.end is None or self.end[0] <= self.start[0]:
+            return None
+        tasks = self.end[0] - self.start[0]
+        split = {k: (self.end[1][k] - self.start[1][k]) / tasks * 1000 for k in self.start[1]}
+        split["total"] = sum(split.values())
+        return split
+
+    def _snapshot(self) -> dict[str, float]:
+        import psutil
+
+        def seconds(proc: Any) -> float:
+            try:
+                t = proc.cpu_times()
+                return float(t.user + t.system)
+            except psutil.Error:
+                return 0.0
+
+        def tree(pid: int) -> tuple[float, float]:  # (the process, its live children)
+            try:
+                proc = psutil.Process(pid)
+                kids = proc.children(recursive=True)
+            except psutil.Error:
+                return 0.0, 0.0
+            return seconds(proc), sum(seconds(k) for k in kids)
+
+        main, pool = tree(self.worker_pid)
+        postmaster, backends = tree(self.server_pids[0])
+        redis_own, redis_kids = tree(self.server_pids[1])
+        return {"main": main, "pool": pool, "postgres": postmaster + backends, "redis": redis_own + redis_kids}
+
+
+def server_pids(bench: Bench) -> tuple[int, int]:
+    """(PostgreSQL's postmaster, the Redis server): the processes whose CPU a drain's window counts."""
+    import psutil
+    import sqlalchemy as sa
+
+    with bench.ledger.connect() as conn:
+        backend = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    postmaster = psutil.Process(int(backend)).ppid()
+    return postmaster, int(bench.redis.info("server")["process_id"])
+
+
+def throughput(bench: Bench, variant: str, task: str, n: int, *, keyed_args: bool
+               ) -> tuple[float, float, dict[str, float] | None]:
+    """One worker (c=2) drains ``n`` tasks published before it starts: (tasks/s, broker messages per task, ms of CPU
+    per task by process: ``CpuWindow.per_task``)."""
     run, queue = bench.tag(f"obs-{task}-{variant}"), bench.tag(f"q-{task}-{variant}")
     calls = [(run, i % KEYS) if keyed_args else (run,) for i in range(n)]
+    pids = server_pids(bench)
     before = bench.lpush_calls()
     bench.publish(variant, task, queue, calls)
     with bench.workers(variant, queue, [bench.tag(variant)], 2, wait_ready=False) as ws:
-        bench.wait_for(run, n, ws, timeout=max(120.0, n / 20))
+        window = CpuWindow(n, ws[0].proc.pid, pids)
+        bench.wait_for(run, n, ws, timeout=max(120.0, n / 20), progress=window.progress)
         published = bench.lpush_calls() - before
     rows = bench.observed(run)
     bench.redis.delete(run)
     first = min(float(r[0]) for r in rows)
     last = max(float(r[1]) for r in rows)
-    return n / (last - first), published / n
+    return n / (last - first), published / n, window.per_task()
 
 
 @dataclass
@@ -408,23 +476,33 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+@dataclass
+class Pairs:
+    """What ``ratio_pairs`` measured: B/A throughput ratios, (A, B) tasks/s, B's broker messages per task, and
+    (A, B) ms of CPU per task by process (``CpuWindow.per_task``)."""
+    ratios: list[float] = field(default_factory=list)
+    rates: list[tuple[float, float]] = field(default_factory=list)
+    published: list[float] = field(default_factory=list)
+    cpu: list[tuple[dict[str, float] | None, dict[str, float] | None]] = field(default_factory=list)
+
+
 def ratio_pairs(bench: Bench, pairs: int, task: str, n: int, keyed_args: bool, label: str,
-                second: str = "keyed") -> tuple[list[float], list[tuple[float, float]], list[float]]:
+                second: str = "keyed") -> Pairs:
     """``pairs`` interleaved pairs: a worker of A (plain) then one of ``second`` (B, or A again for the A/A
     control)."""
-    ratios: list[float] = []
-    rates: list[tuple[float, float]] = []
-    published: list[float] = []
+    out = Pairs()
     for p in range(pairs):
-        a, _ = throughput(bench, "plain", task, n, keyed_args=keyed_args)
-        b, per_task = throughput(bench, second, task, n, keyed_args=keyed_args)
-        rates.append((a, b))
-        ratios.append(b / a)
-        published.append(per_task)
+        a, _, cpu_a = throughput(bench, "plain", task, n, keyed_args=keyed_args)
+        b, per_task, cpu_b = throughput(bench, second, task, n, keyed_args=keyed_args)
+        out.rates.append((a, b))
+        out.ratios.append(b / a)
+        out.published.append(per_task)
+        out.cpu.append((cpu_a, cpu_b))
         name = {"keyed": "B keyed", "keyed-loop": "B' keyed, loop admission"}.get(second, "A again")
-        print(f"  {label} pair {p + 1}: A plain {a:6.0f} tasks/s, {name} {b:6.0f} tasks/s, ratio {b / a:.3f}",
+        cpu = "".join(f", CPU {cpu['total']:.2f} ms/task" if cpu else "" for cpu in (cpu_a, cpu_b))
+        print(f"  {label} pair {p + 1}: A plain {a:6.0f} tasks/s, {name} {b:6.0f} tasks/s, ratio {b / a:.3f}{cpu}",
               flush=True)
-    return ratios, rates, published
+    return out
 
 
 # -- main ---------------------------------------------------------------------------------------------------------
@@ -496,21 +574,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"servers: {described}; {os.cpu_count()} CPUs, load average {load[0]:.1f} at start", flush=True)
 
         print(f"\na. unkeyed tasks, A plain vs B celery-keyed installed: {pairs} pairs of {n} tasks, c=2", flush=True)
-        a_ratios, a_rates, _ = ratio_pairs(bench, pairs, "noop", n, False, "a")
+        a_pairs = ratio_pairs(bench, pairs, "noop", n, False, "a")
         control: list[float] = []
         if args.control:
             print(f"\na'. control: A plain then A plain again, {pairs} pairs of {n} tasks, c=2", flush=True)
-            control, _, _ = ratio_pairs(bench, pairs, "noop", n, False, "a'", second="plain")
+            control = ratio_pairs(bench, pairs, "noop", n, False, "a'", second="plain").ratios
 
         print(f"\nb. keyed tasks on {KEYS} uncontended keys vs the same task plain: {keyed_pairs} pairs of {n} "
               f"tasks, c=2 (warming {KEYS} keys first)", flush=True)
         warm_keys(database_url)
-        b_ratios, b_rates, b_published = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b")
+        b_pairs = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b")
         loop_ratios: list[float] = []
         if args.loop_admission:
             print(f"\nb'. the same, admission on the consumer loop (keyed_admission_batch = 0): {keyed_pairs} pairs",
                   flush=True)
-            loop_ratios, _, _ = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b'", second="keyed-loop")
+            loop_ratios = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b'", second="keyed-loop").ratios
 
         print(f"\nc. handoff, one key, K = 1: {c_runs} run(s) of {handoff_tasks} tasks of 5 ms, 2 workers c=2",
               flush=True)
@@ -543,17 +621,42 @@ def main(argv: list[str] | None = None) -> int:
             app.close()
 
     print()
-    print(report(a_ratios, a_rates, b_ratios, b_rates, b_published, c_results, d_results, control))
+    print(report(a_pairs, b_pairs, c_results, d_results, control))
     if loop_ratios:
         print(f"b'. keyed with admission on the loop / plain: median {statistics.median(loop_ratios):.3f} "
-              f"(admission thread: {statistics.median(b_ratios):.3f})")
+              f"(admission thread: {statistics.median(b_pairs.ratios):.3f})")
     print(f"\nload average {load[0]:.1f} at start, {load_end[0]:.1f} at end; total {time.monotonic() - started:.0f} s")
     return 0
 
 
-def report(a_ratios: list[float], a_rates: list[tuple[float, float]], b_ratios: list[float],
-           b_rates: list[tuple[float, float]], b_published: list[float], c_results: list[Contended],
-           d_results: list[Contended], control: list[float]) -> str:
+def cpu_medians(splits: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """The median of each part of ``CpuWindow.per_task`` over the runs that measured one."""
+    seen = [s for s in splits if s]
+    return {k: statistics.median(s[k] for s in seen) for k in seen[0]} if seen else None
+
+
+def cpu_rows(b_pairs: Pairs) -> list[str]:
+    """b's CPU per task by process (medians of the pairs): plain Celery's, celery-keyed's, and the ratio."""
+    plain, keyed = cpu_medians([a for a, _ in b_pairs.cpu]), cpu_medians([b for _, b in b_pairs.cpu])
+    if plain is None or keyed is None:
+        return []
+
+    def parts(split: dict[str, float]) -> str:
+        return (f"main {split['main']:.2f}, pool {split['pool']:.2f}, PostgreSQL {split['postgres']:.2f}, "
+                f"Redis {split['redis']:.2f}; **{split['total']:.2f}**")
+
+    ratio = keyed["total"] / plain["total"] if plain["total"] > 0 else float("nan")
+    return [
+        f"| b. ms of CPU per task, plain Celery (10-90 % of each drain) | {parts(plain)} | | |",
+        f"| b. ms of CPU per task, keyed | {parts(keyed)}; **{ratio:.2f} x** plain's | ≤ 1.73 x (1.8 ms where "
+        f"plain took 1.04) | {verdict(ratio <= 1.73)} |",
+    ]
+
+
+def report(a_pairs: Pairs, b_pairs: Pairs, c_results: list[Contended], d_results: list[Contended],
+           control: list[float]) -> str:
+    a_ratios, a_rates, b_ratios, b_rates = a_pairs.ratios, a_pairs.rates, b_pairs.ratios, b_pairs.rates
+    b_published = b_pairs.published
     a_med, b_med = statistics.median(a_ratios), statistics.median(b_ratios)
     handoffs = [h for r in c_results for h in r.handoffs]
     c50, c99 = pct(handoffs, 0.5) * 1000, pct(handoffs, 0.99) * 1000
@@ -580,6 +683,7 @@ def report(a_ratios: list[float], a_rates: list[tuple[float, float]], b_ratios: 
         f"{noisy} |",
         f"| b. keyed, 1,000 uncontended keys vs plain (B/A), {len(b_ratios)} pairs | median **{b_med:.3f}**, range "
         f"{min(b_ratios):.3f}-{max(b_ratios):.3f}; {rates(b_rates)} | ≥ 0.8 | {verdict(b_med >= 0.8)} |",
+        *cpu_rows(b_pairs),
         f"| c. handoff, one key, K = 1 ({len(handoffs)} handoffs) | p50 **{c50:.2f} ms**, p99 **{c99:.2f} ms** "
         f"(max {max(handoffs) * 1000:.1f} ms) | p50 ≤ 5, p99 ≤ 25 ms | {verdict(c50 <= 5 and c99 <= 25)} |",
         f"| c. the same, only once the ledger had every arrival ({len(steady)} handoffs, nothing left to park) "

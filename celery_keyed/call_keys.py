@@ -6,6 +6,7 @@ passed in: the worker's intake uses these without importing ``celery_keyed.task`
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -23,10 +24,27 @@ _WHOLE_FIELD = re.compile(r"^\{(\w+)\}$")
 def key_spec(task: Any, option: str) -> KeySpec:
     """A task's key spec as declared: a callable class attribute is not bound to the task (it gets the call's
     arguments, not ``self``)."""
-    value = inspect.getattr_static(task, option, None)
+    value = _static_attribute(task, option)
     if isinstance(value, staticmethod | classmethod):
         value = value.__get__(None, type(task))
     return value
+
+
+def _static_attribute(obj: Any, name: str) -> Any:
+    """``inspect.getattr_static(obj, name, None)`` for a task object, without its general machinery (this runs for
+    every option of every keyed publish and every received message): a data descriptor of the class, else the
+    instance's own attribute, else the class's."""
+    found: Any = None
+    for klass in type(obj).__mro__:
+        if name in klass.__dict__:
+            found = klass.__dict__[name]
+            break
+    else:
+        return getattr(obj, "__dict__", {}).get(name)
+    if hasattr(type(found), "__set__") or hasattr(type(found), "__delete__"):
+        return found
+    own = getattr(obj, "__dict__", {})
+    return own.get(name, found)
 
 
 def evaluate_key(
@@ -147,7 +165,11 @@ def check_cost(cost: Any, task: Any) -> int:
 
 def bind_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults applied (for key templates)."""
-    signature = inspect.signature(task.run)
+    run = task.run
+    try:
+        signature = _signature(run)
+    except TypeError:  # an unhashable callable as run: read its signature each time
+        signature = inspect.signature(run)
     try:
         bound = signature.bind_partial(*args, **kwargs)
     except TypeError as exc:
@@ -158,6 +180,13 @@ def bind_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
             arguments.update(arguments.pop(name))
     return arguments
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(run: Callable[..., Any]) -> inspect.Signature:
+    """The signature of a task's ``run`` (a function, or a method bound to its task: equal and hashable by both), read
+    once: ``inspect.signature`` is most of what binding a call's arguments costs."""
+    return inspect.signature(run)
 
 
 def _normalize(value: Any, task: Any, option: str) -> str:
