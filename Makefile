@@ -70,7 +70,7 @@ bench: venv
 bench-gate: venv
 	$(VPY) -m bench.gate $(if $(QUICK),--quick)
 
-# celery-keyed side by side with the peers Celery users use today (issue 11): plain Celery, the cookbook lock,
+# celery-keyed side by side with the peers Celery users use today: plain Celery, the cookbook lock,
 # celery-once, procrastinate, Dramatiq, PgQueuer, all on the same PostgreSQL and Redis, 8 slots each (~20 min;
 # QUICK=1 for a short run, DOCS=1 to write the table into docs/benchmarks.md). The peers are installed into
 # .bench-venv/ (bench/requirements-peers.txt) on first use. Holds $$HOME/.celery-keyed-bench.lock (flock).
@@ -78,14 +78,14 @@ bench-gate: venv
 bench-peers: venv
 	$(VPY) -m bench.peers $(if $(QUICK),--quick) $(if $(DOCS),--write-docs) $(PEERS_ARGS)
 
-# What no other benchmark measures (DESIGN §8, issue 11): promotion latency with 1,000,000 parked attempts vs 100
+# What no other benchmark measures (DESIGN §8): promotion latency with 1,000,000 parked attempts vs 100
 # (and EXPLAIN of the promotion), a real worker's RSS with 100,000 parked vs none, the hot gate 8 shards vs 1
 # (~5-6 min; QUICK=1 ~3 min; SCALE_ARGS="--only promotion"). Holds $$HOME/.celery-keyed-bench.lock (flock).
 .PHONY: bench-scale
 bench-scale: venv
 	$(VPY) -m bench.scale $(if $(QUICK),--quick) $(SCALE_ARGS)
 
-# What the outbox costs a producer (issue 14 item 8): keyed publishes without it, with keyed_register_at_publish
+# What a keyed publish costs a producer: the same call through plain Celery, keyed, with keyed_register_at_publish
 # (a ledger commit each) and in a caller's transaction (~1 min; QUICK=1 ~20 s). Holds the benchmark lock (flock).
 .PHONY: bench-publish
 bench-publish: venv

@@ -1,4 +1,4 @@
-"""What the outbox costs a producer (issue 14 item 8), side by side in one run.
+"""What a keyed publish costs a producer, with and without the outbox, side by side in one run.
 
     python -m bench.publish [--quick] [--tasks 2000] [--pairs 5]
 

@@ -1,4 +1,4 @@
-"""Scale: what no other benchmark measures yet (DESIGN §8, issue 11), side by side in one run.
+"""Scale: what no other benchmark measures yet (DESIGN §8), side by side in one run.
 
     python -m bench.scale [--quick] [--only promotion,memory,shards] [--parked 1000000] [--small 100]
 

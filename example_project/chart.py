@@ -2,7 +2,8 @@
 
 matplotlib (the ``demo`` extra) with its Agg backend: no display, no browser. Three panels:
 
-1. the eight-arrival fixture: ``research:topic`` in flight against its limit of 2;
+1. the eight-arrival fixture: ``research:topic`` in flight against its limit of 2, with the arrivals that never ran
+   (rejected on arrival, expired waiting) marked when they were refused;
 2. the partner API gate: calls in flight in all against 10, and per tenant against 3;
 3. one lane per mutex key (``account:*``) and per ordered group (``order:*``): a bar while a task runs, red for
    an attempt that failed (and was retried).
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,7 @@ def in_flight_steps(runs: Sequence[Run]) -> tuple[list[float], list[int]]:
     return times, counts
 
 
-def write_chart(
-    path: Path,
+def draw_figure(
     *,
     research: Sequence[Run],
     research_limit: int,
@@ -46,14 +47,17 @@ def write_chart(
     tenant_limit: int,
     lanes: Mapping[str, Sequence[Run]],
     unit: float,
-) -> Path:
-    """Draw the three panels into ``path`` (a PNG; its folder is created). Returns the path."""
+    refused: Sequence[tuple[float, str]] = (),
+) -> Any:
+    """The three panels as a matplotlib Figure (Agg backend). ``refused``: (seconds, outcome) of each research
+    arrival that never ran ("rejected" or "expired"), drawn in panel 1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax1, ax2, ax3) = plt.subplots(
         3, 1, figsize=(11, 10), gridspec_kw={"height_ratios": [1, 1.3, 1.3]}, constrained_layout=True
     )
@@ -63,8 +67,18 @@ def write_chart(
     ax1.step(times, counts, where="post", color="tab:blue", linewidth=2, label="research:topic")
     ax1.axhline(research_limit, color="tab:blue", linestyle="--", linewidth=1, label=f"limit {research_limit}")
     ax1.set_title("1. eight arrivals on one gate: 2 run, 3 wait (one past its deadline), 3 rejected", loc="left")
+    for outcome, marker, color, label in (
+        ("rejected", "x", "tab:red", "rejected on arrival (waiting room full)"),
+        ("expired", "v", "tab:purple", "expired waiting (max wait)"),
+    ):
+        at = [t for t, kind in refused if kind == outcome]
+        if at:
+            ax1.scatter(at, [research_limit + 0.5] * len(at), marker=marker, color=color, s=60, label=label, zorder=3)
     ax1.set_ylim(0, research_limit + 1)
     ax1.set_ylabel("in flight")
+    ax1.set_xlabel("seconds from the start of the phase")
+    research_last = max([r.end for r in research] + [t for t, _ in refused], default=1.0)
+    ax1.set_xlim(0, research_last * 1.02)
     ax1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
     every_call = [r for runs in api.values() for r in runs]
@@ -78,6 +92,8 @@ def write_chart(
     ax2.set_title("2. partner API: one gate of 10 shared by every tenant, at most 3 per tenant", loc="left")
     ax2.set_ylim(0, api_limit + 2)
     ax2.set_ylabel("in flight")
+    ax2.set_xlabel("seconds from the start of the phase")
+    ax2.set_xlim(0, max((r.end for r in every_call), default=1.0) * 1.02)
     ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
     names = sorted(lanes, key=lambda k: (k.split(":")[0], k))
@@ -93,15 +109,31 @@ def write_chart(
     ax3.set_yticks(range(len(names)), names)
     ax3.invert_yaxis()
     ax3.set_title(
-        "2. same run: mutex per account (1 at a time each); events of each order in order (red: failed, retried)",
-        loc="left",
+        "3. same run as 2: mutex per account (1 at a time each); events of each order in order", loc="left"
+    )
+    ax3.legend(
+        handles=[
+            Patch(facecolor="tab:orange", label="account: one at a time"),
+            Patch(facecolor="tab:green", label="order: in order"),
+            Patch(facecolor="tab:red", label="failed (retried)"),
+        ],
+        loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
     )
     ax3.set_xlabel("seconds from the start of the phase")
-    last = max((r.end for runs in (*api.values(), *lanes.values()) for r in runs), default=1.0)
-    for ax in (ax2, ax3):
-        ax.set_xlim(0, last * 1.02)
+    ax3.set_xlim(0, max((r.end for runs in lanes.values() for r in runs), default=1.0) * 1.02)
+    for ax in (ax1, ax2):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # tasks in flight are whole numbers
     for ax in (ax1, ax2, ax3):
         ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def write_chart(path: Path, **panels: Any) -> Path:
+    """Draw the three panels (``draw_figure``'s arguments) into ``path``, a PNG; its folder is created."""
+    fig = draw_figure(**panels)  # selects the Agg backend first
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -269,6 +269,7 @@ class Demo:
         self.env: dict[str, str] = {}
         self.calls: list[Call] = []  # every task published, for the cleanup
         self.research_runs: list[Run] = []
+        self.research_refused: list[tuple[float, str]] = []  # (seconds, outcome) of the arrivals that never ran
         self.workload_runs: list[Run] = []
         self.failed = False
 
@@ -663,6 +664,10 @@ class Demo:
         self.research_runs = [
             Run(RESEARCH_KEY, a.start, a.end, a.failed) for r in rows for a in r.attempts if a.end is not None
         ]
+        self.research_refused = [
+            (r.finished, r.outcome) for r in rows
+            if r.start is None and r.finished is not None and r.outcome in ("rejected", "expired")
+        ]
 
         ran = [r for r in rows if r.start is not None]
         starts = sorted(r.start for r in ran if r.start is not None)
@@ -950,6 +955,7 @@ class Demo:
             tenant_limit=TENANT_LIMIT,
             lanes=lanes,
             unit=u,
+            refused=self.research_refused,
         )
         size = path.stat().st_size
         with open(path, "rb") as f:

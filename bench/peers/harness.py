@@ -1,4 +1,4 @@
-"""celery-keyed side by side with what Celery users use today, in one run (issue 11, DESIGN §8).
+"""celery-keyed side by side with what Celery users use today, in one run (DESIGN §8).
 
     python -m bench.peers [--quick] [--repeats 3] [--systems a,b] [--workloads W1,W2] [--write-docs]
 
@@ -840,7 +840,7 @@ def run_system(bench: Bench, system: System, workloads: list[Workload], repeat: 
 
 
 def docs_section(body: str) -> str:
-    return """## celery-keyed side by side with its peers (`python -m bench.peers`, issue 11)
+    return """## celery-keyed side by side with its peers (`python -m bench.peers`)
 
 ```sh
 make bench-peers                 # all systems x W1-W6, 3 repeats (~20 min); QUICK=1: one run of W1, W2, W6

@@ -1,4 +1,4 @@
-"""The sweep at scale (docs/benchmarks.md, "What the 1,000,000-row run found"): every worker sweeps every
+"""The sweep at scale (bench.scale's 1,000,000-row ledger, docs/benchmarks.md): every worker sweeps every
 ``keyed_sweep_interval``, so its backstop promotion (D2) must touch only the keys where a waiter can start, and its
 reads of rare rows must not go through every parked row."""
 
