@@ -3,13 +3,25 @@ drawn where they were refused, a legend for the lanes, and each panel's time axi
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
-from example_project.chart import Run, draw_figure, write_chart
+# chart.py is loaded by its path: importing the example_project package would configure its Django project for the
+# whole test process (its Celery app sets DJANGO_SETTINGS_MODULE), which tests that start pytest in a fresh
+# directory inherit.
+_spec = importlib.util.spec_from_file_location(
+    "demo_chart", Path(__file__).resolve().parents[2] / "example_project" / "chart.py"
+)
+assert _spec is not None and _spec.loader is not None
+chart = importlib.util.module_from_spec(_spec)
+sys.modules["demo_chart"] = chart  # its dataclass looks its module up there
+_spec.loader.exec_module(chart)
+Run, draw_figure, write_chart = chart.Run, chart.draw_figure, chart.write_chart
 
 
 def panels() -> dict[str, object]:
