@@ -76,7 +76,6 @@ def draw_figure(
             ax1.scatter(at, [research_limit + 0.5] * len(at), marker=marker, color=color, s=60, label=label, zorder=3)
     ax1.set_ylim(0, research_limit + 1)
     ax1.set_ylabel("in flight")
-    ax1.set_xlabel("seconds from the start of the phase")
     research_last = max([r.end for r in research] + [t for t, _ in refused], default=1.0)
     ax1.set_xlim(0, research_last * 1.02)
     ax1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
@@ -92,7 +91,6 @@ def draw_figure(
     ax2.set_title("2. partner API: one gate of 10 shared by every tenant, at most 3 per tenant", loc="left")
     ax2.set_ylim(0, api_limit + 2)
     ax2.set_ylabel("in flight")
-    ax2.set_xlabel("seconds from the start of the phase")
     ax2.set_xlim(0, max((r.end for r in every_call), default=1.0) * 1.02)
     ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
@@ -119,11 +117,11 @@ def draw_figure(
         ],
         loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
     )
-    ax3.set_xlabel("seconds from the start of the phase")
     ax3.set_xlim(0, max((r.end for runs in lanes.values() for r in runs), default=1.0) * 1.02)
     for ax in (ax1, ax2):
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # tasks in flight are whole numbers
     for ax in (ax1, ax2, ax3):
+        ax.set_xlabel("seconds from the start of the phase")
         ax.grid(axis="x", alpha=0.3)
     return fig
 
