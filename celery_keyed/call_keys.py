@@ -168,8 +168,13 @@ def bind_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     run = task.run
     try:
         signature = _signature(run)
+        plan = _plain_plan(run)
     except TypeError:  # an unhashable callable as run: read its signature each time
-        signature = inspect.signature(run)
+        signature, plan = inspect.signature(run), None
+    if plan is not None:
+        arguments = plan.bind(args, kwargs)
+        if arguments is not None:
+            return arguments
     try:
         bound = signature.bind_partial(*args, **kwargs)
     except TypeError as exc:
@@ -187,6 +192,55 @@ def _signature(run: Callable[..., Any]) -> inspect.Signature:
     """The signature of a task's ``run`` (a function, or a method bound to its task: equal and hashable by both), read
     once: ``inspect.signature`` is most of what binding a call's arguments costs."""
     return inspect.signature(run)
+
+
+@dataclass(frozen=True)
+class _PlainPlan:
+    """How to bind a call to a signature of plain parameters (no positional-only, no ``*args``) the way
+    ``Signature.bind_partial`` + ``apply_defaults`` does, without its general machinery (every keyed message and
+    publish binds its call once or more). ``bind`` returns None for any call it does not bind plainly (too many
+    positional arguments, a name given twice, an unknown name): the signature then binds it and says what is wrong."""
+
+    positional: tuple[str, ...]
+    names: frozenset[str]
+    defaults: tuple[tuple[str, Any], ...]
+    var_keyword: bool
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        if len(args) > len(self.positional):
+            return None
+        arguments = dict(zip(self.positional, args, strict=False))
+        for name, value in kwargs.items():
+            if name in arguments or (name not in self.names and not self.var_keyword):
+                return None
+            arguments[name] = value
+        for name, default in self.defaults:
+            if name not in arguments:
+                arguments[name] = default
+        return arguments
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_plan(run: Callable[..., Any]) -> _PlainPlan | None:
+    """The plain binding plan of a task's ``run``, or None when its signature is not plain (``_PlainPlan``)."""
+    signature = _signature(run)
+    kinds = inspect.Parameter
+    positional: list[str] = []
+    names: set[str] = set()
+    defaults: list[tuple[str, Any]] = []
+    var_keyword = False
+    for name, param in signature.parameters.items():
+        if param.kind is kinds.POSITIONAL_OR_KEYWORD:
+            positional.append(name)
+        elif param.kind is kinds.VAR_KEYWORD:
+            var_keyword = True
+            continue
+        elif param.kind is not kinds.KEYWORD_ONLY:
+            return None  # positional-only or *args: the signature binds it
+        names.add(name)
+        if param.default is not kinds.empty:
+            defaults.append((name, param.default))
+    return _PlainPlan(tuple(positional), frozenset(names), tuple(defaults), var_keyword)
 
 
 def _normalize(value: Any, task: Any, option: str) -> str:

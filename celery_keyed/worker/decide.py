@@ -53,6 +53,9 @@ class Decide(FollowsLifecycle):
         reached the pool. A claim is tracked (renewed by the heartbeat) from the moment it is taken. Arrivals
         handed over at receipt (``receive``) are parked or left alone (``Ledger.park_at_receipt``)."""
         plain: list[Job] = []
+        # a release of one of these keys that waits in the releaser (it may linger) commits first: the arrival
+        # finds the slot its own worker freed instead of parking behind it
+        self.releaser.settle({key for job in jobs if job.arrival is not None for key in job.arrival.keys})
         sent = time.monotonic()  # before any call of this batch: a lower bound of every claim's lease start
         self._decide_received([job for job in jobs if job.extra.get("receipt")])
         for job in jobs:

@@ -331,10 +331,7 @@ class Handoff:
         reserved = list(worker_state.reserved_requests)
         active = worker_state.active_requests
         releaser = self.releaser
-        held_mutex_keys = self.held_mutex_keys
-        busy: set[str] = set() if held_mutex_keys is None else held_mutex_keys()
-        if released is not None:
-            busy.add(released)
+        busy: set[str] | None = None  # read when a request needs it (most hold their claim already)
         with self.lock:
             bound_here = {token.task_id for token in self.prebound}
         will_run = 0
@@ -355,10 +352,20 @@ class Handoff:
                     key = headers.get(HEADER_KEY)
                 # A task with several keys (a list header) parks when any of them has a line.
                 keys = key if isinstance(key, list) else [key]
+                if busy is None:
+                    busy = self._busy_keys(released)
                 if any(isinstance(k, str) and (k in busy or releaser.is_contended(k)) for k in keys):
                     continue
             will_run += 1
         return will_run, size
+
+    def _busy_keys(self, released: str | None) -> set[str]:
+        """The keys whose received requests will park (``_will_run``): the mutex keys held here and ``released``."""
+        held_mutex_keys = self.held_mutex_keys
+        busy: set[str] = set() if held_mutex_keys is None else held_mutex_keys()
+        if released is not None:
+            busy.add(released)
+        return busy
 
     def consumes(self, promotion: Promotion) -> bool:
         """Whether this worker consumes the promotion's queue and knows its task."""

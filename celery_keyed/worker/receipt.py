@@ -308,8 +308,18 @@ class Receipt(FollowsLifecycle):
         (``keyed_concurrency_limits``: limit 1, the default): an arrival of that key has no room, so it is parked at
         receipt even before the key parked or promoted anything here — in a burst, the requests received while
         every key runs would otherwise each wait for a pool process just to be parked. A runtime override that
-        raised the limit only costs that round trip: the receipt leaves an arrival with room to its admission."""
-        return key in self.held_mutex_keys()
+        raised the limit only costs that round trip: the receipt leaves an arrival with room to its admission.
+        (``held_mutex_keys`` asked about one key, without building the set: this runs for every keyed request.)"""
+        config = self.settings.limits.get(key_name(key))
+        if config is not None and config.limit != 1:
+            return False
+        with self.lock:
+            if any(bound.key == key for bound in self.handoff.prebound.values()):
+                return True
+            return any(
+                (getattr(entry.request, "_request_dict", None) or {}).get(HEADER_KEY) == key
+                for entry in self.running.values()
+            )
 
     def held_mutex_keys(self) -> set[str]:
         """Any thread: the keys whose attempt holds its claim in this worker while their name is a mutex as configured

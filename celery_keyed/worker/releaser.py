@@ -10,6 +10,10 @@ too. A release that cannot commit (the ledger unreachable, D9) is kept in ``pend
 heartbeat with its ack (``flush_pending``): a slot held longer is safe. Without a running releaser (not
 started, or stopped) a release runs in the caller's thread.
 
+Releases of keys without a line here (not contended) wait up to ``RELEASE_LINGER`` for others to share their round
+trip (a slot held a moment longer only keeps the bound stricter); a release of a contended key, a full batch, a
+stop, or an admission of a key whose release waits here (``settle``) ends the wait at once.
+
 Threads and fields:
 
 - ``_releases``: appended by any thread that releases (the loop's outcome hooks, the heartbeat, the admission
@@ -19,6 +23,9 @@ Threads and fields:
   ends; only the heartbeat pops).
 - ``_contended``: key -> when it last parked or promoted (monotonic); written by the loop (admission) and the
   releaser's thread, read by the loop (one item set or get each).
+- ``_keys``: key -> how many releases of it were handed to the thread and have not finished; ``_hurry``: an
+  admission waits for one of them (``settle``); both under ``_lock``, whose condition ``_done`` is notified after
+  every batch.
 """
 
 from __future__ import annotations
@@ -41,6 +48,15 @@ logger = logging.getLogger("celery_keyed")
 
 #: Most releases the releaser thread gives back in one ``Ledger.release_many``.
 RELEASE_BATCH = 64
+
+#: Most seconds the releaser thread waits for more releases to share one round trip while every release handed to
+#: it is of a key without a line here. Measured on b (1,000 uncontended keys, 2 cores): 3 ms takes the releases per
+#: call from 1.3 to about 3 and the CPU per keyed task down by a tenth; a slot held that much longer is invisible to
+#: a key that nobody waits for, and a key with a line never waits.
+RELEASE_LINGER = 0.003
+
+#: Most seconds an admission waits for a lingering release of its key to commit (``Releaser.settle``).
+SETTLE_WAIT = 0.1
 
 #: Seconds after a key last parked or promoted an attempt during which its releases promote in the same
 #: transaction (no window where the freed slot is visible to another worker's sweeper).
@@ -70,17 +86,24 @@ class Releaser:
     """The releaser of one gate. ``release_once`` gives back one batch of what was handed over, in the caller's
     thread (tests); ``start`` / ``stop`` are safe to call twice."""
 
-    def __init__(self, *, ledger: Any, handoff: Any, breaker: Any, life: Any, batch: int = RELEASE_BATCH) -> None:
+    def __init__(
+        self, *, ledger: Any, handoff: Any, breaker: Any, life: Any, batch: int = RELEASE_BATCH,
+        linger: float = RELEASE_LINGER,
+    ) -> None:  # fmt: skip
         self.ledger = ledger
         self.handoff = handoff  # where its promotions go, and the loop calls (deferred acks)
         self.breaker = breaker
         self.life = life  # the gate's lifecycle (worker/running.py): no local handoff once shutdown began
         self.batch = max(1, batch)
+        self.linger = linger
         self.pending: deque[Release] = deque()  # failed releases, retried by the heartbeat
         self._contended: dict[str, float] = {}
         self._releases: deque[Release] = deque()
         self._ready = threading.Event()
         self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._keys: dict[str, int] = {}
+        self._hurry = False
         self._accepting = False  # a releaser thread runs and takes new releases
         self._working = 0  # releases taken from ``_releases`` (or run in a caller's thread) not finished yet
         self._thread: threading.Thread | None = None
@@ -165,6 +188,8 @@ class Releaser:
         with self._lock:
             if self._accepting:
                 self._releases.append(job)
+                if key is not None:
+                    self._keys[key] = self._keys.get(key, 0) + 1
                 self._ready.set()
                 return
             self._working += 1
@@ -191,6 +216,8 @@ class Releaser:
         with self._lock:
             jobs = [self._releases.popleft() for _ in range(min(self.batch, len(self._releases)))]
             self._working += len(jobs)
+            if not self._releases:
+                self._hurry = False
         if not jobs:
             return 0
         try:
@@ -200,7 +227,53 @@ class Releaser:
         finally:
             with self._lock:
                 self._working -= len(jobs)
+                for job in jobs:
+                    if job.key is not None and job.key in self._keys:
+                        left = self._keys[job.key] - 1
+                        if left > 0:
+                            self._keys[job.key] = left
+                        else:
+                            del self._keys[job.key]
+                self._done.notify_all()
         return len(jobs)
+
+    def settle(self, keys: Any, timeout: float = SETTLE_WAIT) -> bool:
+        """An admission's thread, before it claims: when a release of one of ``keys`` waits in the releaser (it may
+        be lingering), have it go now and wait (at most ``timeout``) until it has committed, so that the arrival finds
+        the slot its own worker just freed instead of parking behind it. Whether nothing of those keys is left."""
+        with self._lock:
+            if not self._keys or not any(key in self._keys for key in keys):
+                return True
+            self._hurry = True
+            self._ready.set()
+            deadline = time.monotonic() + timeout
+            while any(key in self._keys for key in keys):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._accepting:
+                    return False
+                self._done.wait(left)
+        return True
+
+    def _linger(self, stop: threading.Event) -> None:
+        """The releaser thread, before it takes a batch: wait up to ``linger`` for more releases to share its round
+        trip while every release handed over is of a key without a line here, fewer than a batch are waiting, no
+        admission waits for one of them (``settle``) and the releaser is not stopping."""
+        if self.linger <= 0.0:
+            return
+        deadline = time.monotonic() + self.linger
+        while True:
+            with self._lock:
+                jobs = self._releases
+                if (
+                    not jobs or self._hurry or stop.is_set() or len(jobs) >= self.batch
+                    or any(job.contended for job in jobs)
+                ):
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0.0:
+                return
+            self._ready.wait(left)
+            self._ready.clear()
 
     def _run(self, stop: threading.Event) -> None:
         """The releaser thread: runs the releases handed to it, in order; on stop, the ones already handed over
@@ -230,6 +303,7 @@ class Releaser:
                     self.ledger.warm_up()
                 except Exception:  # never the end of the thread
                     logger.debug("celery-keyed: the releaser could not warm up", exc_info=True)
+            self._linger(stop)
             stopping = stop.is_set()
             while self.release_once():
                 pass

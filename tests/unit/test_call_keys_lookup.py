@@ -63,3 +63,52 @@ def test_bind_arguments_follows_each_run_and_keeps_defaults() -> None:
             pass
 
     assert bind_arguments(Task(Unhashable()), (4,), {}) == {"q": 4}
+
+
+def _reference(run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | str:
+    """What ``Signature.bind_partial`` + ``apply_defaults`` (with ``**kwargs`` flattened) make of a call, or the
+    error's type name."""
+    signature = inspect.signature(run)
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError:
+        return "InvalidKey"
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+    return arguments
+
+
+def _f1(a: Any, b: Any = 2) -> None: ...
+def _f2(a: Any, *, k: Any, m: Any = "m") -> None: ...
+def _f3(a: Any, b: Any = None, **extra: Any) -> None: ...
+def _f4(a: Any, /, b: Any = 1) -> None: ...
+def _f5(a: Any, *rest: Any, b: Any = 1) -> None: ...
+def _f6(**everything: Any) -> None: ...
+def _f7() -> None: ...
+
+
+@pytest.mark.parametrize("run", [_f1, _f2, _f3, _f4, _f5, _f6, _f7, _Base().run])
+@pytest.mark.parametrize(
+    "call",
+    [
+        ((), {}), ((1,), {}), ((1, 2), {}), ((1, 2, 3), {}), ((), {"a": 1}), ((1,), {"a": 1}), ((1,), {"b": 3}),
+        ((1,), {"k": 4}), ((), {"k": 4, "m": 5, "z": 6}), ((1,), {"extra": 9}), ((), {"everything": 1, "x": 2}),
+        ((1,), {"y": 7, "x": 8}),
+    ],
+)
+def test_bind_arguments_binds_every_call_as_the_signature_does(run: Any, call: Any) -> None:
+    class Task:
+        name = "t"
+
+    task = Task()
+    task.run = run  # type: ignore[attr-defined]
+    args, kwargs = call
+    expected = _reference(run, args, kwargs)
+    try:
+        got: dict[str, Any] | str = bind_arguments(task, args, kwargs)
+    except Exception as exc:
+        got = type(exc).__name__
+    assert got == expected

@@ -153,6 +153,60 @@ def test_the_releaser_starts_and_stops_twice_and_loses_nothing() -> None:
     assert ("warm_up", []) not in gate.ledger.calls  # no keyed work announced: no warm-up
 
 
+def _wait_idle(releaser: Releaser, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not releaser.idle():
+        assert time.monotonic() < deadline, "the releaser kept its releases"
+        time.sleep(0.01)
+
+
+def test_releases_of_keys_without_a_line_linger_to_share_a_round_trip_until_a_line_needs_one() -> None:
+    """The releaser thread holds releases of keys without a line here (not contended) up to ``linger`` for others to
+    share their round trip; a release of a contended key ends the wait at once, and they all go in one call."""
+    import time
+
+    gate = fake_gate()
+    releaser = releaser_of(gate, linger=30.0)  # type: ignore[arg-type]
+    releaser.start()
+    try:
+        for n in range(3):
+            hand(releaser, f"r{n}")
+        time.sleep(0.3)
+        assert gate.ledger.calls == []  # lingering: nobody waits for these keys
+        releaser.hand_over(Token("c", 0), 1, Outcome.COMPLETED, key="k:2", name="t", contended=True)
+        _wait_idle(releaser)  # well before the linger ends
+        assert gate.ledger.calls == [("release_many", ["r0", "r1", "r2", "c"])]
+    finally:
+        releaser.stop()
+
+
+def test_an_admission_of_a_key_whose_release_lingers_has_it_commit_first_and_a_stop_ends_the_linger() -> None:
+    """``Releaser.settle`` (an admission's thread, before it claims): a release of one of its keys waiting in the
+    releaser goes now, and settle returns once it has committed — the arrival finds the slot its own worker freed
+    instead of parking behind it. Other keys' releases go on lingering; a stop gives them back at once."""
+    import time
+
+    gate = fake_gate()
+    releaser = releaser_of(gate, linger=30.0)  # type: ignore[arg-type]
+    releaser.start()
+    try:
+        hand(releaser, "r0")  # key k:1
+        assert releaser.settle({"k:1"}, timeout=10.0)
+        assert gate.ledger.calls == [("release", ["r0"])]
+        hand(releaser, "r1")
+        assert releaser.settle({"k:9"}, timeout=10.0)  # nothing of k:9 waits: no hurry
+        time.sleep(0.3)
+        assert gate.ledger.calls == [("release", ["r0"])]
+    finally:
+        started = time.monotonic()
+        releaser.stop()
+    assert time.monotonic() - started < 10.0  # well before the linger ends
+    assert gate.ledger.calls == [("release", ["r0"]), ("release", ["r1"])]
+    assert releaser.settle({"k:1"})  # stopped, nothing waits
+
+
 def test_the_releaser_warms_its_connection_up_once_keyed_work_is_announced() -> None:
     """``request_warm`` (the gate's first keyed arrival): the idle releaser thread warms its connection up once; the
     thread of a later start (a consumer restart: a new connection) does it again when idle."""
@@ -326,6 +380,10 @@ def test_held_mutex_keys_are_the_running_keys_of_names_configured_as_mutexes() -
     gate.handoff.prebound[Token("d", 0)] = Prebound(7, "acct:2", ahead=True)
     gate.handoff.prebound[Token("e", 0)] = Prebound(8, "stripe:eu")
     assert Receipt.held_mutex_keys(gate) == {"acct:1", "acct:2", "solo:9"}  # type: ignore[arg-type]
+    # The question about one key (every received request asks it) answers as the set does.
+    for key in ("acct:1", "acct:2", "acct:3", "solo:9", "solo:8", "stripe:global", "stripe:eu", "other:1"):
+        held = Receipt._mutex_held_here(gate, key)  # type: ignore[arg-type]
+        assert held == (key in {"acct:1", "acct:2", "solo:9"}), key
 
 
 @pytest.mark.parametrize("nonce", [False, True])

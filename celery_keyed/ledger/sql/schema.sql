@@ -1560,12 +1560,25 @@ $$;
 -- keyed_failover_holding: whether new starts wait (a recorded hold not over, or a server whose identity nobody has
 -- checked yet). The reaper waits too: a running attempt re-asserts or renews its claim on the new server first.
 -- (PL/pgSQL: its statement's plan is kept for the session; as a SQL function it was planned at every claim.)
+-- The server's own identity (system identifier and timeline) is read once per session and kept in the session
+-- setting keyed.server (0030): it cannot change under a session that has seen the server as a primary (a timeline
+-- changes only when a standby is promoted; a session on a standby inserts nothing and caches nothing), and reading
+-- it was most of the cost of every claim's guard (pg_control_system reads the control file). Only the recorded
+-- hold is read each time (another session may record it).
 CREATE FUNCTION keyed_failover_holding() RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_server text := current_setting('keyed.server', true);
 BEGIN
+    IF v_server IS NULL OR v_server = '' THEN
+        IF pg_is_in_recovery() THEN
+            RETURN true;
+        END IF;
+        v_server := (SELECT c.system_identifier FROM pg_control_system() c) || '/' || keyed_ledger_timeline();
+        PERFORM set_config('keyed.server', v_server, false);
+    END IF;
     RETURN EXISTS (SELECT 1 FROM keyed_ledger_identity i
-                    WHERE i.hold_until > now() OR i.timeline <> keyed_ledger_timeline()
-                       OR i.system_identifier <> (SELECT c.system_identifier FROM pg_control_system() c));
+                    WHERE i.hold_until > now() OR i.system_identifier || '/' || i.timeline <> v_server);
 END
 $$;
 
