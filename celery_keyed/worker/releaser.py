@@ -23,8 +23,8 @@ Threads and fields:
   ends; only the heartbeat pops).
 - ``_contended``: key -> when it last parked or promoted (monotonic); written by the loop (admission) and the
   releaser's thread, read by the loop (one item set or get each).
-- ``_keys``: key -> how many releases of it were handed to the thread and have not finished; ``_hurry``: an
-  admission waits for one of them (``settle``); both under ``_lock``, whose condition ``_done`` is notified after
+- ``_keys``: key -> how many releases of it that may linger (not contended) were handed to the thread and have not
+  finished; ``_hurry``: an admission waits for one of them (``settle``); both under ``_lock``, whose condition ``_done`` is notified after
   every batch.
 """
 
@@ -188,7 +188,7 @@ class Releaser:
         with self._lock:
             if self._accepting:
                 self._releases.append(job)
-                if key is not None:
+                if key is not None and not contended:  # it may linger (``settle``)
                     self._keys[key] = self._keys.get(key, 0) + 1
                 self._ready.set()
                 return
@@ -228,7 +228,7 @@ class Releaser:
             with self._lock:
                 self._working -= len(jobs)
                 for job in jobs:
-                    if job.key is not None and job.key in self._keys:
+                    if job.key is not None and not job.contended and job.key in self._keys:
                         left = self._keys[job.key] - 1
                         if left > 0:
                             self._keys[job.key] = left
@@ -238,9 +238,10 @@ class Releaser:
         return len(jobs)
 
     def settle(self, keys: Any, timeout: float = SETTLE_WAIT) -> bool:
-        """An admission's thread, before it claims: when a release of one of ``keys`` waits in the releaser (it may
-        be lingering), have it go now and wait (at most ``timeout``) until it has committed, so that the arrival finds
-        the slot its own worker just freed instead of parking behind it. Whether nothing of those keys is left."""
+        """An admission's thread, before it claims: when a release of one of ``keys`` that may linger (its key had no
+        line here) waits in the releaser, have it go now and wait (at most ``timeout``) until it has committed, so
+        that the arrival finds the slot its own worker just freed instead of parking behind it. A release of a key
+        with a line never lingers and is not waited for. Whether nothing of those keys is left."""
         with self._lock:
             if not self._keys or not any(key in self._keys for key in keys):
                 return True
