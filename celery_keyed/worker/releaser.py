@@ -24,8 +24,8 @@ Threads and fields:
 - ``_contended``: key -> when it last parked or promoted (monotonic); written by the loop (admission) and the
   releaser's thread, read by the loop (one item set or get each).
 - ``_keys``: key -> how many releases of it that may linger (not contended) were handed to the thread and have not
-  finished; ``_hurry``: an admission waits for one of them (``settle``); both under ``_lock``, whose condition ``_done`` is notified after
-  every batch.
+  finished; ``_hurry``: an admission waits for one of them (``settle``); both under ``_lock``, whose condition
+  ``_done`` is notified after every batch.
 """
 
 from __future__ import annotations
