@@ -114,6 +114,7 @@ from celery_keyed.ledger.session import per_transaction, server_unsafe_settings,
 from celery_keyed.ledger.status import (
     KeyStatus,
     NameStatus,
+    RecentStatus,
     limited_names_sql,
     name_limit_sql,
     status_key_count,
@@ -121,6 +122,7 @@ from celery_keyed.ledger.status import (
     status_names,
     status_now,
     status_prepare,
+    status_recent,
 )
 
 __all__ = [
@@ -156,6 +158,7 @@ __all__ = [
     "NameStatus",
     "Outcome",
     "Promotion",
+    "RecentStatus",
     "ReleaseReport",
     "ReleaseRequest",
     "Report",
@@ -205,6 +208,7 @@ __all__ = [
     "status_names",
     "status_now",
     "status_prepare",
+    "status_recent",
     "validate_name",
     "validate_task_id",
 ]

@@ -327,3 +327,50 @@ def _key_source(row: Any) -> str:
 def status_key_count(conn: sa.Connection, *, name: str | None = None) -> int:
     """How many keys the ledger holds rows for (of ``name`` only, when given)."""
     return int(conn.execute(STATUS_KEY_COUNT, {"name": name}).scalar_one())
+
+
+# status_recent: per name, the arrivals turned away (rejected) and ended unrun (expired) in the last :seconds, and
+# the drift reconcile found and repaired in that time (keyed_events). Reads the books through their outcome index
+# (outcome, finished_at) and the events by time; tasks without a key (unreadable keys) are left out.
+STATUS_RECENT = sa.text(
+    f"""
+    WITH outcomes AS (
+        SELECT split_part(t.key, ':', 1) AS name,
+               count(*) FILTER (WHERE t.outcome = 'rejected') AS rejected,
+               count(*) FILTER (WHERE t.outcome = 'expired') AS expired
+          FROM keyed_tasks t
+         WHERE t.outcome IN ('rejected', 'expired') AND t.finished_at > {NOW} - make_interval(secs => :seconds)
+           AND t.key IS NOT NULL
+         GROUP BY 1
+    ), drift AS (
+        SELECT split_part(e.key, ':', 1) AS name, count(*) AS drift
+          FROM keyed_events e
+         WHERE e.kind = 'drift' AND e.at > {NOW} - make_interval(secs => :seconds) AND e.key IS NOT NULL
+         GROUP BY 1
+    )
+    SELECT COALESCE(o.name, d.name) AS name, COALESCE(o.rejected, 0) AS rejected,
+           COALESCE(o.expired, 0) AS expired, COALESCE(d.drift, 0) AS drift
+      FROM outcomes o FULL JOIN drift d ON d.name = o.name
+    """
+)
+
+
+@dataclass(frozen=True)
+class RecentStatus:
+    """What happened to a name's tasks lately (``status_recent``): arrivals rejected, tasks expired unrun, and
+    counter drift that reconcile repaired."""
+
+    rejected: int = 0
+    expired: int = 0
+    drift: int = 0
+
+
+def status_recent(
+    conn: sa.Connection, *, seconds: float = 3600.0, now: datetime | None = None
+) -> dict[str, RecentStatus]:
+    """Per name with any: its rejections, expiries and repaired drift in the last ``seconds``."""
+    rows = conn.execute(STATUS_RECENT, {"seconds": seconds, "now": now}).mappings()
+    return {
+        r["name"]: RecentStatus(rejected=int(r["rejected"]), expired=int(r["expired"]), drift=int(r["drift"]))
+        for r in rows
+    }

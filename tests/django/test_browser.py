@@ -171,3 +171,39 @@ def test_pause_and_resume_a_name_from_the_admin(
         cluster.stop_all()
         close_publisher(producer.app)
         producer.app.close()
+
+
+def test_the_overview_fits_1280_px(browser: Any, live_server: Any, ledger_engine: Any) -> None:
+    """At 1,280 px (a laptop) the app's landing page — the overview of every name, then its pages grouped — shows
+    every column of the names' table without a scroll, a long override reason wrapped in its cell. Screenshot in
+    /tmp/screens/overview_1280.png."""
+    from selenium.webdriver.common.by import By
+
+    from celery_keyed.ledger import Arrival, Ledger
+
+    ledger = Ledger(ledger_engine, holder="worker-7:31337:beef", lease=60.0)
+    message = {"task": "proj.sync", "args": [7, "a longer argument, as real calls have"], "kwargs": {"force": True}}
+    for n, key in enumerate(["acct:1", "acct:1", "acct:2", "acct:2", "partner-api:tenant-with-a-long-name", "q:1"]):
+        ledger.admit(Arrival(f"task-{n}-{'x' * 24}", key=key, task_name="proj.tasks.sync_account_with_vendor",
+                             queue="celery", message=message))
+    ledger.set_override("stripe", 0, reason="Upstream incident INC-42: hold every charge until the vendor recovers")
+    User.objects.create_superuser("operator", "ops@example.com", "correct horse")
+    browser.set_window_size(1280, 900)
+    browser.get(f"{live_server.url}/admin/login/")
+    browser.find_element(By.NAME, "username").send_keys("operator")
+    browser.find_element(By.NAME, "password").send_keys("correct horse")
+    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    wait_for_text(browser, "Site administration")
+    browser.get(f"{live_server.url}/admin/celery_keyed_django/")
+    wait_for_text(browser, "Limit per key")
+    SCREENS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SCREENS / "overview_1280.png"))
+    page, window = browser.execute_script(
+        "return [document.documentElement.scrollWidth, window.innerWidth]")
+    assert page <= window, f"the page is {page} px wide at a window of {window} px"
+    table, module = browser.execute_script(
+        "const m = document.getElementById('keyed-overview');"
+        " return [m.querySelector('table').scrollWidth, m.clientWidth]")
+    assert table <= module, f"the names' table is {table} px wide in a module of {module} px"
+    rows = browser.find_elements(By.CSS_SELECTOR, "#keyed-overview tbody tr")
+    assert [r.find_element(By.TAG_NAME, "th").text for r in rows][:1] == ["acct"]  # the busiest first
