@@ -11,6 +11,7 @@
     celery -A proj keyed resume-group / skip-group-head GROUP_KEY [--reason TEXT] [--author WHO]
     celery -A proj keyed reconcile [--reclaim] [--json]
     celery -A proj keyed migrate [--json]
+    celery -A proj keyed drop-ledger --yes [--force] [--json]
 
 Every subcommand reads the ledger from the app's ``keyed_database_url``. Reads go through the ledger's status and
 explain views; writes through the ledger's own functions (overrides with their audit rows, reconcile, migrate).
@@ -22,7 +23,7 @@ The package follows what an operator does:
 - ``status``, ``explain``, ``workers`` (``inspect``): look (nothing here writes);
 - ``limits``: change limits, pauses and fair weights at runtime;
 - ``groups``: resume a held group, or skip its failed head;
-- ``maintenance``: ``migrate`` and ``reconcile``;
+- ``maintenance``: ``migrate``, ``reconcile`` and ``drop-ledger``;
 - ``operator`` (what every command shares), ``render`` (tables, JSON, times), ``dispatch`` (how the commands publish
   what a write promoted: one function).
 """
@@ -44,7 +45,7 @@ from celery_keyed.cli.limits import (
     set_weight,
     weights,
 )
-from celery_keyed.cli.maintenance import migrate_command, reconcile
+from celery_keyed.cli.maintenance import drop_ledger_command, migrate_command, reconcile
 from celery_keyed.cli.operator import Operator, expiry_of
 from celery_keyed.cli.render import render_table
 from celery_keyed.cli.status import fair_shares_table, key_overrides_note, key_overrides_table, status
@@ -83,5 +84,6 @@ for command in (
     skip_group_head_command,
     reconcile,
     migrate_command,
+    drop_ledger_command,
 ):
     keyed.add_command(command)

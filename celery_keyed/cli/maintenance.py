@@ -1,5 +1,6 @@
-"""Keeping the ledger in shape: ``migrate`` (create or upgrade its tables) and ``reconcile`` (one pass of the
-repairs the beat task runs: due times, expiries, lapsed overrides, promotions, counters, idle keys, old books)."""
+"""Keeping the ledger in shape: ``migrate`` (create or upgrade its tables), ``reconcile`` (one pass of the repairs
+the beat task runs: due times, expiries, lapsed overrides, promotions, counters, idle keys, old books) and
+``drop-ledger`` (remove its tables when celery-keyed leaves a project)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import click
 
 from celery_keyed.cli.operator import Operator, pass_operator
 from celery_keyed.cli.render import print_json, render_table
-from celery_keyed.ledger import Report, applied_versions, check_counters_once, drop_idle_keys_once, migrate
+from celery_keyed.ledger import (
+    LedgerInUse,
+    Report,
+    applied_versions,
+    check_counters_once,
+    drop_idle_keys_once,
+    drop_ledger,
+    migrate,
+)
 
 
 @click.command()
@@ -99,3 +108,45 @@ def migrate_command(operator: Operator, as_json: bool) -> None:
     else:
         click.echo(f"the ledger is up to date ({versions[-1] if versions else 'no migrations'})")
 
+
+
+# -- drop-ledger -------------------------------------------------------------------------------------------
+
+
+@click.command("drop-ledger")
+@click.option(
+    "--yes", is_flag=True, help="Drop them (without it nothing is dropped: the command says what it would drop)."
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Drop them even while tasks wait in the ledger or slots are held: the waiting tasks are lost (their messages "
+    "live only in the ledger).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@pass_operator
+def drop_ledger_command(operator: Operator, yes: bool, force: bool, as_json: bool) -> None:
+    """Remove the ledger's tables, functions and sequences from its database (removing celery-keyed from a project:
+    stop the workers' gate first). Refuses while tasks wait in the ledger or slots are held, unless --force; drops
+    nothing without --yes. Objects of other names are never touched."""
+    from celery_keyed.engine import create_ledger_engine
+    from celery_keyed.ledger.migrations import ledger_objects
+
+    if not yes:
+        objects = ledger_objects()
+        count = sum(len(names) for names in objects.values())
+        raise click.ClickException(
+            f"nothing dropped: this removes the ledger's {count} tables, functions and sequences (every task "
+            "waiting in it with them); run it again with --yes"
+        )
+    engine = create_ledger_engine(operator.settings, statement_timeout=0)
+    try:
+        dropped = drop_ledger(engine, force=force)
+    except LedgerInUse as exc:
+        raise click.ClickException(f"nothing dropped: {exc} (--force)") from None
+    finally:
+        engine.dispose()
+    if as_json:
+        print_json({"dropped": dropped})
+        return
+    click.echo(f"dropped {len(dropped)} objects of the ledger" if dropped else "the ledger has no objects to drop")

@@ -92,7 +92,14 @@ from celery_keyed.ledger.key_overrides import KeyOverride, key_overrides_live
 from celery_keyed.ledger.keys import keys_captured_by
 from celery_keyed.ledger.keyspec import MAX_KEYS_PER_CALL, key_name, normalize_key, validate_name, validate_task_id
 from celery_keyed.ledger.lost_books import LostArrival, LostBooks
-from celery_keyed.ledger.migrations import applied_versions, migrate, schema_missing, schema_required
+from celery_keyed.ledger.migrations import (
+    LedgerInUse,
+    applied_versions,
+    drop_ledger,
+    migrate,
+    schema_missing,
+    schema_required,
+)
 from celery_keyed.ledger.names import NameConfig, names_newest_version, parse_limits
 from celery_keyed.ledger.outbox import outbox_by_name, outbox_register
 from celery_keyed.ledger.outcome_kinds import NEVER_RAN_KINDS, OUTCOME_KINDS
@@ -152,6 +159,7 @@ __all__ = [
     "KeyStatus",
     "Ledger",
     "LedgerError",
+    "LedgerInUse",
     "LostArrival",
     "LostBooks",
     "NameConfig",
@@ -178,6 +186,7 @@ __all__ = [
     "check_weight",
     "clear_override",
     "drop_idle_keys_once",
+    "drop_ledger",
     "fair_shares",
     "fair_weight_overrides",
     "groups_register",

@@ -9,6 +9,7 @@ connection: a session-level lock would be taken on one and released on another, 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -141,3 +142,82 @@ def schema_required(engine: sa.Engine) -> Iterator[None]:
         if missing is None:
             raise
         raise missing from None  # the message carries the database's own detail
+
+
+# -- removing the ledger -------------------------------------------------------------------------------------------
+
+#: An object the ledger's SQL creates: its kind and its name (every name is prefixed keyed_).
+_CREATED = re.compile(
+    r"\bCREATE\s+(?:OR\s+REPLACE\s+)?(?:UNIQUE\s+)?(TABLE|SEQUENCE|FUNCTION|PROCEDURE|VIEW|TYPE)\s+"
+    r"(?:IF\s+NOT\s+EXISTS\s+)?(keyed_\w+)",
+    re.IGNORECASE,
+)
+
+
+def ledger_objects() -> dict[str, set[str]]:
+    """Kind (``table``, ``sequence``, ``function``, ``procedure``, ``view``, ``type``) -> the names of every object
+    the ledger's schema and migrations create, with the migration runner's own table. Indexes, constraints and
+    triggers go with their tables."""
+    found: dict[str, set[str]] = {}
+    for sql in [schema_sql(), *(sql for _, sql in migration_files())]:
+        for kind, name in _CREATED.findall(sql):
+            found.setdefault(kind.lower(), set()).add(name)
+    found.setdefault("table", set()).add("keyed_migrations")
+    return found
+
+
+class LedgerInUse(RuntimeError):
+    """The ledger still holds work (tasks waiting in it, slots held): dropping it would lose the waiting tasks."""
+
+    def __init__(self, waiting: int, claims: int) -> None:
+        self.waiting, self.claims = waiting, claims
+        super().__init__(
+            f"the ledger still holds work: {waiting} task(s) waiting in it (their messages live only there) and "
+            f"{claims} slot(s) held; let them run first (see the docs: Removing celery-keyed), or force it"
+        )
+
+
+_HELD_WORK = sa.text(
+    "SELECT (SELECT count(*) FROM keyed_waiting) AS waiting, (SELECT count(*) FROM keyed_claims) AS claims"
+)
+
+_PROCS_NAMED = sa.text(
+    "SELECT p.oid::regprocedure::text AS signature, p.prokind::text AS kind FROM pg_proc p"
+    " WHERE p.proname = :name AND p.pronamespace = current_schema()::regnamespace"
+)
+
+
+def drop_ledger(engine: sa.Engine, *, force: bool = False) -> list[str]:
+    """Drop every object of the ledger from ``engine``'s database (``ledger_objects``: tables with their indexes,
+    constraints and triggers, sequences, functions and procedures, the migration runner's table), in one
+    transaction under the migrations' advisory lock; the objects dropped, as ``"kind name"``. Raises
+    ``LedgerInUse`` (and drops nothing) while tasks wait in the ledger or slots are held, unless ``force``: the
+    waiting tasks' messages live only there. Objects of other names are never touched."""
+    objects = ledger_objects()
+    dropped: list[str] = []
+    with engine.begin() as conn:
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
+        present = conn.execute(
+            sa.text("SELECT to_regclass('keyed_waiting') IS NOT NULL AND to_regclass('keyed_claims') IS NOT NULL")
+        ).scalar_one()
+        if present and not force:
+            held = conn.execute(_HELD_WORK).one()
+            if held.waiting or held.claims:
+                raise LedgerInUse(int(held.waiting), int(held.claims))
+        for kind, statement in (("view", "DROP VIEW"), ("table", "DROP TABLE"), ("sequence", "DROP SEQUENCE")):
+            for name in sorted(objects.get(kind, ())):
+                exists = conn.execute(sa.text("SELECT to_regclass(:n) IS NOT NULL"), {"n": name}).scalar_one()
+                if exists:
+                    conn.execute(sa.text(f'{statement} "{name}" CASCADE'))
+                    dropped.append(f"{kind} {name}")
+        for name in sorted(objects.get("function", set()) | objects.get("procedure", set())):
+            for proc in conn.execute(_PROCS_NAMED, {"name": name}).all():
+                kind = "procedure" if proc.kind == "p" else "function"
+                conn.execute(sa.text(f"DROP {kind.upper()} {proc.signature} CASCADE"))
+                dropped.append(f"{kind} {proc.signature}")
+        for name in sorted(objects.get("type", ())):
+            exists = conn.execute(sa.text("SELECT to_regtype(:n) IS NOT NULL"), {"n": name}).scalar_one()
+            if exists:
+                conn.execute(sa.text(f'DROP TYPE "{name}" CASCADE'))
+                dropped.append(f"type {name}")
+    return dropped
