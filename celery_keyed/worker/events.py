@@ -23,6 +23,14 @@ from celery_keyed.worker.running import FollowsLifecycle, Lifecycle, Running
 logger = logging.getLogger("celery_keyed")
 
 
+#: The gate's own events. Not in Celery's ``task-`` group on purpose: Celery's state machine (celery.events.state, which
+#: Flower and ``celery events`` use) takes any ``task-`` event it does not know as a state of its own that outranks
+#: started, revoked and received, so a parked task that was then revoked, or promoted and started, stayed "parked" or
+#: "promoted" there for good. Receivers that want them subscribe to these types (or to every event).
+PARKED_EVENT = "keyed-parked"
+PROMOTED_EVENT = "keyed-promoted"
+
+
 def warn_prefix_capture(ledger: Any, limits: Mapping[str, Any]) -> None:
     """§3.11: configuring a name turns every ``name:*`` key from a mutex into a gate. Runs before the
     configuration is stored, and says so for each name the ledger has seen keys of while they were K = 1
@@ -135,7 +143,7 @@ class Events(FollowsLifecycle):
     def _announce_parked(self, task_id: str, task_name: str, key: str | None) -> None:
         logger.debug("celery-keyed: %s[%s] parked in the line of %s", task_name, task_id, key)
         signals.keyed_parked.send(sender=self.sender, task_id=task_id, task_name=task_name, key=key)
-        self._emit("task-keyed-parked", uuid=task_id, name=task_name, key=key)
+        self._emit(PARKED_EVENT, uuid=task_id, name=task_name, key=key)
 
     def announce_promoted(self, promotion: Promotion, *, local: bool) -> None:
         name = (promotion.message or {}).get("task") or ""
@@ -149,7 +157,7 @@ class Events(FollowsLifecycle):
         signals.keyed_promoted.send(
             sender=self.sender, task_id=promotion.task_id, task_name=name, key=promotion.key, local=local
         )
-        self._emit("task-keyed-promoted", uuid=promotion.task_id, name=name, key=promotion.key, local=local)
+        self._emit(PROMOTED_EVENT, uuid=promotion.task_id, name=name, key=promotion.key, local=local)
 
     def announce_never_ran(self, task_id: str, outcome: str, detail: str, task_name: str, key: str | None) -> None:
         """A final outcome without a run (rejected, expired, superseded, revoked, lost, dead-lettered): its signal,
@@ -162,11 +170,17 @@ class Events(FollowsLifecycle):
         if event is None:
             return
         fields: dict[str, Any] = {"uuid": task_id, "keyed_outcome": outcome, "keyed_key": key, "detail": detail}
+        exc = exceptions.BY_OUTCOME.get(outcome, exceptions.KeyedOutcome)(detail)
+        failure = {"exception": repr(exc), "traceback": ""}
         if event == "task-rejected":
-            fields["requeue"] = False
-        elif event == "task-revoked":
+            # Celery's rejected state ranks below received in its state machine (celery.events.state, which Flower
+            # and ``celery events`` use): after task-rejected alone a task shows as received for ever. Its result is
+            # the KeyedRejected failure, which task-failed says, and which the state machine keeps.
+            self._emit(event, **fields, requeue=False)
+            self._emit("task-failed", **fields, **failure)
+            return
+        if event == "task-revoked":
             fields.update(terminated=False, signum=None, expired=outcome == "expired")
         else:
-            exc = exceptions.BY_OUTCOME.get(outcome, exceptions.KeyedOutcome)(detail)
-            fields.update(exception=repr(exc), traceback="")
+            fields.update(failure)
         self._emit(event, **fields)

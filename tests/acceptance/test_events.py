@@ -1,5 +1,7 @@
-"""What Celery's tools see (issue 10): every outcome of a keyed task reaches a real event receiver
-(``app.events.Receiver``, as Flower and ``celery events`` consume them), and the gate's signals fire."""
+"""What Celery's tools see: every outcome of a keyed task reaches a real event receiver (``app.events.Receiver``, as
+Flower and ``celery events`` consume them), Celery's own state machine (``celery.events.state.State``, which Flower
+and ``celery events`` keep their task list with) ends each task in the state of its result, and the gate's signals
+fire."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ class Events:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.seen: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.state = app.events.State()  # as Flower keeps it
+        self.states: dict[str, list[str]] = defaultdict(list)  # each task's state after each of its events
         self.ready = threading.Event()
         self._receiver: Any = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -33,8 +37,11 @@ class Events:
             self._receiver.capture(limit=None, timeout=None, wakeup=False)
 
     def _on_event(self, event: dict[str, Any]) -> None:
+        self.state.event(event)
         if "uuid" in event:
             self.seen[event["uuid"]].append(event)
+            task = self.state.tasks.get(event["uuid"])
+            self.states[event["uuid"]].append(task.state if task is not None else "")
 
     def types(self, task_id: str) -> list[str]:
         return [e["type"] for e in self.seen.get(task_id, [])]
@@ -63,26 +70,31 @@ def test_every_outcome_reaches_a_celery_event_receiver(cluster: Cluster, produce
         events.wait_for(running.id, "task-started")
         parked = producer.hold.delay("ev:1", 0.1, note="parked")
         revoked = producer.hold.delay("ev:1", 0.1, note="revoked")
-        assert events.wait_for(parked.id, "task-keyed-parked")["key"] == "ev:1"
-        events.wait_for(revoked.id, "task-keyed-parked")
+        assert events.wait_for(parked.id, "keyed-parked")["key"] == "ev:1"
+        events.wait_for(revoked.id, "keyed-parked")
+        assert events.states[parked.id][-1] == "RECEIVED"  # waiting: received, as far as Celery's states go
         rejected = producer.hold.delay("ev:1", 0.1, note="rejected")  # the waiting room (2) is full
         event = events.wait_for(rejected.id, "task-rejected")
         assert event["keyed_outcome"] == "rejected" and event["requeue"] is False
+        assert "KeyedRejected" in events.wait_for(rejected.id, "task-failed")["exception"]  # its result
 
         producer.app.control.revoke(revoked.id)
         assert events.wait_for(revoked.id, "task-revoked")["keyed_outcome"] == "revoked"
         expiring = producer.hold.apply_async(("ev:1", 0.1), {"note": "expiring"}, expires=1.0)
-        events.wait_for(expiring.id, "task-keyed-parked")
+        events.wait_for(expiring.id, "keyed-parked")
         event = events.wait_for(expiring.id, "task-revoked")
         assert event["keyed_outcome"] == "expired" and event["expired"] is True
 
-        assert events.wait_for(parked.id, "task-keyed-promoted")["key"] == "ev:1"
+        assert events.wait_for(parked.id, "keyed-promoted")["key"] == "ev:1"
         events.wait_for(parked.id, "task-succeeded")
         assert events.types(parked.id).count("task-received") == 1, events.types(parked.id)  # handed over here
         assert events.types(parked.id).count("task-started") == 1
         assert parked.get(timeout=30) == "parked"
-        for task_id in (rejected.id, revoked.id, expiring.id):  # each reached a final state, not "received"
-            assert events.types(task_id)[-1] in ("task-rejected", "task-revoked"), events.types(task_id)
+        # What Flower shows: each task ends in the state of its result, never "received" or a state of the gate's.
+        finals = {parked.id: "SUCCESS", revoked.id: "REVOKED", expiring.id: "REVOKED", rejected.id: "FAILURE"}
+        for task_id, final in finals.items():
+            assert events.states[task_id][-1] == final, (events.types(task_id), events.states[task_id])
+        assert "STARTED" in events.states[parked.id]  # it showed as started while it ran after its wait
     finally:
         events.stop()
 
