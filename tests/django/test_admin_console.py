@@ -5,12 +5,15 @@ mutex."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import sqlalchemy as sa
 from django.test import Client
+from django.urls import reverse
 
 from celery_keyed.ledger import Ledger
-from tests.django.test_admin import arrival, client_for, post_override, staff, url
+from tests.django.test_admin import APP, arrival, client_for, post_override, staff, url
 
 pytestmark = pytest.mark.django_db
 
@@ -79,3 +82,36 @@ def test_task_outcomes_tell_running_from_waiting(admin_client: Client, ledger: L
     assert "<em>in progress</em>" not in body
     # The time shown for a finished task includes its wait, and says so.
     assert "Arrival to finish (wait + run)" in body and ">Took<" not in body
+
+
+#: Django's own way of writing a moment (the project's DATETIME_FORMAT, "Dec. 5, 2026, 8:25 p.m." by default) and an
+#: ISO timestamp with its "T": neither appears on a page of the app, which writes every moment one way.
+OTHER_FORMATS = re.compile(
+    r"\b(?:Jan|Feb|March|April|May|June|July|Aug|Sept|Oct|Nov|Dec)\.? \d{1,2}, \d{4}|\d{4}-\d{2}-\d{2}T\d{2}:\d{2}"
+)
+ONE_FORMAT = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} [A-Z]{2,5}")
+
+
+def test_every_page_writes_a_moment_one_way(admin_client: Client, ledger: Ledger, ledger_engine: sa.Engine) -> None:
+    from django.contrib import admin as django_admin
+
+    ledger.register_holder()
+    ledger.admit(arrival("t-run", key="acct:1"))
+    ledger.admit(arrival("t-wait", key="acct:1"))
+    ledger.set_override("acct", 2, reason="set by code", expires_at=None)
+    ledger.set_fair_weight("acct", "tenant", 2.0, reason="big tenant")
+    ledger.pause_key("acct:1", 600, reason="vendor 429")
+    ledger.set_key_limit("acct:2", 1, reason="vendor header")
+    with ledger_engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO keyed_events (kind, key, detail, at) VALUES ('drift', 'acct:1', 'x', now())")
+    pages = [url("explain") + "?task_id=t-wait", reverse("admin:app_list", args=[APP])]
+    pages += [reverse(f"admin:{APP}_{model._meta.model_name}_changelist")
+              for model in django_admin.site._registry if model._meta.app_label == APP]
+    dated = 0
+    for page in pages:
+        response = admin_client.get(page)
+        assert response.status_code == 200, page
+        body = response.content.decode()
+        assert not OTHER_FORMATS.search(body), (page, OTHER_FORMATS.search(body))
+        dated += bool(ONE_FORMAT.search(body))
+    assert dated >= 5  # the pages with moments on them write them the one way

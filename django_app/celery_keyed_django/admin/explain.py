@@ -4,7 +4,7 @@ outcomes' page (``ExplainPage``), linked from every task id the admin shows."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from celery_keyed_django import ledger as ledger_access
 from celery_keyed_django.admin.base import _task_name
-from celery_keyed_django.admin.rendering import APP, age, explain_link, since
+from celery_keyed_django.admin.rendering import APP, age, explain_link, moment, since
 from celery_keyed_django.forms import ExplainForm
 from celery_keyed_django.models import Claim
 
@@ -116,6 +116,8 @@ FACT_LABELS = {
 def fact_value(name: str, value: Any) -> Any:
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, datetime):
+        return moment(value)
     if name == "lease_left" and value is not None:
         seconds = float(value)
         if seconds < 0:

@@ -23,7 +23,7 @@ from django.utils.html import format_html
 
 from celery_keyed.ledger import FAIR_WEIGHT_MAX, FAIR_WEIGHT_MIN, InvalidConfig, check_prefix, validate_name
 from celery_keyed_django import ledger as ledger_access
-from celery_keyed_django.admin.rendering import APP, CHANGE_LIMITS, _url, age, log_action, since
+from celery_keyed_django.admin.rendering import APP, CHANGE_LIMITS, _url, age, log_action, moment, moment_column, since
 from celery_keyed_django.bad_input import RefusesBadInput
 from celery_keyed_django.forms import ReasonForm
 from celery_keyed_django.models import FairWeightOverride, Name
@@ -109,7 +109,8 @@ def _configured_weight(name: str, prefix: str) -> float | None:
 class FairWeightOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
     form = FairWeightForm
     change_list_template = f"admin/{APP}/change_list.html"
-    list_display = ("name", "prefix", "weight", "configured_display", "reason", "author", "set_at", "expiry_display",
+    list_display = ("name", "prefix", "weight", "configured_display", "reason", "author",
+                    moment_column("set_at", "Set at"), "expiry_display",
                     "clear_link")
     list_display_links = ("name", "prefix")
     search_fields = ("name", "prefix", "reason", "author")
@@ -164,7 +165,7 @@ class FairWeightOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
             return "never (until cleared)"
         if obj.expires_at <= timezone.now():
             return format_html("lapsed {} ago", since(obj.expires_at))
-        return format_html('<span title="{}">in {}</span>', obj.expires_at.isoformat(),
+        return format_html('<span title="{}">in {}</span>', moment(obj.expires_at),
                            age(obj.expires_at - timezone.now()))
 
     @admin.display(description="")

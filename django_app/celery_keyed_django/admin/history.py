@@ -15,7 +15,7 @@ from django.utils.html import format_html
 
 from celery_keyed_django.admin.base import ReadOnlyAdmin, configured_names
 from celery_keyed_django.admin.explain import ExplainPage
-from celery_keyed_django.admin.rendering import _limit_text, _url, age, explain_link, since
+from celery_keyed_django.admin.rendering import _limit_text, _url, age, explain_link, moment, moment_column, since
 from celery_keyed_django.models import OUTCOMES, Claim, Event, FairWeightLog, OverrideLog, TaskRecord, Waiting
 
 
@@ -88,7 +88,7 @@ class TaskRecordAdmin(ExplainPage, ReadOnlyAdmin):
 
     @admin.display(description="Arrived", ordering="arrived_at")
     def arrived_display(self, obj: TaskRecord) -> str:
-        return format_html('<span title="{}">{} ago</span>', obj.arrived_at.isoformat(), since(obj.arrived_at))
+        return format_html('<span title="{}">{} ago</span>', moment(obj.arrived_at), since(obj.arrived_at))
 
     @admin.display(description="Arrival to finish (wait + run)", ordering="finished_at")
     def took_display(self, obj: TaskRecord) -> str:
@@ -114,12 +114,11 @@ class OverrideLogAdmin(ReadOnlyAdmin):
 
     @admin.display(description="When", ordering="at")
     def when_display(self, obj: OverrideLog) -> str:
-        return format_html('<span title="{} ago">{}</span>', since(obj.at), timezone.localtime(obj.at).strftime(
-            "%Y-%m-%d %H:%M:%S"))
+        return format_html('<span title="{} ago">{}</span>', since(obj.at), moment(obj.at))
 
     @admin.display(description="Expiry")
     def expiry_display(self, obj: OverrideLog) -> str:
-        return "—" if obj.expires_at is None else timezone.localtime(obj.expires_at).strftime("%Y-%m-%d %H:%M")
+        return "—" if obj.expires_at is None else moment(obj.expires_at)
 
     @admin.display(description="Old → new")
     def change_display(self, obj: OverrideLog) -> str:
@@ -153,7 +152,7 @@ class FairWeightLogAdmin(ReadOnlyAdmin):
 
     @admin.display(description="When", ordering="at")
     def when_display(self, obj: FairWeightLog) -> str:
-        return timezone.localtime(obj.at).strftime("%Y-%m-%d %H:%M:%S")
+        return moment(obj.at)
 
     @admin.display(description="Old → new")
     def change_display(self, obj: FairWeightLog) -> str:
@@ -166,7 +165,7 @@ class FairWeightLogAdmin(ReadOnlyAdmin):
 
 @admin.register(Event)
 class EventAdmin(ReadOnlyAdmin):
-    list_display = ("at", "kind_display", "key", "task_display", "detail")
+    list_display = (moment_column("at", "At"), "kind_display", "key", "task_display", "detail")
     list_filter = ("kind",)
     search_fields = ("=task_id", "=key")
     ordering = ("-at", "-id")

@@ -23,7 +23,7 @@ from django.utils.html import format_html, format_html_join
 
 from celery_keyed.ledger import SECONDS_MAX, SLOT_LIMIT_MAX, InvalidKey, normalize_key
 from celery_keyed_django import ledger as ledger_access
-from celery_keyed_django.admin.rendering import APP, CHANGE_LIMITS, _promotions_text, _url, age, log_action
+from celery_keyed_django.admin.rendering import APP, CHANGE_LIMITS, _promotions_text, _url, age, log_action, moment
 from celery_keyed_django.bad_input import RefusesBadInput
 from celery_keyed_django.forms import ReasonForm
 from celery_keyed_django.models import KeyOverride, OverrideLog
@@ -161,7 +161,7 @@ class KeyOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
             return "—"
         return format_html(
             '<strong style="color:#ba2121">paused</strong> for {} more <span title="{}">({}{})</span>',
-            age(obj.paused_until - timezone.now()), obj.paused_until.isoformat(), obj.pause_reason,
+            age(obj.paused_until - timezone.now()), moment(obj.paused_until), obj.pause_reason,
             f", {obj.pause_author}" if obj.pause_author else "",
         )
 
@@ -196,10 +196,10 @@ class KeyOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
                 "",
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{} → {}</td><td>{}</td><td>{}</td></tr>",
                 (
-                    (timezone.localtime(r.at).strftime("%Y-%m-%d %H:%M:%S"), r.author or "the sweep", r.action,
+                    (moment(r.at), r.author or "the sweep", r.action,
                      "—" if r.old_limit is None else r.old_limit, "—" if r.new_limit is None else r.new_limit,
                      r.reason or "—",
-                     "" if r.expires_at is None else f"{timezone.localtime(r.expires_at):%Y-%m-%d %H:%M:%S}")
+                     "" if r.expires_at is None else moment(r.expires_at))
                     for r in rows
                 ),
             ),
@@ -220,7 +220,7 @@ class KeyOverrideAdmin(RefusesBadInput, admin.ModelAdmin):
         promotions: list[Any] = []
         if data.get("pause_for") is not None:
             until, changed = ledger.pause_key(obj.key, data["pause_for"], reason=obj.reason or "", author=author)
-            said.append(f"paused until {timezone.localtime(until):%Y-%m-%d %H:%M:%S}"
+            said.append(f"paused until {moment(until)}"
                         + ("" if changed else " (a longer pause was in force already)"))
         if data.get("slot_limit") is not None:
             promotions = ledger.set_key_limit(

@@ -11,7 +11,6 @@ from django.contrib.admin.utils import quote
 from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest
-from django.utils import timezone
 from django.utils.html import format_html
 
 from celery_keyed.ledger import EXCLUSIVE_COST
@@ -24,7 +23,7 @@ from celery_keyed_django.admin.base import (
     _override_link,
     configured_names,
 )
-from celery_keyed_django.admin.rendering import UNCONFIGURED, _url, since
+from celery_keyed_django.admin.rendering import UNCONFIGURED, _url, moment, since
 from celery_keyed_django.models import Key, KeyOverride, Override, Slot, Waiting
 
 
@@ -163,7 +162,7 @@ class KeyAdmin(ReadOnlyAdmin):
         limit, source = _key_limit_and_source(obj)
         if source == "key_paused":
             return format_html('<strong style="color:#ba2121">paused</strong> until {}',
-                               timezone.localtime(obj.key_paused_until).strftime("%H:%M:%S"))
+                               moment(obj.key_paused_until))
         if limit == 0:
             return format_html('<strong style="color:#ba2121">{}</strong>', "paused")
         return "—"

@@ -34,6 +34,8 @@ from celery_keyed_django.admin.rendering import (
     _url,
     age,
     log_action,
+    moment,
+    moment_column,
     since,
 )
 from celery_keyed_django.bad_input import RefusesBadInput
@@ -47,7 +49,8 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
 
     form = OverrideForm
     change_list_template = f"admin/{APP}/change_list.html"
-    list_display = ("name", "limit_display", "configured_display", "reason", "author", "set_at", "expiry_display",
+    list_display = ("name", "limit_display", "configured_display", "reason", "author",
+                    moment_column("set_at", "Set at"), "expiry_display",
                     "clear_link")
     list_display_links = ("name",)
     search_fields = ("name", "reason", "author")
@@ -123,7 +126,7 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
             return "never (until cleared)"
         if obj.expires_at <= timezone.now():
             return format_html("lapsed {} ago (the next sweep removes it)", since(obj.expires_at))
-        return format_html('<span title="{}">in {}</span>', obj.expires_at.isoformat(),
+        return format_html('<span title="{}">in {}</span>', moment(obj.expires_at),
                            age(obj.expires_at - timezone.now()))
 
     @admin.display(description="")
@@ -140,10 +143,10 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{} → {}</td><td>{}</td><td>{}</td></tr>",
             (
-                (timezone.localtime(r.at).strftime("%Y-%m-%d %H:%M:%S"), r.author or "—", r.action,
+                (moment(r.at), r.author or "—", r.action,
                  _limit_text(r.old_limit, configured=known), _limit_text(r.new_limit, configured=known),
                  r.reason or "—",
-                 "" if r.expires_at is None else f"until {timezone.localtime(r.expires_at):%Y-%m-%d %H:%M}")
+                 "" if r.expires_at is None else f"until {moment(r.expires_at)}")
                 for r in rows
             ),
         )

@@ -3,9 +3,11 @@ admin and to a task's explanation, a stored message's arguments, the admin log e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.contrib import admin
 from django.contrib.admin.models import LogEntry
 from django.http import HttpRequest
 from django.urls import reverse
@@ -36,6 +38,27 @@ def age(delta: timedelta | None) -> str:
 
 def since(moment: datetime | None) -> str:
     return "—" if moment is None else age(timezone.now() - moment)
+
+
+#: The one way the admin writes a moment: in the project's time zone, to the second, with the zone's name.
+MOMENT_FORMAT = "%Y-%m-%d %H:%M:%S %Z"
+
+
+def moment(value: datetime | None) -> str:
+    """A moment as every page of the admin writes it (``MOMENT_FORMAT``); "—" for none."""
+    return "—" if value is None else timezone.localtime(value).strftime(MOMENT_FORMAT)
+
+
+def moment_column(field: str, description: str) -> Callable[[Any], str]:
+    """A list column showing the model's datetime ``field`` as ``moment`` writes it (Django would write it in the
+    project's own date format), sortable by the field."""
+
+    @admin.display(description=description, ordering=field)
+    def column(obj: Any) -> str:
+        return moment(getattr(obj, field))
+
+    column.__name__ = f"{field}_moment"
+    return column
 
 
 def _url(name: str, *args: Any, query: dict[str, Any] | None = None) -> str:

@@ -13,13 +13,14 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.html import format_html
 
 from celery_keyed_django.admin.base import ReadOnlyAdmin
-from celery_keyed_django.admin.rendering import explain_link
+from celery_keyed_django.admin.rendering import explain_link, moment_column
 from celery_keyed_django.models import Claim, Holder, Name, Outbox, SendRefusals, Sent
 
 
 @admin.register(Holder)
 class HolderAdmin(ReadOnlyAdmin):
-    list_display = ("hostname", "pid", "started_at", "latest_display", "config_version_display", "claims_display")
+    list_display = ("hostname", "pid", moment_column("started_at", "Started at"),
+                    "latest_display", "config_version_display", "claims_display")
     search_fields = ("hostname", "=holder")
     ordering = ("-started_at",)
     list_title = "Workers"
@@ -68,7 +69,8 @@ class HolderAdmin(ReadOnlyAdmin):
 
 @admin.register(Sent)
 class SentAdmin(ReadOnlyAdmin):
-    list_display = ("task_display", "key", "dedupe_key", "sent_at", "expires_at")
+    list_display = ("task_display", "key", "dedupe_key", moment_column("sent_at", "Sent at"),
+                    moment_column("expires_at", "Expires at"))
     search_fields = ("=task_id", "=key", "=dedupe_key")
     ordering = ("-sent_at",)
     list_title = "Accepted sends"
@@ -97,7 +99,8 @@ class SentAdmin(ReadOnlyAdmin):
 
 @admin.register(Outbox)
 class OutboxAdmin(ReadOnlyAdmin):
-    list_display = ("task_display", "task_name", "key", "group_key", "registered_at", "state_display", "due_at")
+    list_display = ("task_display", "task_name", "key", "group_key", moment_column("registered_at", "Registered at"),
+                    "state_display", moment_column("due_at", "Due at"))
     search_fields = ("=task_id", "=key", "=group_key", "=task_name")
     ordering = ("registered_at",)
     list_title = "Outbox: registered, not received"
