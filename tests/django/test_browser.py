@@ -207,3 +207,12 @@ def test_the_overview_fits_1280_px(browser: Any, live_server: Any, ledger_engine
     assert table <= module, f"the names' table is {table} px wide in a module of {module} px"
     rows = browser.find_elements(By.CSS_SELECTOR, "#keyed-overview tbody tr")
     assert [r.find_element(By.TAG_NAME, "th").text for r in rows][:1] == ["acct"]  # the busiest first
+
+    # The live pages, with Django's navigation and filter sidebars open: every column shows, none scrolled off.
+    for page, text in (("claim/", "worker-7"), ("waiting/", "acct:1"), ("key/", "acct:2")):
+        browser.get(f"{live_server.url}/admin/celery_keyed_django/{page}")
+        wait_for_text(browser, text)
+        browser.save_screenshot(str(SCREENS / f"{page.strip('/')}_1280.png"))
+        table, box = browser.execute_script(
+            "const r = document.querySelector('#changelist .results'); return [r.scrollWidth, r.clientWidth]")
+        assert table <= box, f"{page}: the list is {table} px wide in {box} px: columns scrolled off"

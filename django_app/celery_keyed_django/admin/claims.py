@@ -24,10 +24,9 @@ from celery_keyed_django.admin.rendering import (
     APP,
     _promotions_text,
     age,
-    arguments_text,
-    explain_link,
     log_action,
     since,
+    task_cell,
 )
 from celery_keyed_django.forms import ReasonForm
 from celery_keyed_django.models import Claim
@@ -35,8 +34,7 @@ from celery_keyed_django.models import Claim
 
 @admin.register(Claim)
 class ClaimAdmin(ReadOnlyAdmin):
-    list_display = ("task_link", "task_name_display", "arguments_display", "attempt", "holds_display",
-                    "state_display", "fence", "holder", "held_display", "lease_display")
+    list_display = ("task_link", "holds_display", "state_display", "holder_display", "held_display")
     list_display_links = None
     list_filter = ("state",)
     search_fields = ("=task_id", "=key", "=group_key", "holder")
@@ -57,17 +55,18 @@ class ClaimAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Claim]:
         return super().get_queryset(request).annotate(task_name=_task_name())
 
-    @admin.display(description="Task name")
-    def task_name_display(self, obj: Claim) -> str:
-        return getattr(obj, "task_name", None) or "—"
-
-    @admin.display(description="Arguments")
-    def arguments_display(self, obj: Claim) -> str:
-        return arguments_text(obj.parked)  # the stored message of an attempt that waited (else not kept)
-
     @admin.display(description="Task", ordering="task_id")
     def task_link(self, obj: Claim) -> str:
-        return explain_link(obj.task_id)
+        """Its id, name and attempt, and its arguments (from the stored message of an attempt that waited: a claim
+        taken at once keeps none)."""
+        return task_cell(obj.task_id, getattr(obj, "task_name", None), obj.parked, obj.attempt)
+
+    @admin.display(description="Holder", ordering="holder")
+    def holder_display(self, obj: Claim) -> str:
+        """The worker process that holds it (host:pid:…), shortened; the whole of it in the tooltip."""
+        holder = obj.holder or "—"
+        short = holder if len(holder) <= 32 else holder[:31] + "…"
+        return format_html('<span title="{}">{}</span>', holder, short)
 
     @admin.display(description="Holds", ordering="key")
     def holds_display(self, obj: Claim) -> str:
@@ -87,22 +86,20 @@ class ClaimAdmin(ReadOnlyAdmin):
     def state_display(self, obj: Claim) -> str:
         """Its state, and a cancel a newer arrival asked for (newest wins): its worker ends it as superseded."""
         if obj.cancel_requested_at is None:
-            return obj.state
+            return format_html('<span title="fence {}">{}</span>', obj.fence, obj.state)
         return format_html(
-            '{} <span style="color:#ba2121">— cancel requested {} ago ({})</span>',
-            obj.state, age(timezone.now() - obj.cancel_requested_at), obj.cancel_detail or "",
+            '<span title="fence {}">{}</span> <span style="color:#ba2121">— cancel requested {} ago ({})</span>',
+            obj.fence, obj.state, age(timezone.now() - obj.cancel_requested_at), obj.cancel_detail or "",
         )
 
-    @admin.display(description="Held for", ordering="claimed_at")
+    @admin.display(description="Held, lease left", ordering="claimed_at")
     def held_display(self, obj: Claim) -> str:
-        return since(obj.claimed_at)
-
-    @admin.display(description="Lease left", ordering="lease_expires_at")
-    def lease_display(self, obj: Claim) -> str:
+        """How long it has held its slot, and how long its lease has left (red once lapsed: the reaper frees it)."""
         left = obj.lease_expires_at - timezone.now()
         if left.total_seconds() < 0:
-            return format_html('<span style="color:#ba2121">lapsed {} ago</span>', age(-left))
-        return age(left)
+            return format_html('{}, <span style="color:#ba2121">lease lapsed {} ago</span>', since(obj.claimed_at),
+                               age(-left))
+        return format_html("{}, {} left", since(obj.claimed_at), age(left))
 
     @admin.action(description="Force release the selected claims…", permissions=["force_release"])
     def force_release_action(self, request: HttpRequest, queryset: QuerySet[Claim]) -> HttpResponse | None:

@@ -86,8 +86,7 @@ class KeyStateFilter(admin.SimpleListFilter):
 class KeyAdmin(ReadOnlyAdmin):
     """The live view: one row per key, each column one indexed lookup for the rows on the page."""
 
-    list_display = ("key", "name_link", "limit_display", "source_display", "in_flight_display", "waiting_display",
-                    "oldest_display", "paused_display", "active_display")
+    list_display = ("key", "name_link", "limit_display", "in_flight_display", "waiting_display", "active_display")
     list_display_links = None
     list_filter = (NameFilter, LimitSourceFilter, KeyStateFilter)
     search_fields = ("key",)
@@ -128,9 +127,16 @@ class KeyAdmin(ReadOnlyAdmin):
 
     @admin.display(description="Limit")
     def limit_display(self, obj: Any) -> str:
-        return str(_key_limit_and_source(obj)[0])
+        """The key's limit (or paused, and until when), then where it comes from in smaller type."""
+        limit, source = _key_limit_and_source(obj)
+        if source == "key_paused":
+            shown = format_html('<strong style="color:#ba2121">paused</strong> until {}', moment(obj.key_paused_until))
+        elif limit == 0:
+            shown = format_html('<strong style="color:#ba2121">{}</strong>', "paused")
+        else:
+            shown = format_html("{}", limit)
+        return format_html('{}<br><span class="keyed-sub">{}</span>', shown, self.source_display(obj))
 
-    @admin.display(description="Limit from")
     def source_display(self, obj: Any) -> str:
         source = _key_limit_and_source(obj)[1]
         label = {"override": "override", "config": "configuration", "default": UNCONFIGURED,
@@ -147,25 +153,12 @@ class KeyAdmin(ReadOnlyAdmin):
         tasks = obj.in_flight % EXCLUSIVE_COST + obj.in_flight // EXCLUSIVE_COST
         return format_html('<a href="{}">{}</a>', _url("claim_changelist", query={"key": obj.key}), tasks)
 
-    @admin.display(description="Waiting", ordering="waiting")
+    @admin.display(description="Waiting (oldest)", ordering="waiting")
     def waiting_display(self, obj: Any) -> str:
         if not obj.waiting:
             return "0"
-        return format_html('<a href="{}">{}</a>', _url("waiting_changelist", query={"key": obj.key}), obj.waiting)
-
-    @admin.display(description="Oldest waiting")
-    def oldest_display(self, obj: Any) -> str:
-        return since(obj.oldest_waiting) if obj.waiting else "—"
-
-    @admin.display(description="Paused")
-    def paused_display(self, obj: Any) -> str:
-        limit, source = _key_limit_and_source(obj)
-        if source == "key_paused":
-            return format_html('<strong style="color:#ba2121">paused</strong> until {}',
-                               moment(obj.key_paused_until))
-        if limit == 0:
-            return format_html('<strong style="color:#ba2121">{}</strong>', "paused")
-        return "—"
+        return format_html('<a href="{}">{}</a><br><span class="keyed-sub">oldest {}</span>',
+                           _url("waiting_changelist", query={"key": obj.key}), obj.waiting, since(obj.oldest_waiting))
 
     @admin.display(description="Last active", ordering="active_at")
     def active_display(self, obj: Any) -> str:

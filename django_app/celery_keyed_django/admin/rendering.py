@@ -96,6 +96,19 @@ def arguments_text(message: dict[str, Any] | None, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def task_cell(task_id: str, task_name: str | None, message: dict[str, Any] | None, attempt: int) -> str:
+    """One cell for a task on the live pages: its id (linking to its explanation), then its name and attempt, then
+    its arguments, in smaller type — so that the pages fit a laptop's window with Django's two sidebars."""
+    name = task_name or "—"
+    if attempt:
+        name = f"{name}, attempt {attempt + 1}"
+    arguments = arguments_text(message, limit=60)
+    return format_html(
+        '{}<br><span class="keyed-sub">{}</span>{}', explain_link(task_id), name,
+        format_html('<br><span class="keyed-sub keyed-quiet">{}</span>', arguments) if arguments != "—" else "",
+    )
+
+
 def _limit_text(limit: int | None, *, configured: bool = True) -> str:
     """A limit in an audit trail; None: no override, the name's configured limit — or, for a name configured
     nowhere, the default "1 (default)" (the words of ``celery keyed set-limit``)."""

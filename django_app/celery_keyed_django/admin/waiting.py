@@ -13,6 +13,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.html import format_html
 
 from celery_keyed_django import ledger as ledger_access
 from celery_keyed_django.admin.base import ReadOnlyAdmin
@@ -20,10 +21,9 @@ from celery_keyed_django.admin.rendering import (
     APP,
     _promotions_text,
     age,
-    arguments_text,
-    explain_link,
     log_action,
     since,
+    task_cell,
 )
 from celery_keyed_django.forms import ReasonForm
 from celery_keyed_django.models import Waiting
@@ -52,8 +52,7 @@ class WaitingStateFilter(admin.SimpleListFilter):
 
 @admin.register(Waiting)
 class WaitingAdmin(ReadOnlyAdmin):
-    list_display = ("task_link", "task_name_display", "arguments_display", "attempt", "key", "group_display",
-                    "priority", "waited_display", "due_display", "deadline_display", "state_display", "queue")
+    list_display = ("task_link", "key_display", "priority", "waited_display", "state_display", "queue")
     list_display_links = None
     list_filter = (WaitingStateFilter,)
     search_fields = ("=task_id", "=key", "=group_key")
@@ -70,47 +69,43 @@ class WaitingAdmin(ReadOnlyAdmin):
     def has_cancel_waiting_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{APP}.cancel_waiting")
 
-    @admin.display(description="Task name")
-    def task_name_display(self, obj: Waiting) -> str:
-        return str((obj.message or {}).get("task") or "—")
-
-    @admin.display(description="Arguments")
-    def arguments_display(self, obj: Waiting) -> str:
-        return arguments_text(obj.message)
-
     @admin.display(description="Task", ordering="task_id")
     def task_link(self, obj: Waiting) -> str:
-        return explain_link(obj.task_id)
+        return task_cell(obj.task_id, (obj.message or {}).get("task"), obj.message, obj.attempt)
 
-    @admin.display(description="Group (number)")
-    def group_display(self, obj: Waiting) -> str:
-        return "—" if obj.group_key is None else f"{obj.group_key} (#{obj.group_seq})"
+    @admin.display(description="Key (group, number)", ordering="key")
+    def key_display(self, obj: Waiting) -> str:
+        group = "" if obj.group_key is None else f"{obj.group_key} (#{obj.group_seq})"
+        if obj.key is None:
+            return group or "—"
+        sub = format_html('<br><span class="keyed-sub">{}</span>', group) if group else ""
+        return format_html("{}{}", obj.key, sub)
 
     @admin.display(description="Waiting for", ordering="arrival")
     def waited_display(self, obj: Waiting) -> str:
         return since(obj.arrived_at)
 
-    @admin.display(description="Not before")
-    def due_display(self, obj: Waiting) -> str:
-        if obj.not_before is None:
-            return "—"
-        left = obj.not_before - timezone.now()
-        return f"in {age(left)}" if left.total_seconds() > 0 else "due"
-
-    @admin.display(description="Latest start")
-    def deadline_display(self, obj: Waiting) -> str:
-        if obj.deadline is None:
-            return "—"
-        left = obj.deadline - timezone.now()
-        return f"in {age(left)}" if left.total_seconds() > 0 else "passed (expiring)"
-
     @admin.display(description="State")
     def state_display(self, obj: Waiting) -> str:
+        """Its state, then when it may start (not before) and its latest start (a deadline), in smaller type."""
+        notes = []
+        now = timezone.now()
+        if obj.not_before is not None:
+            left = obj.not_before - now
+            notes.append(f"not before: in {age(left)}" if left.total_seconds() > 0 else "not before: due")
+        if obj.deadline is not None:
+            left = obj.deadline - now
+            notes.append(f"latest start: in {age(left)}" if left.total_seconds() > 0 else "latest start: passed")
+        extra = format_html('<br><span class="keyed-sub">{}</span>', "; ".join(notes)) if notes else ""
+        return format_html("{}{}", self._state(obj, now), extra)
+
+    @staticmethod
+    def _state(obj: Waiting, now: Any) -> str:
         if obj.shadow:
             return "duplicate"
         if obj.group_blocked:
             return "blocked by group"
-        if obj.not_before is not None and obj.debounce_cap is not None and obj.not_before > timezone.now():
+        if obj.not_before is not None and obj.debounce_cap is not None and obj.not_before > now:
             return "debounced"  # waits out its key's quiet period (at most until debounce_cap)
         if obj.not_before is not None:
             return "not due"
