@@ -81,6 +81,7 @@ def _arrival_params(
         "task_name": arrival.task_name,
         "key": arrival.key,
         "group_key": arrival.group_key,
+        "extra_keys": list(arrival.extra_keys) or None,  # the books keep every key (None for one)
         "deadline": arrival.deadline,
         "name": name,
         "cost": arrival.cost,

@@ -31,8 +31,8 @@ NEVER_RAN: tuple[TaskOutcome, ...] = tuple(kind.outcome for kind in NEVER_RAN_KI
 # task are admitted one after the other (the second sees the first's claim or park: D8). xmax = 0 ⇔ inserted.
 BOOKS_ARRIVE_OR_LOCK = sa.text(
     f"""
-    INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
-    VALUES (:task_id, :task_name, :key, :group_key, {NOW})
+    INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at, extra_keys)
+    VALUES (:task_id, :task_name, :key, :group_key, {NOW}, CAST(:extra_keys AS text[]))
     ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
     RETURNING (xmax = 0) AS new, outcome, finished_attempt,
               COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired

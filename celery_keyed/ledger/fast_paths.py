@@ -65,8 +65,8 @@ CLAIM_NEW_WAITING = sa.text(_CLAIM_NEW.replace("{lock_wait}", ""))
 CLAIM_NEW_MULTI = sa.text(
     f"""
     WITH arr AS (
-        INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at)
-        VALUES (:task_id, :task_name, :key, NULL, {NOW})
+        INSERT INTO keyed_tasks (task_id, task_name, key, group_key, arrived_at, extra_keys)
+        VALUES (:task_id, :task_name, :key, NULL, {NOW}, CAST(:extra_keys AS text[]))
         ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
         RETURNING (xmax = 0) AS new, outcome, finished_attempt,
                   COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired

@@ -333,6 +333,7 @@ class TaskRecord(models.Model):
     message = models.JSONField(
         null=True, help_text="the stored message of a parked task that never ran, kept until its result is stored"
     )
+    extra_keys = ArrayField(models.TextField(), null=True, help_text="a task of several keys: its keys after the first")
 
     class Meta:
         managed = False

@@ -84,6 +84,28 @@ def test_task_outcomes_tell_running_from_waiting(admin_client: Client, ledger: L
     assert "Arrival to finish (wait + run)" in body and ">Took<" not in body
 
 
+def test_task_outcomes_show_every_key_of_a_task_of_several_keys(
+    admin_client: Client, ledger: Ledger, ledger_engine: sa.Engine
+) -> None:
+    """The books keep every key of a task of several keys, as it arrived — through the one-statement claim of a
+    first arrival and through the general admission (a known task, a parked one) — and the task outcomes show them,
+    also once the task is over."""
+    from celery_keyed.ledger import Outcome, Token, Verdict
+
+    fast = ledger.admit(arrival("t-multi", key="acct:1", extra_keys=("api:eu", "db:main")))
+    assert fast.verdict is Verdict.ADMITTED
+    assert ledger.admit(arrival("t-parked", key="acct:1", extra_keys=("api:us",))).verdict is Verdict.PARKED
+    grouped = arrival("t-grouped", key="acct:2", extra_keys=("api:asia",), group_key="order:1")  # the general path
+    assert ledger.admit(grouped).verdict is Verdict.ADMITTED
+    ledger.release(Token("t-multi", 0), fast.fence, Outcome.COMPLETED)  # over: its keys stay in the books
+    body = admin_client.get(url("taskrecord_changelist")).content.decode()
+    assert "acct:1, api:eu, db:main" in body and "acct:1, api:us" in body and "acct:2, api:asia" in body
+    with ledger_engine.connect() as conn:
+        rows = dict(conn.exec_driver_sql("SELECT task_id, extra_keys FROM keyed_tasks").all())
+    assert rows["t-multi"] == ["api:eu", "db:main"] and rows["t-parked"] == ["api:us"]
+    assert rows["t-grouped"] == ["api:asia"]
+
+
 #: Django's own way of writing a moment (the project's DATETIME_FORMAT, "Dec. 5, 2026, 8:25 p.m." by default) and an
 #: ISO timestamp with its "T": neither appears on a page of the app, which writes every moment one way.
 OTHER_FORMATS = re.compile(

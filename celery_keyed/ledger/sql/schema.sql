@@ -203,6 +203,8 @@ CREATE TABLE keyed_tasks (
     notified boolean NOT NULL DEFAULT false,
     -- the stored message of a parked task booked never-ran (0025): its canvas context for storing its result
     message jsonb,
+    -- a task of several keys: its keys after the first (key), as it arrived (0031); NULL for one key
+    extra_keys text[],
     CONSTRAINT keyed_tasks_outcome_known CHECK (outcome IN (
         'completed', 'failed', 'dead_lettered', 'expired', 'rejected', 'superseded', 'revoked', 'lost')),
     CONSTRAINT keyed_tasks_finished_when_outcome CHECK ((outcome IS NULL) = (finished_at IS NULL)),

@@ -48,7 +48,7 @@ class FinishedWithinFilter(admin.SimpleListFilter):
 
 @admin.register(TaskRecord)
 class TaskRecordAdmin(ExplainPage, ReadOnlyAdmin):
-    list_display = ("task_link", "task_name", "key", "group_key", "outcome_display", "arrived_display",
+    list_display = ("task_link", "task_name", "keys_display", "group_key", "outcome_display", "arrived_display",
                     "took_display", "attempts_display", "detail")
     list_display_links = None
     list_filter = (OutcomeFilter, FinishedWithinFilter)
@@ -85,6 +85,12 @@ class TaskRecordAdmin(ExplainPage, ReadOnlyAdmin):
             return format_html("<em>{}</em>", words or ("waiting" if obj.parked else "in progress"))
         colour = "#2a7d2a" if obj.outcome == "completed" else "#ba2121"
         return format_html('<span style="color:{}">{}</span>', colour, obj.get_outcome_display())
+
+    @admin.display(description="Keys", ordering="key")
+    def keys_display(self, obj: TaskRecord) -> str:
+        """Every key of the task (a task of several keys holds a slot of each), as it arrived."""
+        keys = [k for k in (obj.key, *(obj.extra_keys or [])) if k is not None]
+        return ", ".join(keys) if keys else "—"
 
     @admin.display(description="Arrived", ordering="arrived_at")
     def arrived_display(self, obj: TaskRecord) -> str:
