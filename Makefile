@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The type check of make test and make lint: the package and the Django app (its generated migrations aside).
 MYPY := $(VPY) -m mypy celery_keyed django_app --exclude '/migrations/'
 
-.PHONY: venv test test-slow lint bench demo testbed clean chaos docs
+.PHONY: venv test test-slow lint bench demo testbed clean chaos docs dist
 
 venv: $(STAMP)
 
@@ -56,6 +56,12 @@ matrix-smoke: venv
 # The documentation site (mkdocs.yml): README as its home page and docs/, into build/site, warnings as errors.
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The release's files: the sdist and the wheel (built from the sdist) into dist/, checked as the package index would.
+dist: venv
+	rm -rf dist
+	$(VPY) -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
 
 lint: venv
 	$(VPY) -m ruff check .

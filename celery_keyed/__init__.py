@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from celery_keyed.task import KeyedTask, keyed_task
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "KeyedCancelled",

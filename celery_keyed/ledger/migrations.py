@@ -29,6 +29,44 @@ keyed_migrations = sa.Table(
     sa.Column("applied_at", sa.DateTime(timezone=True), nullable=False),
 )
 
+#: The migrations of the development versions before 0.1.0, squashed into 0001_initial for 0.1.0. A ledger that
+#: recorded every one of them has 0.1.0's schema already; one that recorded only some of them was created by a
+#: development version and is behind in a way no migration of 0.1.0 can know (``migrate`` refuses it).
+PRE_RELEASE_VERSIONS = frozenset(
+    {
+        "0002_composition",
+        "0003_books_retention",
+        "0004_holder_liveness",
+        "0005_server_paths",
+        "0006_send_and_config_versions",
+        "0007_release_and_promote",
+        "0008_outbox",
+        "0009_park_at_receipt",
+        "0010_plpgsql_limits",
+        "0011_debounce",
+        "0012_readers_writers",
+        "0013_generic_release_plans",
+        "0014_key_overrides",
+        "0015_newest_wins",
+        "0016_fair_weights",
+        "0017_sweep_indexes",
+        "0018_hot_path_cost",
+        "0019_admit_plain_many",
+        "0020_keyed_limits",
+        "0021_cached_plans",
+        "0022_durable_batches",
+        "0023_retry_outbox",
+        "0024_shard_layouts",
+        "0025_failover",
+        "0026_canvas_message",
+        "0027_group_policies",
+        "0028_lost_books",
+        "0029_held_groups",
+        "0030_guard_reads_the_server_once",
+        "0031_books_keep_every_key",
+    }
+)
+
 #: Arbitrary constant advisory-lock id ("keyed" in ASCII) serialising migration runs.
 _MIGRATION_LOCK_ID = 0x6B65796564
 
@@ -85,6 +123,7 @@ def migrate(engine: sa.Engine) -> list[str]:
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
         conn.execute(_CREATE_MIGRATIONS_TABLE)
         done = set(applied_versions(conn))
+        _check_not_pre_release(done)
         for version, sql in migration_files():
             if version in done:
                 continue
@@ -94,6 +133,20 @@ def migrate(engine: sa.Engine) -> list[str]:
             )
             applied.append(version)
     return applied
+
+
+def _check_not_pre_release(done: set[str]) -> None:
+    """``SchemaMissing`` for a ledger created by a development version before 0.1.0 that did not apply all of its
+    migrations (see ``PRE_RELEASE_VERSIONS``)."""
+    seen = done & PRE_RELEASE_VERSIONS
+    if seen and seen != PRE_RELEASE_VERSIONS:
+        missing = sorted(PRE_RELEASE_VERSIONS - seen)
+        raise SchemaMissing(
+            "this ledger was created by a development version of celery-keyed before 0.1.0 and is behind it (it lacks"
+            f" {', '.join(missing[:3])}{'…' if len(missing) > 3 else ''}); 0.1.0 squashed those migrations into its"
+            " initial schema: remove the ledger (`celery -A <app> keyed drop-ledger --yes --force`, which drops what"
+            " waits in it) and migrate again"
+        )
 
 
 #: SQLSTATEs of a schema that is missing or older than the code: undefined_table, undefined_column,

@@ -239,3 +239,27 @@ def test_every_object_is_prefixed(blank_engine: sa.Engine, how: str) -> None:
     # Array types of tables are named _keyed_...; Postgres derives them, so the prefix follows the underscore.
     unprefixed = sorted((kind, name) for kind, name in objects if not name.lstrip("_").startswith("keyed_"))
     assert unprefixed == [], f"objects without the keyed_ prefix: {unprefixed}"
+
+
+def test_a_ledger_of_a_development_version_is_kept_only_when_it_had_every_squashed_migration(
+    blank_engine: sa.Engine,
+) -> None:
+    """0.1.0 squashed the development versions' migrations into 0001_initial. A ledger that recorded all of them has
+    0.1.0's schema (nothing to apply); one that recorded only some is behind in a way no migration can know:
+    ``migrate`` refuses it with what to do, and changes nothing."""
+    from celery_keyed.ledger import SchemaMissing
+    from celery_keyed.ledger.migrations import PRE_RELEASE_VERSIONS
+
+    migrate(blank_engine)
+    assert "0002_composition" in PRE_RELEASE_VERSIONS and "0001_initial" not in PRE_RELEASE_VERSIONS
+    record = sa.text("INSERT INTO keyed_migrations (version, applied_at) VALUES (:v, now())")
+    with blank_engine.begin() as conn:
+        for version in sorted(PRE_RELEASE_VERSIONS):
+            conn.execute(record, {"v": version})
+    assert migrate(blank_engine) == []  # every one of them: 0.1.0's schema, nothing to do
+    with blank_engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM keyed_migrations WHERE version >= '0020'"))
+    with pytest.raises(SchemaMissing, match=r"development version of celery-keyed before 0\.1\.0"):
+        migrate(blank_engine)
+    with blank_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM keyed_migrations")).scalar_one() == 1 + 18
