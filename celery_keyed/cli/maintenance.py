@@ -17,6 +17,7 @@ from celery_keyed.ledger import (
     check_counters_once,
     drop_idle_keys_once,
     drop_ledger,
+    ledger_objects,
     migrate,
 )
 
@@ -130,7 +131,6 @@ def drop_ledger_command(operator: Operator, yes: bool, force: bool, as_json: boo
     stop the workers' gate first). Refuses while tasks wait in the ledger or slots are held, unless --force; drops
     nothing without --yes. Objects of other names are never touched."""
     from celery_keyed.engine import create_ledger_engine
-    from celery_keyed.ledger.migrations import ledger_objects
 
     if not yes:
         objects = ledger_objects()

@@ -45,3 +45,41 @@ def scalar(engine: sa.Engine) -> Callable[..., object]:
             return conn.execute(sa.text(sql), params).scalar()
 
     return run
+
+
+#: A later release's migration, as the package would ship it: it adds what the test takes out of the initial schema
+#: (a column the worker's first calls write, one reconcile reads), so that a ledger left at the initial schema is
+#: behind this "version" exactly as a ledger of an older release is behind a newer one.
+LATER_MIGRATION = (
+    "0002_later_release",
+    "ALTER TABLE keyed_holders ADD COLUMN machine text;\n"
+    "CREATE INDEX keyed_holders_machine_idx ON keyed_holders (machine) WHERE machine IS NOT NULL;\n"
+    "ALTER TABLE keyed_waiting ADD COLUMN reserved_at timestamptz;\n"
+    "ALTER TABLE keyed_waiting ADD CONSTRAINT keyed_waiting_reserved_when\n"
+    "    CHECK ((reserved_keys IS NULL) = (reserved_at IS NULL));\n"
+    "CREATE INDEX keyed_waiting_reserved_idx ON keyed_waiting (reserved_at) WHERE reserved_at IS NOT NULL;\n",
+)
+
+
+@pytest.fixture
+def ledger_of_an_older_release(monkeypatch: pytest.MonkeyPatch) -> Callable[[sa.Engine], list[str]]:
+    """Leave a blank database as an older release left it: the initial migration applied and recorded, without what
+    ``LATER_MIGRATION`` adds, which the package (patched for the test) ships as pending. Returns the pending
+    versions."""
+    from celery_keyed.ledger import migrations
+
+    shipped = migrations.migration_files()
+    monkeypatch.setattr(migrations, "migration_files", lambda: [*shipped, LATER_MIGRATION])
+
+    def leave(engine: sa.Engine) -> list[str]:
+        (first, sql), *_ = shipped
+        with engine.connect() as conn:
+            conn.execute(sa.text("CREATE TABLE keyed_migrations (version text PRIMARY KEY, applied_at timestamptz)"))
+            migrations._execute_script(conn, sql)
+            conn.execute(sa.text("ALTER TABLE keyed_holders DROP COLUMN machine"))
+            conn.execute(sa.text("ALTER TABLE keyed_waiting DROP COLUMN reserved_at"))
+            conn.execute(sa.text("INSERT INTO keyed_migrations VALUES (:v, now())"), {"v": first})
+            conn.commit()
+        return [version for version, _ in [*shipped, LATER_MIGRATION][1:]]
+
+    return leave

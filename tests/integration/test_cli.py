@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -305,16 +305,11 @@ def test_a_ledger_url_that_is_not_postgresql_is_a_clear_error(
     assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
 
 
-def test_a_ledger_behind_this_version_says_to_migrate(blank_database_url: str, redis_url: str) -> None:
-    from celery_keyed.ledger.migrations import _execute_script, migration_files
-
+def test_a_ledger_behind_this_version_says_to_migrate(
+    blank_database_url: str, redis_url: str, ledger_of_an_older_release: Callable[[sa.Engine], list[str]]
+) -> None:
     engine = sa.create_engine(blank_database_url)
-    (version, sql), *_ = migration_files()
-    with engine.connect() as conn:  # only the first migration, as an older release would have left it
-        conn.execute(sa.text("CREATE TABLE keyed_migrations (version text PRIMARY KEY, applied_at timestamptz)"))
-        _execute_script(conn, sql)
-        conn.execute(sa.text("INSERT INTO keyed_migrations VALUES (:v, now())"), {"v": version})
-        conn.commit()
+    ledger_of_an_older_release(engine)  # as an older release would have left it
     engine.dispose()
     app = Celery("cli-test", broker=redis_url, set_as_current=False)
     app.conf.keyed_database_url = blank_database_url
