@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from celery_keyed.ledger import books, claims, fair_weights, groups, keys, overrides, slots, waiting
 from celery_keyed.ledger.attempts import Outcome, Promotion, TaskOutcome, Token
 from celery_keyed.ledger.claims import Holding
-from celery_keyed.ledger.events import events_record
+from celery_keyed.ledger.events import events_prune, events_record
 from celery_keyed.ledger.key_overrides import lapse_one_key_override
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.outbox import outbox_retries_missing, outbox_retries_over
@@ -427,7 +427,8 @@ def prune_books_once(
 ) -> int:
     """Forget finished task ids whose outcome is older than ``retention`` seconds (``books_prune``: never an open
     task, never an outcome whose result is not stored yet), ``batch`` rows per transaction and at most ``batches``
-    transactions; returns how many. The books still balance: each pruned id is counted by outcome."""
+    transactions; returns how many. The books still balance: each pruned id is counted by outcome. The ledger's
+    events older than ``retention`` go the same way (``events_prune``; not counted: they are no books)."""
     pruned = 0
     for _ in range(batches):
         with engine.begin() as conn:
@@ -435,6 +436,10 @@ def prune_books_once(
         pruned += n
         if n < batch:
             break
+    for _ in range(batches):
+        with engine.begin() as conn:
+            if events_prune(conn, retention=retention, batch=batch, now=now) < batch:
+                break
     return pruned
 
 

@@ -157,3 +157,21 @@ def test_the_retention_setting() -> None:
     for bad in (-1, float("inf"), 1e300, "7d", True):
         with pytest.raises(ValueError, match="keyed_books_retention must be a positive number of seconds"):
             read_settings({"keyed_database_url": url, "keyed_books_retention": bad})
+
+
+def test_reconcile_prunes_the_ledgers_events_after_the_retention_but_a_failovers(engine: sa.Engine) -> None:
+    """``keyed_events`` (drift repaired, forced releases, reclaimed leases, duplicates) would otherwise grow for ever:
+    reconcile forgets the events older than ``keyed_books_retention`` with the books, in batches; a failover's event
+    stays (the reconciler settles the books of the tasks lost with it from it)."""
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        for n, (kind, age) in enumerate(
+            [("duplicate", 2 * DAY), ("drift", 2 * DAY), ("reclaimed", 2 * DAY), ("failover", 2 * DAY),
+             ("duplicate", DAY - 60), ("drift", 60)]
+        ):
+            conn.execute(sa.text("INSERT INTO keyed_events (kind, key, detail, at) VALUES (:k, :key, '', :at)"),
+                         {"k": kind, "key": f"acct:{n}", "at": now - timedelta(seconds=age)})
+    prune_books_once(engine, retention=DAY, now=now, batch=2)  # two per transaction: three transactions
+    with engine.connect() as conn:
+        left = sorted(conn.execute(sa.text("SELECT kind, key FROM keyed_events")).all())
+    assert left == [("drift", "acct:5"), ("duplicate", "acct:4"), ("failover", "acct:3")]
