@@ -25,6 +25,11 @@ from celery_keyed.worker.running import FollowsLifecycle, Job, Lifecycle, Prebou
 logger = logging.getLogger("celery_keyed")
 
 
+def _keys_of(jobs: Sequence[Job]) -> set[str]:
+    """Every concurrency key of the arrivals of a batch."""
+    return {key for job in jobs if job.arrival is not None for key in job.arrival.keys}
+
+
 class Decide(FollowsLifecycle):
     """The decisions of the admission and receipt threads. ``_decide`` is what those services run per batch."""
 
@@ -55,7 +60,7 @@ class Decide(FollowsLifecycle):
         plain: list[Job] = []
         # a release of one of these keys that waits in the releaser (it may linger) commits first: the arrival
         # finds the slot its own worker freed instead of parking behind it
-        self.releaser.settle({key for job in jobs if job.arrival is not None for key in job.arrival.keys})
+        self.releaser.settle(_keys_of(jobs))
         sent = time.monotonic()  # before any call of this batch: a lower bound of every claim's lease start
         self._decide_received([job for job in jobs if job.extra.get("receipt")])
         for job in jobs:
