@@ -1207,7 +1207,8 @@ def test_an_arrival_after_a_reshard_with_a_retry_waiting_behind_its_running_atte
     t4's attempt 2 arrived while attempt 1 still runs (a retry published before the release) and waits in line.
     At the next arrival of acct:1 the model gives t4#2 the new shard 1 (room next to an eligible waiter), the
     ledger promotes nothing. Which of the two is right (may a retry start beside its own earlier attempt?) is the
-    question to settle."""
+    question to settle. The replay passes before acd0431 (a key's shares follow its rows' layout; keyed_reshard moves
+    a key once its holdings fit) and fails from it on."""
 
     @sa.event.listens_for(engine, "checkout")
     def _seed(dbapi_connection: Any, record: Any, proxy: Any) -> None:
