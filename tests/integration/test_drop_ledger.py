@@ -10,12 +10,10 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 from celery import Celery
-from celery.bin.base import CLIContext
-from click.testing import CliRunner, Result
 
-from celery_keyed.cli import keyed
 from celery_keyed.ledger import Arrival, Ledger, Outcome, Token, Verdict, migrate
 from celery_keyed.publisher import close_publisher
+from tests.integration.test_cli import run
 
 LEDGER_OBJECTS = """
     SELECT 'relation ' || c.relname FROM pg_class c
@@ -36,12 +34,6 @@ def app(database_url: str, redis_url: str) -> Iterator[Celery]:
     yield app
     close_publisher(app)
     app.close()
-
-
-def run(app: Celery, *args: str, code: int = 0) -> Result:
-    result = CliRunner().invoke(keyed, list(args), obj=CLIContext(app=app, no_color=True, workdir=None))
-    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
-    return result
 
 
 def leftovers(engine: sa.Engine) -> list[str]:
