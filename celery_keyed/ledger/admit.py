@@ -25,7 +25,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import books, claims, driver, fast_paths, groups, keys, names, slots, waiting
+from celery_keyed.ledger import books, call_limits, claims, driver, fast_paths, groups, keys, names, slots, waiting
 from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, TaskOutcome, Token, Verdict
 from celery_keyed.ledger.bounds import tokens_of
 from celery_keyed.ledger.clock import clock_is_future
@@ -103,6 +103,8 @@ def admit_autocommit(
         return None, False
     if arrival.debounce is not None or arrival.on_newer is not None:  # decided by admit (it parks / cancels)
         return None, False
+    if arrival.call_limit is not None:  # decided by admit (it stores the key's limit first)
+        return None, False
     name = key_name(arrival.key)
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
     if arrival.extra_keys:
@@ -123,6 +125,8 @@ def batchable(arrival: Arrival) -> bool:
     """Whether ``claim_many`` may decide ``arrival``: one key, no group, no not-before time, shared (the shape of
     fast_paths.CLAIM_NEW). Every other arrival takes the per-arrival path."""
     if arrival.debounce is not None or arrival.on_newer is not None:  # decided by admit (it parks / cancels)
+        return False
+    if arrival.call_limit is not None:  # decided by admit (it stores the key's limit first)
         return False
     return (
         arrival.key is not None
@@ -287,8 +291,10 @@ def admit(
     The steps, in order: the fast claim of a known key or the arrival's row (``_arrive``); a known attempt token
     (``redeliveries.known_attempt``, D8); its group number; an expiry or a refusal decided before any slot is looked
     at (``_refused_at_arrival``); the fast claim of a later attempt (``_claim_later_attempt``); newest wins
-    (``newest_wins.cancel_older``); the locks on every key's slots and head rows, in lock order (``_lock_rooms``);
-    whether it may start now (``_ready_to_start``); the claim (``_claim_locked``), else the park (``parking.park``).
+    (``newest_wins.cancel_older``); the limit the call computed for its key, if any (``call_limits.store``); the
+    locks on every key's slots and head rows, in lock order, and the line started where room waits next to it (a
+    raise of the call's limit, a not-before time that passed) (``_lock_rooms``); whether it may start now
+    (``_ready_to_start``); the claim (``_claim_locked``), else the park (``parking.park``).
     """
     name = key_name(arrival.key) if arrival.key else None
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
@@ -316,6 +322,8 @@ def admit(
     # Newest wins: ask for the cancellation of the older attempt of its key and supersede key. Its claim row is
     # locked before the slot rows, the order a release takes them in (claim, task, slots): no cycle.
     cancels = cancel_older(conn, arrival, now=now)
+    if arrival.call_limit is not None and arrival.key is not None:
+        call_limits.store(conn, arrival.key, arrival.call_limit, task_id=arrival.task_id, now=now)
     rooms, promoted = _lock_rooms(conn, arrival, dispatch=dispatch, now=now)
     is_head, ready = _ready_to_start(conn, arrival, rooms, group_seq=group_seq, now=now)
     if ready:
@@ -343,6 +351,7 @@ def _fast_path_applies(arrival: Arrival, name: str | None) -> bool:
         and not arrival.exclusive
         and arrival.debounce is None
         and arrival.on_newer is None
+        and arrival.call_limit is None  # its limit is stored before any slot row is locked (call_limits.store)
     )
 
 
@@ -421,11 +430,12 @@ def _lock_rooms(
         keys.keys_lock(conn, k, key_name(k), now=now)
     promoted: list[Promotion] = []
     for k in sorted(arrival.keys):
-        if rooms[k] is not None and conn.execute(waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}).scalar():
+        free = [u.shard for u in uses[k] for _ in range(max(0, u.share - u.used))]
+        if free and conn.execute(waiting.WAITING_PROMOTABLE_EXISTS, {"key": k, "now": now}).scalar():
             # A free slot with a line in front of it belongs to the line's head (FIFO, D10). Such a line exists
             # next to room only when time made a waiter eligible (its not-before time passed) and no sweep has
-            # run yet: start it now, with the locks held, rather than leave the room idle until the sweep.
-            free = [u.shard for u in uses[k] for _ in range(max(0, u.share - u.used))]
+            # run yet, or when this arrival's call raised the key's limit: start it now, with the locks held,
+            # rather than leave the room idle until the sweep (whether or not the room fits this arrival).
             promoted += promote_waiters(conn, k, free, dispatch=dispatch, now=now)
             uses[k] = slots.slots_lock_all(conn, k, key_name(k), now=now)
             rooms[k] = next((u.shard for u in uses[k] if u.fits(arrival.cost)), None)

@@ -13,7 +13,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from celery_keyed.ledger.bounds import is_exclusive
+from celery_keyed.ledger.bounds import SLOT_LIMIT_MAX, is_exclusive
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Arrival:
     debounce_max: float | None = None
     debounce_keep: str = "last"
     on_newer: str | None = None
+    call_limit: int | None = None  # the limit of ``key`` computed from the call (call_limits.py; None: none)
 
     def __post_init__(self) -> None:
         if self.on_newer is not None:
@@ -114,6 +115,14 @@ class Arrival:
             or not 0 < self.fair_weight < float("inf")
         ):
             raise ValueError(f"fair_weight must be a positive number, got {self.fair_weight!r}")
+        if self.call_limit is not None and (
+            isinstance(self.call_limit, bool)
+            or not isinstance(self.call_limit, int)
+            or not 0 <= self.call_limit <= SLOT_LIMIT_MAX
+        ):
+            raise ValueError(f"call_limit must be an integer from 0 to {SLOT_LIMIT_MAX}, got {self.call_limit!r}")
+        if self.call_limit is not None and self.key is None:
+            raise ValueError("call_limit needs a concurrency key")
         if not isinstance(self.attempt, int) or isinstance(self.attempt, bool) or self.attempt < 0:
             raise ValueError(f"attempt must be a non-negative integer, got {self.attempt!r}")
 
