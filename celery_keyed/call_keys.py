@@ -106,6 +106,37 @@ def check_fair_weight(value: Any, task: Any) -> float | None:
         raise InvalidKey(str(exc)) from None
 
 
+def evaluate_limit(spec: Any, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """A ``concurrency_limit`` spec against a call's arguments: None (the name's configured limit applies), an
+    integer, a callable of the arguments by name, or a template naming one argument (``"{limit}"``); the checked
+    limit (``InvalidKey`` for anything else: bad input never waits)."""
+    value = spec
+    if callable(spec):
+        value = spec(**bind_arguments(task, args, kwargs))
+    elif isinstance(spec, str):
+        whole = _WHOLE_FIELD.match(spec)
+        arguments = bind_arguments(task, args, kwargs)
+        if whole is None or whole.group(1) not in arguments:
+            raise InvalidKey(
+                f"{task.name}: concurrency_limit {spec!r} must name one argument of the call, like '{{limit}}'"
+            )
+        value = arguments[whole.group(1)]
+    return check_limit(value, task)
+
+
+def check_limit(value: Any, task: Any) -> int | None:
+    """A key's limit from a call or a header: None, or an integer from 0 to ``SLOT_LIMIT_MAX`` (``InvalidKey``
+    otherwise)."""
+    if value is None:
+        return None
+    from celery_keyed.ledger import InvalidConfig, check_call_limit
+
+    try:
+        return check_call_limit(value, f"{getattr(task, 'name', task)}: concurrency_limit")
+    except InvalidConfig as exc:
+        raise InvalidKey(str(exc)) from None
+
+
 def evaluate_keys(spec: KeySpec, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | list[str] | None:
     """A concurrency key spec against a call's arguments: one key, a list of keys (a list spec: each item a
     template, callable, tuple or string; items that come out None are left out), or None (unkeyed)."""
@@ -253,7 +284,7 @@ def _normalize(value: Any, task: Any, option: str) -> str:
 #: The keyed options a call may name (taken out of Celery's options by ``CallOptions.take``).
 CALL_KEY_OPTIONS = (
     "concurrency_key", "group_key", "supersede_key", "concurrency_cost", "fair_key", "concurrency_mode", "fair_weight",
-    "on_newer",
+    "on_newer", "concurrency_limit",
 )
 
 

@@ -36,10 +36,13 @@ HEADER_DEBOUNCE = "keyed_debounce"
 #: Newest wins: ``"cancel_running"`` when a newer call of the same key and supersede key cancels the
 #: running one (``on_newer``; sent only then). A retry keeps it, so that its claim can be cancelled too.
 HEADER_ON_NEWER = "keyed_on_newer"
+#: The limit of the first concurrency key as the call computed it (``concurrency_limit``; sent only when the task
+#: declares one or the call names one).
+HEADER_LIMIT = "keyed_limit"
 
 GATE_HEADERS = (
     HEADER_KEY, HEADER_GROUP, HEADER_GROUP_SEQ, HEADER_SUPERSEDE, HEADER_NONCE, HEADER_COST, HEADER_FAIR, HEADER_MODE,
-    HEADER_FAIR_WEIGHT, HEADER_ON_NEWER,
+    HEADER_FAIR_WEIGHT, HEADER_ON_NEWER, HEADER_LIMIT,
 )
 
 #: Never survive a retry or a copy: an admission token and a fence belong to one attempt.
@@ -48,7 +51,7 @@ NOT_INHERITED = (HEADER_NONCE, HEADER_FENCE, HEADER_DEBOUNCE)
 #: What a retry or a copy keeps from the headers it was sent with, unless the call names new keys.
 INHERITED = (
     HEADER_KEY, HEADER_GROUP, HEADER_SUPERSEDE, HEADER_GROUP_SEQ, HEADER_COST, HEADER_FAIR, HEADER_MODE,
-    HEADER_FAIR_WEIGHT, HEADER_ON_NEWER,
+    HEADER_FAIR_WEIGHT, HEADER_ON_NEWER, HEADER_LIMIT,
 )
 
 #: The task option (class attribute or ``apply_async`` keyword) each header is computed from, in the order the
@@ -62,4 +65,5 @@ OPTION_OF_HEADER = {
     HEADER_MODE: "concurrency_mode",
     HEADER_FAIR_WEIGHT: "fair_weight",
     HEADER_ON_NEWER: "on_newer",
+    HEADER_LIMIT: "concurrency_limit",
 }

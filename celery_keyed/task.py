@@ -26,6 +26,7 @@ from celery_keyed.call_keys import (  # noqa: F401 (re-exported: task.py's API b
     check_on_newer,
     evaluate_key,
     evaluate_keys,
+    evaluate_limit,
     evaluate_weight,
     key_spec,
 )
@@ -40,6 +41,7 @@ from celery_keyed.headers import (  # noqa: F401 (re-exported: the header names 
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
     HEADER_KEY,
+    HEADER_LIMIT,
     HEADER_MODE,
     HEADER_NONCE,
     HEADER_ON_NEWER,
@@ -73,6 +75,11 @@ class KeyedTask(InTaskControls):
     - ``group_key``: attempts of one group run strictly one at a time in publish order;
     - ``supersede_key``: under the overflow policy ``supersede``, a newer call with the same supersede key
       replaces a parked one;
+    - ``concurrency_limit``: the limit of the call's (first) concurrency key, computed from the call's arguments
+      (a callable of the arguments by name, a template naming one argument, ``"{limit}"``, or an integer): each key
+      of the name runs as many as its latest call says (``lambda tenant, **_: 10 if premium(tenant) else 2``).
+      The operators' overrides of the key, then of its name, win over it; without it the key gets its name's
+      ``keyed_concurrency_limits`` limit (docs/features.md "Limits from the call");
     - ``concurrency_cost``: slots the attempt takes of each of its keys (a weighted slot; default 1);
     - ``concurrency_mode``: ``"shared"`` (the default: up to K attempts of a key run together) or
       ``"exclusive"``: the attempt runs alone on its key — it starts when nothing of the key runs, and nothing of
@@ -109,11 +116,12 @@ class KeyedTask(InTaskControls):
       transaction and published by the relay after it commits (docs/features.md "Nothing lost when the
       broker loses it").
 
-    - ``per_call_keys``: whether a call may name its own ``concurrency_key``, ``group_key``, ``concurrency_cost`` or
-      ``concurrency_mode`` (``apply_async(..., concurrency_key=...)``, also in ``self.retry(...)``), which then wins
-      over the class. Off by default: the worker computes those from the declaration and the call's arguments,
-      whatever the message's headers say, so that no message escapes the task's declared bound; a per-call value
-      that differs from the declared one raises ``InvalidKey`` at the producer (docs/guarantees.md).
+    - ``per_call_keys``: whether a call may name its own ``concurrency_key``, ``group_key``, ``concurrency_cost``,
+      ``concurrency_mode`` or ``concurrency_limit`` (``apply_async(..., concurrency_key=...)``, also in
+      ``self.retry(...)``), which then wins over the class. Off by default: the worker computes those from the
+      declaration and the call's arguments, whatever the message's headers say, so that no message escapes the
+      task's declared bound; a per-call value that differs from the declared one raises ``InvalidKey`` at the
+      producer (docs/guarantees.md).
 
     ``concurrency_key`` may be a list of keys: all are claimed at once or none (``["tenant:{tenant_id}",
     "stripe"]``; list the narrow keys first, see docs/ledger.md). Per call, ``apply_async(...,
@@ -128,6 +136,7 @@ class KeyedTask(InTaskControls):
     group_key: KeySpec = None
     supersede_key: KeySpec = None
     concurrency_cost: int = 1
+    concurrency_limit: Any = None
     concurrency_mode: str = "shared"
     fair_key: KeySpec = None
     fair_weight: Any = None
@@ -284,7 +293,7 @@ class KeyedTask(InTaskControls):
         if differing:
             raise InvalidKey(
                 f"{self.name}: a per-call {', '.join(differing)} needs per_call_keys=True on the task (without it, "
-                "the worker runs every call under the keys, group, cost and mode the task declares)"
+                "the worker runs every call under the keys, group, cost, mode and limit the task declares)"
             )
 
     def _debounce_header(self, call: Mapping[str, Any], computed: Mapping[str, Any]) -> list[Any] | None:
@@ -395,6 +404,11 @@ class KeyedTask(InTaskControls):
             weight = evaluate_weight(spec, self, args, kwargs)
             if weight is not None:
                 headers[HEADER_FAIR_WEIGHT] = weight
+        if HEADER_KEY in headers:
+            spec = explicit.get("concurrency_limit", key_spec(self, "concurrency_limit"))
+            limit = evaluate_limit(spec, self, args, kwargs)
+            if limit is not None:
+                headers[HEADER_LIMIT] = limit
         cost = explicit.get("concurrency_cost", self.concurrency_cost)
         check_cost(cost, self)
         if cost != 1 and HEADER_KEY in headers:
@@ -428,7 +442,7 @@ class KeyedTask(InTaskControls):
 
 #: The task options that decide which bound a call runs under, and their headers: per call only with
 #: ``per_call_keys=True`` (else the worker computes them from the declaration and the arguments).
-BOUND_OPTIONS = ("concurrency_key", "group_key", "concurrency_cost", "concurrency_mode")
+BOUND_OPTIONS = ("concurrency_key", "group_key", "concurrency_cost", "concurrency_mode", "concurrency_limit")
 _HEADER_OF = {option: header for header, option in OPTION_OF_HEADER.items()}
 BOUND_HEADERS = tuple(_HEADER_OF[option] for option in BOUND_OPTIONS)
 
@@ -480,6 +494,7 @@ def keyed_task(
     fair_key: KeySpec = ...,
     fair_weight: Any = ...,
     concurrency_cost: int = ...,
+    concurrency_limit: Any = ...,
     concurrency_mode: str = ...,
     on_newer: str | None = ...,
     per_call_keys: bool = ...,
@@ -500,6 +515,7 @@ def keyed_task(
     fair_key: KeySpec = ...,
     fair_weight: Any = ...,
     concurrency_cost: int = ...,
+    concurrency_limit: Any = ...,
     concurrency_mode: str = ...,
     on_newer: str | None = ...,
     per_call_keys: bool = ...,
@@ -513,7 +529,8 @@ def keyed_task(*args: Any, **options: Any) -> Any:
     For a type checker the result keeps the function's signature (``KeyedTaskFunction``): ``delay``, ``s`` and
     calls are checked against it; with ``bind=True`` the first parameter (the task) is left out.
 
-    Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``group_key``,
+    Accepts every option of ``shared_task`` / ``app.task`` plus ``concurrency_key``, ``concurrency_limit``,
+    ``group_key``,
     ``supersede_key``, ``dedupe_key``, ``admit_at_send``, ``register_at_publish``, ``on_newer`` and ``per_call_keys``.
     Pass ``app=`` to register on a specific app instead of every app (shared_task).
     """

@@ -62,6 +62,7 @@ from celery_keyed.ledger.bounds import (
     check_int,
     check_seconds,
 )
+from celery_keyed.ledger.call_limits import check_call_limit
 from celery_keyed.ledger.claims import HeldClaim, claims_cancel_requested, claims_renew
 from celery_keyed.ledger.configure import Configured, configure_names
 from celery_keyed.ledger.controls import OperatorControls
@@ -178,6 +179,7 @@ __all__ = [
     "Verdict",
     "WrongState",
     "applied_versions",
+    "check_call_limit",
     "check_counters_once",
     "check_debounce",
     "check_int",

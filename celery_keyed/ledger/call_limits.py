@@ -14,7 +14,9 @@ are locked; no other statement locks these rows, so they take no place in the lo
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -49,6 +51,37 @@ CALL_LIMITS_PRUNE = sa.text(
     """
 )
 
+# call_limits_get: a key's limit from its latest call, who set it and when, and whether it is the key's limit now
+# (no live override of the key or of its name, the name not configured to 0: keyed_key_limit's order).
+CALL_LIMITS_GET = sa.text(
+    f"""
+    SELECT l.slot_limit, l.set_at, l.task_id,
+           NOT EXISTS (SELECT 1 FROM keyed_overrides o WHERE o.name = l.name
+                          AND (o.expires_at IS NULL OR o.expires_at > {NOW}))
+           AND NOT EXISTS (SELECT 1 FROM keyed_key_overrides k WHERE k.key = l.key
+                              AND (k.paused_until > {NOW}
+                                   OR (k.slot_limit IS NOT NULL AND (k.expires_at IS NULL OR k.expires_at > {NOW}))))
+           AND COALESCE((SELECT c.slot_limit FROM keyed_names c WHERE c.name = l.name), 1) > 0 AS in_effect
+      FROM keyed_call_limits l WHERE l.key = :key
+    """
+)
+
+
+@dataclass(frozen=True)
+class CallLimit:
+    """A key's limit as its latest call computed it: ``limit``, set by task ``task_id`` at ``set_at``; ``in_effect``:
+    whether it is the key's limit now (no operator's override of the key or of its name wins over it)."""
+
+    key: str
+    limit: int
+    set_at: datetime
+    task_id: str
+    in_effect: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 #: The shortest time a key's limit from the call is kept after its last arrival, whatever the books' retention.
 PRUNE_AFTER_MIN = 86400.0
 
@@ -63,6 +96,14 @@ def store(conn: sa.Connection, key: str, limit: int, *, task_id: str, now: datet
     """Store ``limit`` as ``key``'s limit from its latest call (the caller's transaction; before the key's slot rows
     are locked)."""
     conn.execute(CALL_LIMITS_STORE, {"key": key, "name": key_name(key), "limit": limit, "task_id": task_id, "now": now})
+
+
+def get(conn: sa.Connection, key: str, *, now: datetime | None = None) -> CallLimit | None:
+    """``key``'s limit from its latest call, or None when no call of it computed one (read only)."""
+    row = conn.execute(CALL_LIMITS_GET, {"key": key, "now": now}).first()
+    if row is None:
+        return None
+    return CallLimit(key, int(row.slot_limit), row.set_at, row.task_id, bool(row.in_effect))
 
 
 def prune(conn: sa.Connection, *, idle: float, now: datetime | None = None) -> int:

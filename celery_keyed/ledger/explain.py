@@ -8,6 +8,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_keyed.ledger import call_limits
 from celery_keyed.ledger.bounds import is_exclusive
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.fair_weights import fair_shares
@@ -235,6 +236,9 @@ def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datet
     own = key_override_get(conn, wait["key"], now=now) if wait["key"] is not None else None
     if own is not None:  # a key override: the key's own limit, its pause
         facts["key_override"] = own.as_dict()
+    called = call_limits.get(conn, wait["key"], now=now) if wait["key"] is not None else None
+    if called is not None:  # the limit the key's latest call computed
+        facts["call_limit"] = called.as_dict()
     if wait["shadow"]:
         return Explanation(
             task_id,
@@ -266,7 +270,7 @@ def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datet
     blocked = _blocked_by_group(conn, task_id, wait, facts) if wait["group_key"] is not None else None
     if blocked is not None:
         return blocked
-    return _waiting_for_slots(conn, task_id, wait, own, facts, now=now)
+    return _waiting_for_slots(conn, task_id, wait, own, facts, called=called, now=now)
 
 
 def _blocked_by_group(conn: sa.Connection, task_id: str, wait: Any, facts: dict[str, Any]) -> Explanation | None:
@@ -286,7 +290,14 @@ def _blocked_by_group(conn: sa.Connection, task_id: str, wait: Any, facts: dict[
 
 
 def _waiting_for_slots(
-    conn: sa.Connection, task_id: str, wait: Any, own: Any, facts: dict[str, Any], *, now: datetime | None
+    conn: sa.Connection,
+    task_id: str,
+    wait: Any,
+    own: Any,
+    facts: dict[str, Any],
+    *,
+    called: call_limits.CallLimit | None = None,
+    now: datetime | None,
 ) -> Explanation:
     """A waiter for slots: of several keys at once, of a paused key, of a fair name, of one key; or for its group."""
     if wait["keys"]:
@@ -300,12 +311,7 @@ def _waiting_for_slots(
         )
     if wait["key"] is not None:
         if wait["k"] == 0:
-            return Explanation(
-                task_id,
-                "paused",
-                _paused_text(wait, own),
-                facts,
-            )
+            return Explanation(task_id, "paused", _paused_text(wait, own, called), facts)
         if wait["fair"]:
             return Explanation(task_id, "waiting", _fair_text(conn, wait, facts, now=now), facts)
         alone = ""
@@ -315,7 +321,7 @@ def _waiting_for_slots(
             task_id,
             "waiting",
             f"waiting behind {wait['ahead']} others for key {wait['key']}{alone}"
-            f" (in flight {wait['in_flight']}/{wait['k']}{_own_limit_text(own)})",
+            f" (in flight {wait['in_flight']}/{wait['k']}{_own_limit_text(own)}{_call_limit_text(called)})",
             facts,
         )
     return Explanation(task_id, "waiting", f"waiting for group {wait['group_key']}", facts)
@@ -340,8 +346,9 @@ def _fair_text(conn: sa.Connection, wait: Any, facts: dict[str, Any], *, now: da
     )
 
 
-def _paused_text(wait: Any, own: KeyOverride | None) -> str:
-    """Why a waiter's key has limit 0: the key's own pause, or its name's."""
+def _paused_text(wait: Any, own: KeyOverride | None, called: call_limits.CallLimit | None = None) -> str:
+    """Why a waiter's key has limit 0: the key's own pause, its own limit 0, its latest call's limit 0, or its
+    name's pause."""
     if own is not None and own.paused_until is not None:
         by = f" by {own.pause_author}" if own.pause_author else ""
         return (
@@ -350,6 +357,11 @@ def _paused_text(wait: Any, own: KeyOverride | None) -> str:
         )
     if own is not None and own.slot_limit == 0:
         return f"key {wait['key']} has its own limit 0 ({own.reason}); {wait['ahead']} waiting ahead"
+    if called is not None and called.in_effect and called.limit == 0:
+        return (
+            f"key {wait['key']} has limit 0, computed by its latest call (task {called.task_id}, {called.set_at});"
+            f" {wait['ahead']} waiting ahead"
+        )
     return f"key {wait['key']} is paused (limit 0: its name is paused); {wait['ahead']} waiting ahead"
 
 
@@ -359,6 +371,13 @@ def _own_limit_text(own: KeyOverride | None) -> str:
         return ""
     until = f" until {own.expires_at}" if own.expires_at is not None else ""
     return f"; the key's own limit{until}: {own.reason}"
+
+
+def _call_limit_text(called: call_limits.CallLimit | None) -> str:
+    """``; the limit its latest call computed ...`` when that is the key's limit now."""
+    if called is None or not called.in_effect:
+        return ""
+    return f"; the limit its latest call computed (task {called.task_id}, {called.set_at})"
 
 
 def _mode(row: Any) -> str:

@@ -10,7 +10,8 @@ creates only what it needs), hence the full joins. A name's effective limit and 
 the one set of labels ``override`` / ``config``), the function the Django admin reads too (``name_limit_sql``); a
 name it does not list (only seen through its keys) runs at 1, source ``default``. A key's limit is
 ``keyed_key_limit``'s: its own pause (source ``key_paused``) or its own limit (``key``) when it has
-one and its name is not paused, else its name's. Nothing here writes.
+one and its name is not paused, else its name's override, else the limit its latest call computed (``call``), else
+its name's configured limit. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -140,10 +141,12 @@ STATUS_KEYS = sa.text(
            {_AGE} AS oldest_waiting_age,
            keyed_key_limit(t.key, {NOW}) AS key_limit,
            CASE WHEN ko.paused_until > {NOW} THEN ko.paused_until END AS paused_until,
-           CASE WHEN ko.expires_at IS NULL OR ko.expires_at > {NOW} THEN ko.slot_limit END AS own_limit
+           CASE WHEN ko.expires_at IS NULL OR ko.expires_at > {NOW} THEN ko.slot_limit END AS own_limit,
+           cl.slot_limit AS call_limit
       FROM top t
       LEFT JOIN keyed_limits({NOW}) l ON l.name = t.name
       LEFT JOIN keyed_key_overrides ko ON ko.key = t.key
+      LEFT JOIN keyed_call_limits cl ON cl.key = t.key
       LEFT JOIN LATERAL (
           SELECT min(x.arrived_at) AS oldest FROM keyed_waiting x WHERE x.key = t.key AND NOT x.shadow
       ) w ON t.waiting > 0
@@ -213,8 +216,8 @@ class NameStatus:
 @dataclass(frozen=True)
 class KeyStatus:
     """One key: its effective ``limit`` and ``source`` (``key_paused`` / ``key``: the key's own pause or limit;
-    else its name's: ``override``, ``config`` or ``default``), in flight, waiting, oldest waiting arrival,
-    and the end of its own pause (``paused_until``) if any."""
+    ``call``: the limit its latest call computed; else its name's: ``override``, ``config`` or ``default``), in
+    flight, waiting, oldest waiting arrival, and the end of its own pause (``paused_until``) if any."""
 
     key: str
     name: str
@@ -314,13 +317,16 @@ def status_keys(
 
 def _key_source(row: Any) -> str:
     """Where a key's limit comes from (as ``keyed_key_limit`` decides): a paused name pauses every key; else the
-    key's own pause, else its own limit, else its name's source."""
+    key's own pause, else its own limit, else its name's override, else the limit its latest call computed
+    (``call``), else its name's source."""
     if int(row["slot_limit"]) == 0:
         return str(row["source"])
     if row["paused_until"] is not None:
         return "key_paused"
     if row["own_limit"] is not None:
         return "key"
+    if row["source"] != "override" and row["call_limit"] is not None:
+        return "call"
     return str(row["source"])
 
 

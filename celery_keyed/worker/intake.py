@@ -27,10 +27,12 @@ from celery.utils.time import maybe_iso8601, maybe_make_aware
 from celery_keyed.call_keys import (
     check_cost,
     check_fair_weight,
+    check_limit,
     check_mode,
     check_on_newer,
     evaluate_key,
     evaluate_keys,
+    evaluate_limit,
     evaluate_weight,
     key_spec,
 )
@@ -42,6 +44,7 @@ from celery_keyed.headers import (
     HEADER_GROUP,
     HEADER_GROUP_SEQ,
     HEADER_KEY,
+    HEADER_LIMIT,
     HEADER_MODE,
     HEADER_ON_NEWER,
     HEADER_SUPERSEDE,
@@ -126,6 +129,7 @@ def _arrival_for(request: Any) -> Arrival | None:
     if keys and check_mode(mode, task, cost=cost, keys=keys):
         cost = EXCLUSIVE_COST  # runs alone on its key (readers and writers; bounds.EXCLUSIVE_COST)
     retries, priority = _checked_numbers(request, headers, seq)
+    limit = _limit_of(request, headers, declared) if keys else None
     return Arrival(
         task_id=request.id,
         attempt=retries,
@@ -143,6 +147,7 @@ def _arrival_for(request: Any) -> Arrival | None:
         queue=(request.delivery_info or {}).get("routing_key"),
         message=record_message(request._message, task_name=request.name),
         on_newer=on_newer_of(request, keys),
+        call_limit=limit,
         **debounce_of(request, keys, group, retries),
     )
 
@@ -171,6 +176,24 @@ def _bound_of(
             if "group_key" in ignored:
                 seq = None  # the number belongs to the group the message named
     return key, group, cost, mode, seq
+
+
+def _limit_of(request: Any, headers: Mapping[str, Any], declared: Declared) -> int | None:
+    """The limit of the first key as the call computed it: the message's for a task that accepts per-call keys (when
+    it sent one), else what the task declares for these arguments (``concurrency_limit``), as the keys are: a header
+    never raises a key's limit past its task's declaration. A header that differs from the declaration is logged."""
+    task = declared.task
+    sent = check_limit(headers.get(HEADER_LIMIT), task)  # checked whoever sent it
+    if sent is not None and accepts_per_call_keys(task):
+        return sent
+    spec = key_spec(task, "concurrency_limit")
+    limit = None if spec is None else evaluate_limit(spec, task, *declared.call())
+    if sent is not None and sent != limit:
+        logger.warning(
+            "celery-keyed: %s[%s]: the declared concurrency_limit applies (%s), not the message's (%s) (the task does "
+            "not accept per-call keys: per_call_keys=True)", request.name, str(request.id)[:300], limit, sent,
+        )
+    return limit
 
 
 def _sharing_of(

@@ -204,6 +204,23 @@ class Slot(models.Model):
         default_permissions = ()
 
 
+class CallLimit(models.Model):
+    """The limit of a key its latest call computed (``keyed_call_limits``: a task's ``concurrency_limit``), read by
+    every claim after the operators' overrides of the key and of its name."""
+
+    key = models.TextField(primary_key=True)
+    name = models.TextField()
+    slot_limit = models.IntegerField("limit from the call")
+    set_at = models.DateTimeField()
+    task_id = models.TextField()
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_call_limits"
+        default_permissions = ()
+
+
 class Key(models.Model):
     """A concurrency key the ledger has seen (``keyed_keys``) with its waiting count."""
 

@@ -108,6 +108,10 @@ def observe(dsn: str, kind: str, task_id: str, key: str, note: str = "", fence: 
         )
 
 
+#: acceptance.tenant_job's limits by plan (the call's ``plan`` argument chooses its key's limit).
+PLAN_LIMITS = {"premium": 3, "basic": 1}
+
+
 def _define_tasks(app: Any, ns: Any) -> None:
     @keyed_task(app=app, name="acceptance.hold", bind=True, concurrency_key="{key}", acks_late=True, per_call_keys=True)
     def hold(self, key: str, seconds: float, note: str = "") -> str:
@@ -120,6 +124,21 @@ def _define_tasks(app: Any, ns: Any) -> None:
             time.sleep(seconds)
         observe(ns.dsn, "end", self.request.id, key, note)
         return note
+
+    @keyed_task(
+        app=app,
+        name="acceptance.tenant_job",
+        bind=True,
+        concurrency_key="{tenant}",
+        concurrency_limit=lambda plan, **_: PLAN_LIMITS[plan],
+        acks_late=True,
+    )
+    def tenant_job(self, tenant: str, plan: str, seconds: float, note: str = "") -> str:
+        """A tenant's job whose key's limit comes from the call (its tenant's plan)."""
+        observe(ns.dsn, "start", self.request.id, tenant, note or plan)
+        time.sleep(seconds)
+        observe(ns.dsn, "end", self.request.id, tenant, note or plan)
+        return plan
 
     @keyed_task(app=app, name="acceptance.ordered", bind=True, group_key="{group}", max_retries=5, acks_late=True)
     def ordered(self, group: str, seq: int, fail_times: int = 0, seconds: float = 0.05) -> int:
@@ -220,6 +239,7 @@ def _define_tasks(app: Any, ns: Any) -> None:
     ns.debounced = debounced
     ns.hold, ns.ordered, ns.flaky, ns.unkeyed, ns.ping = hold, ordered, flaky, unkeyed, ping
     ns.sleepy = sleepy
+    ns.tenant_job = tenant_job
     ns.override_in_task, ns.parent, ns.after = override_in_task, parent, after
 
     from tests.acceptance import (

@@ -139,6 +139,7 @@ class Task:
     not_before: dict[int, datetime | None] = field(default_factory=dict)  # per attempt, as delivered
     outcome: str | None = None
     finished_attempt: int = -1
+    call_limit: int | None = None  # the limit of its key its call computes (every attempt carries it)
 
 
 @dataclass
@@ -197,13 +198,21 @@ class Model:
         # not-before time made on the key's other shards waits for the next sweep, as the room of a lapsed
         # override does (§3.12 bounds the delay by the sweep interval). Cleared by a sweep and by a whole-key fill.
         self.time_joined: set[str] = set()
+        # key -> the limit its latest arrival computed from the call (a task's concurrency_limit), stored with the key
+        self.call_limits: dict[str, int] = {}
 
     # -- limits -----------------------------------------------------------------------------------------
-    def limit(self, name: str, now: datetime) -> int:
+    def limit(self, name: str, now: datetime, key: str | None = None) -> int:
+        """The limit of a key of ``name`` (of ``key`` itself, when given): a live override of the name, else the
+        limit the key's latest call computed (``call_limits``; not while the name is configured to 0), else the
+        name's configured limit, else 1."""
         o = self.overrides.get(name)
         if o is not None and (o.expires_at is None or o.expires_at > now):
             return o.limit
-        return self.configs[name].limit if name in self.configs else 1
+        configured = self.configs[name].limit if name in self.configs else 1
+        if configured > 0 and key is not None and key in self.call_limits:
+            return self.call_limits[key]
+        return configured
 
     def shards(self, name: str) -> int:
         return self.configs[name].shards if name in self.configs else 1
@@ -212,7 +221,7 @@ class Model:
         name = key_name(key)
         target = self.shards(name)
         layout = self.layout.get(key, target)
-        limit = self.limit(name, now)
+        limit = self.limit(name, now, key)
         return min(share(limit, layout, shard), share(limit, target, shard))
 
     def rows(self, key: str) -> range:
@@ -221,7 +230,7 @@ class Model:
     def fits(self, key: str, now: datetime) -> bool:
         """Every holding of the key fits the name's current shard count (the key may move to it)."""
         name = key_name(key)
-        target, limit = self.shards(name), self.limit(name, now)
+        target, limit = self.shards(name), self.limit(name, now, key)
         return all(self.used(key, s) <= share(limit, target, s) for s in self.rows(key))
 
     def take_moves(self, now: datetime, only: str | None = None) -> None:
@@ -257,7 +266,7 @@ class Model:
             if not any(c.key == key for c in self.claims.values()):
                 del self.max_limit[key]
             else:
-                self.max_limit[key] = max(best, self.limit(key_name(key), now))
+                self.max_limit[key] = max(best, self.limit(key_name(key), now, key))
         for (key, shard), best in list(self.max_share.items()):
             if self.used(key, shard) == 0:
                 del self.max_share[(key, shard)]
@@ -271,7 +280,7 @@ class Model:
         assert used < cap, f"claim on {key} shard {shard} with {used} used of share {cap}"
         self.max_share[(key, shard)] = max(self.max_share.get((key, shard), 0) if used else 0, cap)
         held = any(c.key == key for c in self.claims.values())
-        self.max_limit[key] = max(self.max_limit.get(key, 0) if held else 0, self.limit(key_name(key), now))
+        self.max_limit[key] = max(self.max_limit.get(key, 0) if held else 0, self.limit(key_name(key), now, key))
 
     def park(
         self,
@@ -477,7 +486,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @staticmethod
     def arrival_of(task: Task, attempt: int, not_before: datetime | None) -> Arrival:
         return Arrival(
-            task.task_id, attempt, key=task.key, priority=task.priority, deadline=task.deadline, not_before=not_before
+            task.task_id, attempt, key=task.key, priority=task.priority, deadline=task.deadline, not_before=not_before,
+            call_limit=task.call_limit,
         )
 
     def arrive(
@@ -524,6 +534,9 @@ class LedgerMachine(RuleBasedStateMachine):
             task.attempt = max(task.attempt, attempt)
             task.not_before[attempt] = not_before
             expired = task.deadline is not None and task.deadline <= now
+            if not expired and task.call_limit is not None:
+                # Stored before the key's rows are locked: the room a raise makes goes to the line first, below.
+                m.call_limits[task.key] = task.call_limit
             if not expired and m.room(task.key, now) and m.next_eligible(task.key, now) is not None:
                 # Room next to an eligible waiter exists only after time made it so (a not-before time passed,
                 # an override lapsed) before the sweep: the arrival starts that line first, then queues.
@@ -621,6 +634,13 @@ class LedgerMachine(RuleBasedStateMachine):
         for (task, nb), result in zip(tasks, results, strict=True):
             self.arrive(task, 0, nb, result=result)
         self.model.take_moves(self.now)
+
+    @rule(key=st.sampled_from(KEYS), limit=st.integers(0, 3), priority=st.sampled_from([0, 0, 1]))
+    def arrive_with_call_limit(self, key: str, limit: int, priority: int) -> None:
+        """A task whose call computes its key's limit arrives (``concurrency_limit``): the latest such arrival's
+        limit is the key's, below the name's live override; a raise starts the key's line in its transaction."""
+        task = Task(f"t{next(self.task_ids)}", key, None, priority, call_limit=limit)
+        self.arrive(task, 0, None)
 
     def _idle_tasks(self) -> list[Task]:
         """Open tasks none of whose attempts holds a claim or a waiting row: a retry or a redelivery is due."""
@@ -946,6 +966,7 @@ class LedgerMachine(RuleBasedStateMachine):
             layouts: dict[str, dict[int, int]] = {}
             for r in conn.execute(sa.text("SELECT key, shard, shards FROM keyed_slots")):
                 layouts.setdefault(r.key, {})[r.shard] = r.shards
+            call_limits = dict(conn.execute(sa.text("SELECT key, slot_limit FROM keyed_call_limits")).all())
             counted = conn.execute(sa.text("SELECT count(*) FROM keyed_claims WHERE key IS NOT NULL")).scalar_one()
             heads: dict[str, int] = dict(conn.execute(sa.text("SELECT key, waiting FROM keyed_keys")).all())
             rows_per_key: dict[str, int] = dict(
@@ -968,6 +989,9 @@ class LedgerMachine(RuleBasedStateMachine):
             assert (r.key, r.shard, r.state, r.fence) == (c.key, c.shard, c.state, c.fence), (token, r, c)
             assert r.lease_expires_at == c.lease_expires_at, (token, r.lease_expires_at, c.lease_expires_at)
             assert r.nonce == c.nonce and r.dispatch_deadline == c.dispatch_deadline
+
+        # Limits from the call: the latest arrival's, per key.
+        assert call_limits == m.call_limits, (call_limits, m.call_limits)
 
         # Waiting room: the same rows in the same order of receipt.
         want = sorted(m.waiting.values(), key=lambda w: w.arrival)

@@ -96,7 +96,8 @@ def _names_by_limit(source: Literal["override", "config"] | None = None, paused:
 
 def _key_limit_and_source(obj: Any) -> tuple[int, str]:
     """A key's limit as ``keyed_key_limit`` decides it: a paused name pauses every key; else the key's own pause
-    (``key_paused``), else its own limit (``key``), else its name's."""
+    (``key_paused``), else its own limit (``key``), else its name's override, else the limit its latest call
+    computed (``call``), else its name's configured limit."""
     limit, source = _limit_and_source(obj)
     if limit == 0:
         return limit, source
@@ -104,6 +105,9 @@ def _key_limit_and_source(obj: Any) -> tuple[int, str]:
         return 0, "key_paused"
     if obj.key_limit is not None:
         return obj.key_limit, "key"
+    called = getattr(obj, "call_limit", None)
+    if source != "override" and called is not None:
+        return called, "call"
     return limit, source
 
 

@@ -24,7 +24,7 @@ from celery_keyed_django.admin.base import (
     configured_names,
 )
 from celery_keyed_django.admin.rendering import UNCONFIGURED, _url, moment, since
-from celery_keyed_django.models import Key, KeyOverride, Override, Slot, Waiting
+from celery_keyed_django.models import CallLimit, Key, KeyOverride, Override, Slot, Waiting
 
 
 class NameFilter(admin.SimpleListFilter):
@@ -111,6 +111,7 @@ class KeyAdmin(ReadOnlyAdmin):
             key_limit=Subquery(
                 own.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now())).values("slot_limit")[:1]
             ),
+            call_limit=Subquery(CallLimit.objects.filter(key=OuterRef("key")).values("slot_limit")[:1]),
         )
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any], search_term: str) -> Any:
@@ -140,7 +141,8 @@ class KeyAdmin(ReadOnlyAdmin):
     def source_display(self, obj: Any) -> str:
         source = _key_limit_and_source(obj)[1]
         label = {"override": "override", "config": "configuration", "default": UNCONFIGURED,
-                 "key_paused": "the key's pause", "key": "the key's own limit"}[source]
+                 "key_paused": "the key's pause", "key": "the key's own limit",
+                 "call": "its latest call"}[source]
         if source.startswith("key"):
             return format_html('<a href="{}">{}</a>', _url("keyoverride_change", quote(obj.key)), label)
         return label
