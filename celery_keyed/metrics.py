@@ -288,8 +288,8 @@ class LedgerCollector(Collector):
 
     @staticmethod
     def _key_overrides(names: list[Any]) -> list[GaugeMetricFamily]:
-        """A key that throttles itself: per name, how many of its keys are paused on their own now,
-        and how many have a limit of their own (never a series per key)."""
+        """A key that throttles itself: per name, how many of its keys are paused on their own now, how many have a
+        limit of their own, and how many a limit their call computed (never a series per key)."""
         paused = GaugeMetricFamily(
             "celery_keyed_keys_paused", "Keys of a name paused on their own now (keyed_pause, pause-key).",
             labels=["name"],
@@ -298,10 +298,16 @@ class LedgerCollector(Collector):
             "celery_keyed_keys_own_limit", "Keys of a name with a limit of their own now (keyed_set_limit).",
             labels=["name"],
         )
+        called = GaugeMetricFamily(
+            "celery_keyed_keys_call_limit",
+            "Keys of a name whose limit their latest call computed (a task's concurrency_limit).",
+            labels=["name"],
+        )
         for n in names:
             paused.add_metric([n.name], n.paused_keys)
             limited.add_metric([n.name], n.limited_keys)
-        return [paused, limited]
+            called.add_metric([n.name], n.call_limited_keys)
+        return [paused, limited, called]
 
     @staticmethod
     def _fair(shares: list[Any]) -> list[GaugeMetricFamily]:

@@ -91,6 +91,9 @@ STATUS_NAMES = sa.text(
                count(*) FILTER (WHERE slot_limit IS NOT NULL AND (expires_at IS NULL OR expires_at > {NOW}))
                    AS limited_keys
           FROM keyed_key_overrides WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY name
+    ), called AS (
+        SELECT name, count(*) AS call_limited_keys FROM keyed_call_limits
+         WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY name
     ), limits AS (
         SELECT * FROM keyed_limits({NOW})
     ), names AS (
@@ -106,13 +109,15 @@ STATUS_NAMES = sa.text(
            COALESCE(c.shards, 1) AS shards, c.max_waiting, c.max_wait, COALESCE(c.overflow, 'reject') AS overflow,
            COALESCE(c.group_failure, 'halt') AS group_failure,
            COALESCE(w.debounced, 0) AS debounced,
-           COALESCE(k.paused_keys, 0) AS paused_keys, COALESCE(k.limited_keys, 0) AS limited_keys
+           COALESCE(k.paused_keys, 0) AS paused_keys, COALESCE(k.limited_keys, 0) AS limited_keys,
+           COALESCE(cl.call_limited_keys, 0) AS call_limited_keys
       FROM names n
       LEFT JOIN limits l ON l.name = n.name
       LEFT JOIN keyed_names c ON c.name = n.name
       LEFT JOIN per_name p ON p.name = n.name
       LEFT JOIN oldest w ON w.name = n.name
       LEFT JOIN own k ON k.name = n.name
+      LEFT JOIN called cl ON cl.name = n.name
      WHERE CAST(:name AS text) IS NULL OR n.name = :name
      ORDER BY n.name
     """
@@ -197,6 +202,7 @@ class NameStatus:
     debounced: int = 0  # of the waiting: debounced tasks still in their key's quiet period
     paused_keys: int = 0  # keys of the name paused on their own now (keyed_pause, pause-key)
     limited_keys: int = 0  # keys of the name with a limit of their own now (keyed_set_limit, set-key-limit)
+    call_limited_keys: int = 0  # keys of the name whose latest call computed their limit (concurrency_limit)
     # the rules that refuse or end a task besides the limit: counter rows per key, the waiting room's size and what
     # a full one does (reject, or supersede the oldest), the longest wait before a task expires (None: no bound)
     shards: int = 1
@@ -278,6 +284,7 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             debounced=int(r["debounced"]),
             paused_keys=int(r["paused_keys"]),
             limited_keys=int(r["limited_keys"]),
+            call_limited_keys=int(r["call_limited_keys"]),
             shards=int(r["shards"]),
             max_waiting=r["max_waiting"],
             overflow=r["overflow"],

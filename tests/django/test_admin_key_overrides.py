@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from django.contrib.admin.utils import quote
 from django.test import Client
 
-from celery_keyed.ledger import Ledger, NameConfig, Verdict
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Verdict
 from tests.django.test_admin import arrival, client_for, messages_of, rows, scalar, staff, url
 
 pytestmark = pytest.mark.django_db
@@ -66,3 +66,25 @@ def test_only_change_limits_may_write(ledger_engine: sa.Engine) -> None:
     assert viewer.get(url("keyoverride_changelist")).status_code == 200
     assert viewer.post(url("keyoverride_add"), {"key": "acct:1", "pause_for": "5", "reason": "x"}).status_code == 403
     assert scalar(ledger_engine, "SELECT count(*) FROM keyed_key_overrides") == 0
+
+
+def test_the_keys_view_shows_a_limit_computed_from_the_call(admin_client: Client, ledger_engine: sa.Engine) -> None:
+    """A key whose latest call computed its limit (``concurrency_limit``) shows that limit, from "its latest call";
+    an override of its name then wins, as in every claim."""
+    import re
+
+    ledger = Ledger(ledger_engine, holder="worker-1:4242:beef", lease=60.0)
+    ledger.configure({"acct": NameConfig("acct", 1)})
+    for i in range(3):
+        ledger.admit(Arrival(f"t{i}", key="acct:gold", call_limit=5, message={"id": f"t{i}"}))
+
+    def row_of(body: str, key: str) -> str:
+        found = re.search(rf"<tr[^>]*>(?:(?!</tr>).)*{re.escape(key)}(?:(?!</tr>).)*</tr>", body, re.S)
+        assert found is not None, key
+        return found.group(0)
+
+    gold = row_of(admin_client.get(url("key_changelist")).content.decode(), "acct:gold")
+    assert ">5<br>" in gold and "its latest call" in gold
+    ledger.set_override("acct", 2, reason="incident")
+    gold = row_of(admin_client.get(url("key_changelist")).content.decode(), "acct:gold")
+    assert ">2<br>" in gold and "its latest call" not in gold and "override" in gold

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict
+from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, explain, status_keys
 from celery_keyed.ledger.reconcile import check_counters_once
 
 
@@ -122,3 +122,48 @@ def test_reconcile_forgets_the_limits_of_keys_idle_for_a_day(ledger: Ledger, sca
     ledger.reconcile(now=clock.advance(86400))
     assert stored(scalar, "tenant:1") is None  # idle a day: forgotten
     assert stored(scalar, "tenant:2") == 0  # b still waits: kept
+
+
+def test_status_and_explain_say_where_a_keys_limit_comes_from(ledger: Ledger, clock) -> None:
+    ledger.configure({"tenant": NameConfig("tenant", limit=1)}, now=clock())
+    for i in range(3):
+        ledger.admit(arrival(f"g{i}", "tenant:gold", 2), now=clock())
+    ledger.admit(arrival("z", "tenant:zero", 0), now=clock())
+    ledger.admit(Arrival("n", key="tenant:none", message={}), now=clock())
+    with ledger.engine.connect() as conn:
+        keys = {k.key: k for k in status_keys(conn, name="tenant", now=clock())}
+        assert (keys["tenant:gold"].limit, keys["tenant:gold"].source) == (2, "call")
+        assert (keys["tenant:zero"].limit, keys["tenant:zero"].source) == (0, "call")
+        assert (keys["tenant:none"].limit, keys["tenant:none"].source) == (1, "config")
+        waiting = explain(conn, "g2", now=clock())
+        assert "in flight 2/2" in waiting.text and "the limit its latest call computed (task g0" in waiting.text
+        assert waiting.facts["call_limit"]["limit"] == 2 and waiting.facts["call_limit"]["in_effect"]
+        held = explain(conn, "z", now=clock())
+        assert held.state == "paused" and "limit 0, computed by its latest call (task z" in held.text
+    # An override of the name wins: status and explain say so, not the call.
+    ledger.set_override("tenant", 1, reason="incident", now=clock())
+    with ledger.engine.connect() as conn:
+        keys = {k.key: k for k in status_keys(conn, name="tenant", now=clock())}
+        assert (keys["tenant:gold"].limit, keys["tenant:gold"].source) == (1, "override")
+        waiting = explain(conn, "g2", now=clock())
+        assert "latest call" not in waiting.text and not waiting.facts["call_limit"]["in_effect"]
+
+
+def test_metrics_count_the_keys_whose_call_computed_their_limit(database_url: str, ledger: Ledger, clock) -> None:
+    """celery_keyed_keys_call_limit, per name (never a series per key)."""
+    from prometheus_client import CollectorRegistry
+
+    from celery_keyed.metrics import LedgerCollector
+
+    ledger.admit(arrival("a", "tenant:1", 3), now=clock())
+    ledger.admit(arrival("b", "tenant:2", 1), now=clock())
+    ledger.admit(Arrival("c", key="tenant:3", message={}), now=clock())
+    ledger.admit(Arrival("d", key="api:1", message={}), now=clock())
+    registry = CollectorRegistry()
+    collector = LedgerCollector(database_url, timeout=1.0)
+    registry.register(collector)
+    try:
+        assert registry.get_sample_value("celery_keyed_keys_call_limit", {"name": "tenant"}) == 2
+        assert registry.get_sample_value("celery_keyed_keys_call_limit", {"name": "api"}) == 0
+    finally:
+        collector.engine.dispose()
