@@ -225,11 +225,16 @@ NAMES_NEWEST_VERSION = sa.text("SELECT COALESCE(max(config_version), 0) FROM key
 # names_largest_share: the most slots one claim can take on a key of each name (a shard's share of the
 # configured limit; an override may lower it for a while, but the configuration is what can ever be had): an
 # attempt that costs more is rejected instead of waiting for ever (D16).
-# (:call_name, :call_limit: a key of that name whose limit the call computed, in place of the configured one.)
+# (:call_name, :call_key, :call_limit: the attempt's first key, of that name, whose limit its call computed, or else its
+# latest call stored, in place of the configured one.)
 NAMES_LARGEST_SHARE = sa.text(
     """
-    SELECT n.name, LEAST(COALESCE(keyed_shard_share(CASE WHEN n.name = :call_name THEN CAST(:call_limit AS integer)
-                                                          ELSE c.slot_limit END, COALESCE(c.shards, 1), 0), 1),
+    SELECT n.name, LEAST(COALESCE(keyed_shard_share(
+                             CASE WHEN n.name = :call_name
+                                  THEN COALESCE(CAST(:call_limit AS integer),
+                                                (SELECT l.slot_limit FROM keyed_call_limits l WHERE l.key = :call_key),
+                                                c.slot_limit)
+                                  ELSE c.slot_limit END, COALESCE(c.shards, 1), 0), 1),
                          CASE WHEN c.rate IS NOT NULL THEN CAST(floor(COALESCE(c.burst, 1)) AS integer) END) AS share
       FROM unnest(CAST(:names AS text[])) AS n(name) LEFT JOIN keyed_names c ON c.name = n.name
     """

@@ -113,12 +113,13 @@ def _too_heavy(conn: sa.Connection, arrival: Arrival) -> str | None:
     """Why an attempt of this cost can never start (it needs more slots than a key of its name can have), or
     None. Bad input gets a recorded rejection instead of waiting for ever."""
     wanted = sorted({key_name(k) for k in arrival.keys})
-    # A limit computed from the call is the limit of its key (the first): it replaces its name's configured one
-    # here, unless another key of the attempt has that name too (which the call's limit does not cover).
-    call_name = key_name(arrival.key) if arrival.key is not None and arrival.call_limit is not None else None
+    # A limit computed from the call is the limit of its key (the first): this arrival's, else the one the key's
+    # latest call stored, replaces its name's configured one here, unless another key of the attempt has that name
+    # too (which the call's limit does not cover).
+    call_name = key_name(arrival.key) if arrival.key is not None else None
     if call_name is not None and any(key_name(k) == call_name for k in arrival.extra_keys):
         call_name = None
-    params = {"names": wanted, "call_name": call_name, "call_limit": arrival.call_limit}
+    params = {"names": wanted, "call_name": call_name, "call_key": arrival.key, "call_limit": arrival.call_limit}
     for row in conn.execute(names.NAMES_LARGEST_SHARE, params):
         if arrival.cost > row.share:
             return f"cost {arrival.cost} exceeds the {row.share} slots (or tokens) a key of {row.name} can have"

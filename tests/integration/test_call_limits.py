@@ -75,6 +75,10 @@ def test_a_weighted_call_is_measured_against_its_calls_limit(ledger: Ledger, clo
     assert ledger.admit(Arrival("w", key="tenant:1", cost=3, call_limit=5, message={}), now=clock()).admitted
     too_heavy = ledger.admit(Arrival("x", key="tenant:2", cost=3, call_limit=2, message={}), now=clock())
     assert too_heavy.verdict is Verdict.REJECTED and "cost 3 exceeds the 2 slots" in too_heavy.detail
+    # A task without a limit of its own on a key whose latest call stored one is measured against that one: the
+    # key's limit is the key's, whichever task set it.
+    plain = ledger.admit(Arrival("y", key="tenant:1", cost=3, message={}), now=clock())
+    assert plain.verdict is Verdict.PARKED  # w holds 3 of 5: it waits for room, it is not "too heavy"
 
 
 def test_the_operators_word_wins_over_the_call(ledger: Ledger, scalar, clock) -> None:
