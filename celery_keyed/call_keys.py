@@ -81,16 +81,21 @@ def evaluate_weight(spec: Any, task: Any, args: tuple[Any, ...], kwargs: dict[st
     """A ``fair_weight`` spec against a call's arguments: None (no weight of its own), a number, a callable of the
     arguments by name, or a template naming one argument (``"{weight}"``); the checked weight (``InvalidKey`` for
     anything else: bad input never waits)."""
-    value = spec
+    return check_fair_weight(_call_value(spec, task, args, kwargs, "fair_weight", "{weight}"), task)
+
+
+def _call_value(spec: Any, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], option: str, example: str) -> Any:
+    """The value a number-valued option (``fair_weight``, ``concurrency_limit``) gives a call, unchecked: a callable
+    of the arguments by name, called; a template naming one argument (``example``), that argument; else the spec."""
     if callable(spec):
-        value = spec(**bind_arguments(task, args, kwargs))
-    elif isinstance(spec, str):
+        return spec(**bind_arguments(task, args, kwargs))
+    if isinstance(spec, str):
         whole = _WHOLE_FIELD.match(spec)
         arguments = bind_arguments(task, args, kwargs)
         if whole is None or whole.group(1) not in arguments:
-            raise InvalidKey(f"{task.name}: fair_weight {spec!r} must name one argument of the call, like '{{weight}}'")
-        value = arguments[whole.group(1)]
-    return check_fair_weight(value, task)
+            raise InvalidKey(f"{task.name}: {option} {spec!r} must name one argument of the call, like '{example}'")
+        return arguments[whole.group(1)]
+    return spec
 
 
 def check_fair_weight(value: Any, task: Any) -> float | None:
@@ -110,18 +115,7 @@ def evaluate_limit(spec: Any, task: Any, args: tuple[Any, ...], kwargs: dict[str
     """A ``concurrency_limit`` spec against a call's arguments: None (the name's configured limit applies), an
     integer, a callable of the arguments by name, or a template naming one argument (``"{limit}"``); the checked
     limit (``InvalidKey`` for anything else: bad input never waits)."""
-    value = spec
-    if callable(spec):
-        value = spec(**bind_arguments(task, args, kwargs))
-    elif isinstance(spec, str):
-        whole = _WHOLE_FIELD.match(spec)
-        arguments = bind_arguments(task, args, kwargs)
-        if whole is None or whole.group(1) not in arguments:
-            raise InvalidKey(
-                f"{task.name}: concurrency_limit {spec!r} must name one argument of the call, like '{{limit}}'"
-            )
-        value = arguments[whole.group(1)]
-    return check_limit(value, task)
+    return check_limit(_call_value(spec, task, args, kwargs, "concurrency_limit", "{limit}"), task)
 
 
 def check_limit(value: Any, task: Any) -> int | None:
