@@ -25,7 +25,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import books, call_limits, claims, driver, fast_paths, groups, keys, names, slots, waiting
+from celery_keyed.ledger import books, claims, driver, fast_paths, groups, keys, names, slots, waiting
 from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, TaskOutcome, Token, Verdict
 from celery_keyed.ledger.bounds import tokens_of
 from celery_keyed.ledger.clock import clock_is_future
@@ -103,8 +103,6 @@ def admit_autocommit(
         return None, False
     if arrival.debounce is not None or arrival.on_newer is not None:  # decided by admit (it parks / cancels)
         return None, False
-    if arrival.call_limit is not None:  # decided by admit (it stores the key's limit first)
-        return None, False
     name = key_name(arrival.key)
     params = _arrival_params(arrival, name, holder=holder, lease=lease, now=now)
     if arrival.extra_keys:
@@ -125,8 +123,6 @@ def batchable(arrival: Arrival) -> bool:
     """Whether ``claim_many`` may decide ``arrival``: one key, no group, no not-before time, shared (the shape of
     fast_paths.CLAIM_NEW). Every other arrival takes the per-arrival path."""
     if arrival.debounce is not None or arrival.on_newer is not None:  # decided by admit (it parks / cancels)
-        return False
-    if arrival.call_limit is not None:  # decided by admit (it stores the key's limit first)
         return False
     return (
         arrival.key is not None
@@ -169,7 +165,13 @@ def claim_many(
 def plain(arrival: Arrival) -> bool:
     """Whether ``admit_plain`` may decide ``arrival``: one key, no group, no not-before, cost 1, no supersede key,
     no fair weight of its own (the plain path parks without one: waiting.waiting_insert stores it)."""
-    return batchable(arrival) and arrival.cost == 1 and arrival.supersede_key is None and arrival.fair_weight is None
+    return (
+        batchable(arrival)
+        and arrival.cost == 1
+        and arrival.supersede_key is None
+        and arrival.fair_weight is None
+        and arrival.call_limit is None  # parking at receipt would skip storing its limit (call_limits.store_first)
+    )
 
 
 def park_plain(
@@ -291,9 +293,8 @@ def admit(
     The steps, in order: the fast claim of a known key or the arrival's row (``_arrive``); a known attempt token
     (``redeliveries.known_attempt``, D8); its group number; an expiry or a refusal decided before any slot is looked
     at (``_refused_at_arrival``); the fast claim of a later attempt (``_claim_later_attempt``); newest wins
-    (``newest_wins.cancel_older``); the limit the call computed for its key, if any (``call_limits.store``); the
-    locks on every key's slots and head rows, in lock order, and the line started where room waits next to it (a
-    raise of the call's limit, a not-before time that passed) (``_lock_rooms``); whether it may start now
+    (``newest_wins.cancel_older``); the locks on every key's slots and head rows, in lock order, and the line
+    started where room waits next to it (a not-before time that passed) (``_lock_rooms``); whether it may start now
     (``_ready_to_start``); the claim (``_claim_locked``), else the park (``parking.park``).
     """
     name = key_name(arrival.key) if arrival.key else None
@@ -322,8 +323,6 @@ def admit(
     # Newest wins: ask for the cancellation of the older attempt of its key and supersede key. Its claim row is
     # locked before the slot rows, the order a release takes them in (claim, task, slots): no cycle.
     cancels = cancel_older(conn, arrival, now=now)
-    if arrival.call_limit is not None and arrival.key is not None:
-        call_limits.store(conn, arrival.key, arrival.call_limit, task_id=arrival.task_id, now=now)
     rooms, promoted = _lock_rooms(conn, arrival, dispatch=dispatch, now=now)
     is_head, ready = _ready_to_start(conn, arrival, rooms, group_seq=group_seq, now=now)
     if ready:
@@ -351,7 +350,6 @@ def _fast_path_applies(arrival: Arrival, name: str | None) -> bool:
         and not arrival.exclusive
         and arrival.debounce is None
         and arrival.on_newer is None
-        and arrival.call_limit is None  # its limit is stored before any slot row is locked (call_limits.store)
     )
 
 

@@ -10,6 +10,7 @@ claim (``FastKeys``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterable, Sequence
@@ -18,7 +19,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import admit, outcomes, release
+from celery_keyed.ledger import admit, call_limits, outcomes, release
 from celery_keyed.ledger.attempts import (
     Admission,
     Arrival,
@@ -119,7 +120,22 @@ class Batches:
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         """Admit ``arrival`` or park it (see ``admit.admit``). A first arrival with one key and room is one
         self-committing statement (``fast_paths.CLAIM_NEW``); a plain arrival that found no room is admitted or
-        parked by one more call (``keyed_admit_plain``); everything else runs the general transaction."""
+        parked by one more call (``keyed_admit_plain``); everything else runs the general transaction. An arrival
+        that carries a limit from its call stores it first (``call_limits.store_first``)."""
+        before = self._store_call_limits([arrival], now=now).get(0)
+        decided = self._admit_one(arrival, now=now)
+        return decided if not before else dataclasses.replace(decided, promotions=(*before, *decided.promotions))
+
+    def _store_call_limits(self, arrivals: Sequence[Arrival], *, now: datetime | None) -> dict[int, list[Promotion]]:
+        """The limits the arrivals carry, stored before any of them is decided, and the promotions a new limit made
+        (by input position: ``call_limits.store_first``)."""
+        if all(a.call_limit is None for a in arrivals):
+            return {}
+        return self.transaction(
+            lambda conn: call_limits.store_first(conn, arrivals, dispatch=self.dispatch, now=now)
+        )
+
+    def _admit_one(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         key = arrival.key
         if key is not None and admit.plain(arrival) and key not in self.fast_keys:
             decided = self._admit_after_fast(arrival, fresh=False, now=now)
@@ -167,7 +183,8 @@ class Batches:
 
     def admit_many(self, arrivals: Sequence[Arrival], *, now: datetime | None = None) -> list[Admission]:
         """Admit or park a batch of arrivals: one Admission per arrival, in input order, each its own verdict (as
-        ``admit`` would give it).
+        ``admit`` would give it). The limits the arrivals carry from their calls are stored first, in one
+        transaction (``call_limits.store_first``): the batch is decided under the limits its latest arrivals set.
 
         Arrivals with one key, no group and no not-before time are claimed together in one call
         (``keyed_claim_many``: task rows locked in task id order, then slot rows in key order, so two batches never
@@ -185,6 +202,7 @@ class Batches:
         for the whole batch; arrivals decided before the error are committed (their claims are reclaimed by the
         reaper if the caller cannot use them, their parked rows are kept)."""
         arrivals = list(arrivals)
+        before = self._store_call_limits(arrivals, now=now)
         state = _BatchState(arrivals)
         self._claim_together(state, now=now)
         self._admit_plain_in_order(state, now=now)
@@ -196,6 +214,10 @@ class Batches:
                     state.answers[i] = self._admit_isolated(
                         arrival, tried=state.tried[i], fresh=state.fresh[i], now=now
                     )
+        for i, promoted in before.items():  # the room a new limit from the call made, carried by its arrival's answer
+            answer = state.answers[i]
+            if answer is not None:
+                state.answers[i] = dataclasses.replace(answer, promotions=(*promoted, *answer.promotions))
         return [a for a in state.answers if a is not None]
 
     def _claim_together(self, state: _BatchState, *, now: datetime | None) -> None:

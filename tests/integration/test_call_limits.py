@@ -171,3 +171,45 @@ def test_metrics_count_the_keys_whose_call_computed_their_limit(database_url: st
         assert registry.get_sample_value("celery_keyed_keys_call_limit", {"name": "api"}) == 0
     finally:
         collector.engine.dispose()
+
+
+def test_a_batch_stores_its_limits_first_and_the_latest_of_a_key_wins(ledger: Ledger, scalar, clock) -> None:
+    """admit_many stores every limit of the batch before deciding it (key by key, the batch's latest arrival of a key
+    last): the whole batch runs under them, uncontended arrivals by the batch's one-statement claim, and the room a
+    new limit makes goes to the key's line, carried by the answer of the arrival that set it."""
+    assert ledger.admit(arrival("a", "tenant:1", 1), now=clock()).admitted
+    assert ledger.admit(arrival("b", "tenant:1", 1), now=clock()).verdict is Verdict.PARKED
+    batch = [arrival("c", "tenant:1", 1), arrival("x", "tenant:2", 2), arrival("d", "tenant:1", 3)]
+    answers = ledger.admit_many(batch, now=clock())
+    assert stored(scalar, "tenant:1") == 3 and stored(scalar, "tenant:2") == 2
+    assert [p.task_id for p in answers[2].promotions] == ["b"]  # d set 3: b (waiting) starts first
+    assert answers[0].promotions == () and answers[1].admitted
+    assert [a.verdict for a in answers] == [Verdict.ADMITTED, Verdict.ADMITTED, Verdict.PARKED]  # a, b, c run: 3
+    assert running(scalar, "tenant:1") == 3 and check_counters_once(ledger.engine) == []
+    # A redelivery of a known attempt and an expired arrival store nothing.
+    again = ledger.admit(Arrival("c", key="tenant:1", call_limit=1, message={}), now=clock())
+    assert again.verdict is Verdict.DUPLICATE and stored(scalar, "tenant:1") == 3
+    late = Arrival("e", key="tenant:1", call_limit=9, deadline=clock(), message={})
+    assert ledger.admit(late, now=clock()).verdict is Verdict.EXPIRED and stored(scalar, "tenant:1") == 3
+    # Park at receipt never decides an arrival that carries a limit (it would not store it).
+    assert ledger.park_at_receipt(arrival("f", "tenant:1", 1), now=clock()) is None
+
+
+def test_uncontended_calls_with_limits_take_the_one_statement_claim(
+    ledger: Ledger, scalar, clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A limit from the call costs one more transaction per batch, not the general path per arrival: 50 arrivals on
+    idle keys of a known name are all admitted by the batch's claim, with their limits stored."""
+    from celery_keyed.ledger import admit as admit_module
+
+    ledger.configure({"tenant": NameConfig("tenant", limit=1)}, now=clock())
+    for i in range(50):  # first use of each key (rows created) and its release
+        a = ledger.admit(arrival(f"w{i}", f"tenant:{i}", 2), now=clock())
+        ledger.release(Token(f"w{i}", 0), a.fence, Outcome.COMPLETED, now=clock())
+    general = []
+    real = admit_module.admit
+    monkeypatch.setattr(admit_module, "admit", lambda *a, **k: general.append(1) or real(*a, **k))
+    answers = ledger.admit_many([arrival(f"t{i}", f"tenant:{i}", 2) for i in range(50)], now=clock())
+    assert all(a.admitted for a in answers)
+    assert general == []  # none took the general transaction
+    assert scalar("SELECT count(*) FROM keyed_call_limits WHERE slot_limit = 2") == 50

@@ -534,15 +534,19 @@ class LedgerMachine(RuleBasedStateMachine):
             task.attempt = max(task.attempt, attempt)
             task.not_before[attempt] = not_before
             expired = task.deadline is not None and task.deadline <= now
+            before: list[tuple[Token, str, int]] = []
             if not expired and task.call_limit is not None:
-                # Stored before the key's rows are locked: the room a raise makes goes to the line first, below.
+                # Stored before the arrival is decided; a new value (or the key's first) fills the key's free room.
+                changed = m.call_limits.get(task.key) != task.call_limit
                 m.call_limits[task.key] = task.call_limit
+                if changed:
+                    before = m.promote_key(task.key, now)
             if not expired and m.room(task.key, now) and m.next_eligible(task.key, now) is not None:
                 # Room next to an eligible waiter exists only after time made it so (a not-before time passed,
                 # an override lapsed) before the sweep: the arrival starts that line first, then queues.
-                self.accept_promotions(list(result.promotions), m.promote_key(task.key, now))
+                self.accept_promotions(list(result.promotions), before + m.promote_key(task.key, now))
             else:
-                assert not result.promotions, result
+                self.accept_promotions(list(result.promotions), before)
             room = m.room(task.key, now)
             due = not_before is None or not_before <= now
             ahead = m.next_eligible(task.key, now)
@@ -638,7 +642,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(key=st.sampled_from(KEYS), limit=st.integers(0, 3), priority=st.sampled_from([0, 0, 1]))
     def arrive_with_call_limit(self, key: str, limit: int, priority: int) -> None:
         """A task whose call computes its key's limit arrives (``concurrency_limit``): the latest such arrival's
-        limit is the key's, below the name's live override; a raise starts the key's line in its transaction."""
+        limit is the key's, below the name's live override; a new limit fills the key's free room before the arrival
+        is decided."""
         task = Task(f"t{next(self.task_ids)}", key, None, priority, call_limit=limit)
         self.arrive(task, 0, None)
 

@@ -1,11 +1,10 @@
 -- Limits computed from the call (a task's concurrency_limit: a callable or a template over its arguments).
 
 -- The limit the latest arrival of a key computed from its call, stored with the key: keyed_key_limit reads it after
--- the operators' overrides (of the key, then of the name) and before the name's configured limit. Written by the
--- general admission path (call_limits.store) when an arrival carries a limit, in the arrival's transaction, before
--- it locks the key's slot rows (only arrivals lock these rows; claims only read them); the room a raise makes goes to
--- the key's line in that same transaction (D2). Reconcile deletes the rows no arrival has carried for the books' retention (at least a day)
--- whose keys are idle.
+-- the operators' overrides (of the key, then of the name) and before the name's configured limit. Written before an
+-- arrival (or a batch of them) is decided, in a transaction of its own (call_limits.store_first), which also gives
+-- the room a new limit makes to the key's line (D2); only these writers lock the rows (claims only read them).
+-- Reconcile deletes the rows no arrival has carried for a day (or keyed_idle_key_ttl if longer) whose keys are idle.
 CREATE TABLE keyed_call_limits (
     key text PRIMARY KEY,
     name text NOT NULL,
