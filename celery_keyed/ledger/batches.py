@@ -131,9 +131,24 @@ class Batches:
         (by input position: ``call_limits.store_first``)."""
         if all(a.call_limit is None for a in arrivals):
             return {}
-        return self.transaction(
-            lambda conn: call_limits.store_first(conn, arrivals, dispatch=self.dispatch, now=now)
-        )
+        try:
+            return self.transaction(
+                lambda conn: call_limits.store_first(conn, arrivals, dispatch=self.dispatch, now=now)
+            )
+        except REFUSED:
+            pass  # one value the database refuses fails the statement: store each on its own, skipping that one
+        stored: dict[int, list[Promotion]] = {}
+        for i, arrival in enumerate(arrivals):
+            if arrival.call_limit is None:
+                continue
+            store_one = functools.partial(call_limits.store_first, arrivals=[arrival], dispatch=self.dispatch, now=now)
+            try:
+                one = self.transaction(store_one)
+            except REFUSED:
+                continue  # its own decision refuses it again, and records why
+            if 0 in one:
+                stored[i] = one[0]
+        return stored
 
     def _admit_one(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         key = arrival.key

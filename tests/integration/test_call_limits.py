@@ -213,3 +213,12 @@ def test_uncontended_calls_with_limits_take_the_one_statement_claim(
     assert all(a.admitted for a in answers)
     assert general == []  # none took the general transaction
     assert scalar("SELECT count(*) FROM keyed_call_limits WHERE slot_limit = 2") == 50
+
+
+def test_a_value_the_database_refuses_does_not_fail_the_others_limits(ledger: Ledger, scalar, clock) -> None:
+    good = arrival("g", "tenant:1", 3)
+    bad = Arrival("b", attempt=2**40, key="tenant:2", call_limit=2, message={})  # no integer column holds it
+    answers = ledger.admit_many([good, bad], now=clock())
+    assert answers[0].admitted and stored(scalar, "tenant:1") == 3
+    assert answers[1].verdict is Verdict.REJECTED and "refused by the ledger's database" in answers[1].detail
+    assert stored(scalar, "tenant:2") is None
