@@ -87,6 +87,13 @@ def test_parks_at_receipt_racing_releases_lose_no_wakeup_and_never_exceed_the_bo
     peak = [0]
 
     parked: set[str] = set()
+    # One attempt parked at receipt before the race, behind a held slot that the runner releases as it starts: the
+    # race always has a parked attempt to wake, however the threads are scheduled (on a loaded machine the parkers
+    # may all run while the key is idle, and then park nothing).
+    held = ledger.admit(arrival("held"))
+    seed = ledger.park_at_receipt(arrival("p-seed"))
+    assert held.fence is not None and seed is not None and seed.verdict is Verdict.PARKED
+    parked.add("p-seed")
 
     def parker(n: int) -> None:
         try:
@@ -100,6 +107,8 @@ def test_parks_at_receipt_racing_releases_lose_no_wakeup_and_never_exceed_the_bo
 
     def runner() -> None:
         try:
+            assert held.fence is not None
+            ledger.release(Token("held", 0), held.fence, Outcome.COMPLETED)  # p-seed is promoted: the race begins
             for i in range(40):
                 got = ledger.admit(arrival(f"r{i}"))
                 used = scalar("SELECT coalesce(sum(used), 0) FROM keyed_slots WHERE key = 'acct:1'")
