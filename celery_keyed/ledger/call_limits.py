@@ -4,9 +4,10 @@
 ``keyed_key_limit`` reads it after the operators' overrides and before the name's configured limit: a key's own
 pause or limit (``celery keyed pause-key`` / ``set-key-limit``) wins, then a live override of its name (a paused
 name pauses every key), then the call's limit, then ``keyed_concurrency_limits``. When two calls of one key
-disagree, the key's limit is the one its latest arrival carried (the last one the ledger admitted, parked or turned
-away): a raise gives its room to the key's line at once, before the arrival is decided (D2); a lowered limit lets the
-attempts running finish and starts nothing while the key is at or above it, as a lowered name limit does.
+disagree, the key's limit is the one its latest arrival carried (the last the ledger received that had not expired
+and was not an attempt it knew; in a batch, the batch's last of the key): a raise gives its room to the key's line
+at once, before the arrival is decided (D2); a lowered limit lets the attempts running finish and starts nothing
+while the key is at or above it, as a lowered name limit does.
 
 Admission writes it first (``store_first``, called by ``batches.Batches`` before a batch or an arrival is decided):
 one transaction stores every limit of the batch, key by key in key order, and promotes the waiters of a key whose
