@@ -34,6 +34,7 @@ from celery_keyed.ledger import (
     status_names,
     status_now,
     status_prepare,
+    window_text,
 )
 from celery_keyed.settings import KeyedSettings
 
@@ -269,6 +270,15 @@ def rate_text(rate: float) -> str:
     )
 
 
+def _length(seconds: float) -> str:
+    """A window's length in words: "minute", "10 seconds", "day"."""
+    for unit, per in (("day", 86400.0), ("hour", 3600.0), ("minute", 60.0), ("second", 1.0)):
+        count = seconds / per
+        if count >= 1 and abs(count - round(count)) < 1e-9:
+            return unit if round(count) == 1 else f"{round(count)} {unit}s"
+    return f"{seconds:g} seconds"
+
+
 def rules(n: NameStatus) -> str:
     """A name's rules besides its limit, as its settings name them: the waiting room (max_waiting, and "supersede"
     when a full one replaces its oldest), max_wait, shards, rate (with burst), fair sharing, uncertain hold; "-"
@@ -282,6 +292,8 @@ def rules(n: NameStatus) -> str:
         found.append(f"shards {n.shards}")
     if n.rate is not None:
         found.append(f"rate {rate_text(n.rate)}" + (f" burst {n.burst:g}" if n.burst else ""))
+    if n.windows:
+        found.append("windows " + " ".join(window_text(c, t) for c, t in n.windows))
     if n.fair:
         found.append("fair")
     if n.uncertain_hold:
@@ -309,6 +321,9 @@ def rules_in_words(names: list[NameStatus]) -> list[str]:
         if n.rate is not None:
             burst = f" (saving up at most {n.burst:g})" if n.burst and n.burst > 1 else ""
             said.append(f"each key starts at most {rate_text(n.rate)}{burst}")
+        if n.windows:
+            counts = " and ".join(f"{c} in any {_length(t)}" for c, t in n.windows)
+            said.append(f"each key starts at most {counts}")
         if n.shards > 1:
             said.append(f"each key's limit is spread over {n.shards} shards")
         if n.group_failure in GROUP_FAILURE_WORDS:

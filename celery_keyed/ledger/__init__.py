@@ -133,6 +133,8 @@ from celery_keyed.ledger.status import (
     status_prepare,
     status_recent,
 )
+from celery_keyed.ledger.windows import WindowUse, window_text
+from celery_keyed.ledger.windows import usage as window_usage
 
 __all__ = [
     "COST_MAX",
@@ -177,6 +179,7 @@ __all__ = [
     "TaskOutcome",
     "Token",
     "Verdict",
+    "WindowUse",
     "WrongState",
     "applied_versions",
     "check_call_limit",
@@ -224,6 +227,8 @@ __all__ = [
     "status_recent",
     "validate_name",
     "validate_task_id",
+    "window_text",
+    "window_usage",
 ]
 
 

@@ -43,6 +43,10 @@ RATE_MIN = 1e-6
 RATE_MAX = 1e9
 #: The most tokens a rate-limited key can save up (``burst``): taken as an ``integer`` share of slots.
 BURST_MAX = INT_MAX
+#: Rate windows: the most a name can have, and the most starts one window allows (a key keeps one row per start of
+#: its largest window's N, so this bounds a key's rows).
+WINDOWS_MAX = 8
+WINDOW_STARTS_MAX = 1_000_000
 
 
 def check_int(value: Any, option: str, *, minimum: int = 0, maximum: int = INT_MAX) -> int:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import call_limits
+from celery_keyed.ledger import call_limits, windows
 from celery_keyed.ledger.bounds import is_exclusive
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.fair_weights import fair_shares
 from celery_keyed.ledger.groups import groups_hold_get
 from celery_keyed.ledger.key_overrides import KeyOverride, key_override_get
-from celery_keyed.ledger.keyspec import validate_task_id
+from celery_keyed.ledger.keyspec import key_name, validate_task_id
 from celery_keyed.ledger.slots import in_flight
 
 EXPLAIN_TASK = sa.text(
@@ -230,6 +231,23 @@ def _explain_between_attempts(conn: sa.Connection, task_id: str, task: Any, *, n
     return Explanation(task_id, "between_attempts", text, facts)
 
 
+def _full_windows(conn: sa.Connection, wait: Any, facts: dict[str, Any], *, now: datetime | None) -> str:
+    """What the attempt's rate windows say (into ``facts["rate_windows"]`` by key), as a clause naming the full ones:
+    a window refused its start, and the not-before time is when the window frees."""
+    said = []
+    for key in wait["keys"] or ([wait["key"]] if wait["key"] is not None else []):
+        uses = windows.usage(conn, key, key_name(key), now=now)
+        if uses:
+            facts.setdefault("rate_windows", {})[key] = [dataclasses.asdict(u) for u in uses]
+        said += [
+            f"rate window {windows.window_text(u.n, u.seconds)} of key {key} is full ({u.used} starts in it; the next"
+            f" may start at {u.frees_at})"
+            for u in uses
+            if u.full
+        ]
+    return f": {'; '.join(said)}" if said else ""
+
+
 def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datetime | None) -> Explanation:
     """A waiting attempt: a shadow, debounced, not due yet, blocked by its group, or waiting for slots."""
     facts = {**wait, "mode": _mode(wait)}
@@ -256,7 +274,8 @@ def _explain_waiting(conn: sa.Connection, task_id: str, wait: Any, *, now: datet
             facts,
         )
     if wait["not_due"]:
-        return Explanation(task_id, "not_before", f"not before {wait['not_before']}", facts)
+        text = f"not before {wait['not_before']}" + _full_windows(conn, wait, facts, now=now)
+        return Explanation(task_id, "not_before", text, facts)
     if wait["group_key"] is not None and (hold := groups_hold_get(conn, wait["group_key"])) is not None:
         facts["group_hold"] = dict(hold._mapping)
         return Explanation(

@@ -24,10 +24,11 @@ _CLAIM_NEW = """
         RETURNING (xmax = 0) AS new, outcome, finished_attempt,
                   COALESCE(CAST(:deadline AS timestamptz) <= {NOW}, false) AS expired
     ), lim AS (
-        SELECT keyed_name_shards(:name) AS n, (SELECT c.rate FROM keyed_names c WHERE c.name = :name) AS rate
+        SELECT keyed_name_shards(:name) AS n,
+               COALESCE((SELECT c.rated FROM keyed_names c WHERE c.name = :name), false) AS rated
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim, arr
-         WHERE arr.new AND NOT arr.expired AND lim.rate IS NULL
+         WHERE arr.new AND NOT arr.expired AND NOT lim.rated
            AND s.key = :key AND s.used + :cost <= keyed_row_share(:key, {NOW}, s.shards, lim.n, s.shard)
            AND NOT {PROMOTABLE}
          ORDER BY random() LIMIT 1
@@ -75,7 +76,7 @@ CLAIM_NEW_MULTI = sa.text(
           FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS w(key, ord)
     ), lim AS (
         SELECT want.key, want.ord, keyed_name_shards(want.name) AS n,
-               (SELECT c.rate FROM keyed_names c WHERE c.name = want.name) AS rate
+               COALESCE((SELECT c.rated FROM keyed_names c WHERE c.name = want.name), false) AS rated
           FROM want
     ), pick AS (
         SELECT lim.key, lim.ord, p.shard
@@ -88,7 +89,7 @@ CLAIM_NEW_MULTI = sa.text(
                          AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > {NOW}))
                 ORDER BY random() LIMIT 1
                 FOR UPDATE OF s SKIP LOCKED) p
-         WHERE arr.new AND NOT arr.expired AND lim.rate IS NULL
+         WHERE arr.new AND NOT arr.expired AND NOT lim.rated
     ), complete AS (
         SELECT count(*) = cardinality(CAST(:keys AS text[])) AS ok FROM pick
     ), took AS (

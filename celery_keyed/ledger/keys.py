@@ -110,30 +110,14 @@ def keys_captured_by(conn: sa.Connection, names: list[str]) -> list[sa.Row[Any]]
     return list(conn.execute(KEYS_CAPTURED_BY, {"names": names}))
 
 
-# keys_take_tokens: the token bucket of a rate-limited key (names.rate / names.burst), refilled lazily: take
-# ``cost`` tokens if that many exist now, under the key's head row lock (the caller holds it, or it is taken
-# here). Answers: the name has no rate (nothing to take); tokens taken; else when they will exist.
-KEYS_TAKE_TOKENS = sa.text(
-    f"""
-    WITH c AS (
-        SELECT rate, COALESCE(burst, 1) AS burst FROM keyed_names WHERE name = :name AND rate IS NOT NULL
-    ), b AS (
-        SELECT k.key, c.rate,
-               LEAST(c.burst, COALESCE(k.tokens, c.burst)
-                     + c.rate * GREATEST(EXTRACT(EPOCH FROM {NOW} - COALESCE(k.tokens_at, {NOW})), 0)) AS avail
-          FROM keyed_keys k, c WHERE k.key = :key
-    ), u AS (
-        UPDATE keyed_keys k SET tokens = b.avail - :cost, tokens_at = {NOW}
-          FROM b WHERE k.key = b.key AND b.avail >= :cost
-        RETURNING k.key
-    )
-    SELECT NOT EXISTS (SELECT 1 FROM c) AS unrated, EXISTS (SELECT 1 FROM u) AS took,
-           (SELECT {NOW} + make_interval(secs => (:cost - b.avail) / b.rate) FROM b) AS next_at
-    """
-)
+# keys_take_tokens: the rate limit of a key (keyed_take_rate): its token bucket (names.rate / names.burst, refilled
+# lazily) and its windows (names.windows), taken together if all of them let ``cost`` start now, under the key's
+# head row lock (the caller holds it). Answers: the name has no rate (nothing to take); taken; else when they will.
+KEYS_TAKE_TOKENS = sa.text("SELECT * FROM keyed_take_rate(:key, :name, :cost, CAST(:now AS timestamptz))")
 
 
 def keys_take_tokens(conn: sa.Connection, key: str, name: str, cost: int = 1, *, now: datetime | None = None) -> Any:
-    """Take ``cost`` tokens of a rate-limited key (row with ``unrated``, ``took`` and ``next_at``: the time the
-    tokens will exist when they do not now)."""
+    """Take what a start of ``cost`` needs from a rate-limited key — tokens of its bucket and positions in its
+    windows, all or none (the caller holds the key's head row): a row with ``unrated`` (the name has neither),
+    ``took`` and ``next_at`` (when not taken: the time all of them would let it)."""
     return conn.execute(KEYS_TAKE_TOKENS, {"key": key, "name": name, "cost": cost, "now": now}).one()

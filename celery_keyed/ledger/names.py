@@ -24,6 +24,8 @@ from celery_keyed.ledger.bounds import (
     RATE_MIN,
     SHARDS_MAX,
     SLOT_LIMIT_MAX,
+    WINDOW_STARTS_MAX,
+    WINDOWS_MAX,
     check_int,
     check_number,
     check_seconds,
@@ -40,13 +42,14 @@ GroupFailure = Literal["halt", "skip", "hold"]
 GROUP_FAILURE_POLICIES: tuple[str, ...] = ("halt", "skip", "hold")
 
 _KNOWN_OPTIONS = {
-    "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "fair", "fair_weights",
+    "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "windows", "fair",
+    "fair_weights",
     "admit_at_send", "register_at_publish",
     "debounce", "debounce_max", "debounce_keep",
     "on_newer",
     "group_failure",
 }
-_PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
+_PER = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,10 @@ class NameConfig:
     latest start (None = no bound); ``overflow`` what a full waiting room does with a new arrival;
     ``uncertain_hold`` seconds a slot stays held after a hard time limit or a lost worker (None = released at
     once), because the remote call may still be running; ``rate`` starts per second allowed per key (a token
-    bucket; settings also take "100/m", "6/s", "500/h"), ``burst`` the tokens a key can save up (default 1);
+    bucket; settings also take "100/m", "6/s", "500/h", "1000/d"), ``burst`` the tokens a key can save up (default 1);
+    ``windows``: rate windows per key, at most N starts in any window of T seconds for every window given, as
+    ``[(N, T), ...]`` or ``["100/m", "10000/d", "5/10s"]`` (beside or instead of ``rate``: a start takes from all of
+    them or none);
     ``fair``: waiters share a key's slots round-robin by their fair key instead of one FIFO line;
     ``fair_weights``: a fair name's weights by fair-key prefix (``{"tenant:big": 3}``; default 1): while several
     fair keys wait, each one's share of a key's slots follows its weight (ledger/fair_weights.py);
@@ -78,6 +84,7 @@ class NameConfig:
     uncertain_hold: float | None = None
     rate: float | None = None
     burst: float | None = None
+    windows: tuple[tuple[int, float], ...] | None = None
     fair: bool = False
     fair_weights: Mapping[str, float] | None = None
     admit_at_send: bool = False
@@ -123,6 +130,7 @@ class NameConfig:
             raise InvalidConfig(f"{self.name}: burst needs a rate")
         if self.burst is not None:
             check_number(self.burst, f"{self.name}: burst", minimum=1, maximum=BURST_MAX, unit="a number of tokens")
+        object.__setattr__(self, "windows", parse_windows(self.name, self.windows))
 
     def _check_flags(self) -> None:
         """Fairness and its weights, the producer-side switches, the overflow policy."""
@@ -187,6 +195,50 @@ def parse_rate(name: str, value: Any) -> float:
     return value  # checked as a positive number by NameConfig
 
 
+def parse_windows(name: str, value: Any) -> tuple[tuple[int, float], ...] | None:
+    """Rate windows as ``((N, seconds), ...)``, shortest window first: each entry a pair ``(N, seconds)`` or a string
+    "N/unit" ("100/m", "10000/d") or "N/<count><unit>" ("5/10s"); None (or empty) for none."""
+    if value is None:
+        return None
+    if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+        raise InvalidConfig(f"{name}: windows must be a list like ['100/m', '10000/d'] or [(100, 60)], got {value!r}")
+    if len(value) > WINDOWS_MAX:
+        raise InvalidConfig(f"{name}: windows takes at most {WINDOWS_MAX} windows, got {len(value)}")
+    parsed = []
+    for entry in value:
+        if isinstance(entry, str):
+            count, seconds = _parse_window_text(name, entry)
+        elif isinstance(entry, list | tuple) and len(entry) == 2:
+            count, seconds = entry
+        else:
+            raise InvalidConfig(f"{name}: a window is 'N/unit' (like '100/m') or a pair (N, seconds), got {entry!r}")
+        count = check_int(count, f"{name}: a window's N (starts allowed)", minimum=1, maximum=WINDOW_STARTS_MAX)
+        seconds = check_seconds(seconds, f"{name}: a window's length")
+        parsed.append((count, seconds))
+    if len({seconds for _, seconds in parsed}) < len(parsed):
+        raise InvalidConfig(f"{name}: two windows of the same length: keep the one with the smaller N")
+    return tuple(sorted(parsed, key=lambda w: w[1])) or None
+
+
+def _parse_window_text(name: str, text: str) -> tuple[Any, float]:
+    """"100/m" -> (100, 60.0); "5/10s" -> (5, 10.0)."""
+    count, _, per = text.strip().partition("/")
+    per = per.strip()
+    unit = per[-1:]
+    length = per[:-1].strip() or "1"
+    try:
+        seconds = float(length) * _PER[unit] if unit in _PER else math.nan
+        number = int(count.strip())
+    except ValueError:
+        seconds, number = math.nan, -1
+    if not math.isfinite(seconds) or number < 1:
+        raise InvalidConfig(
+            f"{name}: a window is 'N/unit' with N a whole number and unit s, m, h or d, optionally with a count"
+            f" ('100/m', '5/10s'), got {text!r}"
+        )
+    return number, seconds
+
+
 def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
     """Parse a whole ``keyed_concurrency_limits`` setting into configs by name."""
     if setting is None:
@@ -203,14 +255,15 @@ def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
 NAMES_UPSERT = sa.text(
     f"""
     INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, rate, burst,
-                             fair, fair_weights, group_failure, config_version, updated_at)
-    SELECT :name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, :rate, :burst, :fair,
-           CAST(:fair_weights AS jsonb), :group_failure, :version, {NOW}
+                             windows, fair, fair_weights, group_failure, config_version, updated_at)
+    SELECT :name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, :rate, :burst,
+           CAST(:windows AS jsonb), :fair, CAST(:fair_weights AS jsonb), :group_failure, :version, {NOW}
      WHERE NOT EXISTS (SELECT 1 FROM keyed_names n WHERE n.config_version > :version)
     ON CONFLICT (name) DO UPDATE SET
         slot_limit = excluded.slot_limit, shards = excluded.shards, max_waiting = excluded.max_waiting,
         max_wait = excluded.max_wait, overflow = excluded.overflow, uncertain_hold = excluded.uncertain_hold,
-        rate = excluded.rate, burst = excluded.burst, fair = excluded.fair, fair_weights = excluded.fair_weights,
+        rate = excluded.rate, burst = excluded.burst, windows = excluded.windows, fair = excluded.fair,
+        fair_weights = excluded.fair_weights,
         group_failure = excluded.group_failure,
         config_version = excluded.config_version,
         updated_at = excluded.updated_at
@@ -235,7 +288,8 @@ NAMES_LARGEST_SHARE = sa.text(
                                                 (SELECT l.slot_limit FROM keyed_call_limits l WHERE l.key = :call_key),
                                                 c.slot_limit)
                                   ELSE c.slot_limit END, COALESCE(c.shards, 1), 0), 1),
-                         CASE WHEN c.rate IS NOT NULL THEN CAST(floor(COALESCE(c.burst, 1)) AS integer) END) AS share
+                         CASE WHEN c.rate IS NOT NULL THEN CAST(floor(COALESCE(c.burst, 1)) AS integer) END,
+                         (SELECT min(CAST(e ->> 0 AS integer)) FROM jsonb_array_elements(c.windows) AS e)) AS share
       FROM unnest(CAST(:names AS text[])) AS n(name) LEFT JOIN keyed_names c ON c.name = n.name
     """
 )
@@ -245,7 +299,7 @@ NAMES_SHARDS = sa.text("SELECT keyed_name_shards(:name)")
 
 # names_rated: which of these names have a token bucket (a promotion takes their tokens too: gate and rate both
 # pass, or neither is debited, §3.10).
-NAMES_RATED = sa.text("SELECT name FROM keyed_names WHERE name = ANY(:names) AND rate IS NOT NULL")
+NAMES_RATED = sa.text("SELECT name FROM keyed_names WHERE name = ANY(:names) AND rated")
 
 # names_overflow: what a full waiting room of this name does with a new arrival (reject or supersede, §3.6).
 NAMES_OVERFLOW = sa.text("SELECT overflow FROM keyed_names WHERE name = :name")
@@ -267,6 +321,7 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, n
             "uncertain_hold": config.uncertain_hold,
             "rate": config.rate,
             "burst": config.burst,
+            "windows": None if config.windows is None else json.dumps([list(w) for w in config.windows]),
             "fair": config.fair,
             "fair_weights": None if config.fair_weights is None else json.dumps(dict(config.fair_weights)),
             "group_failure": config.group_failure,

@@ -122,7 +122,10 @@ def _too_heavy(conn: sa.Connection, arrival: Arrival) -> str | None:
     params = {"names": wanted, "call_name": call_name, "call_key": arrival.key, "call_limit": arrival.call_limit}
     for row in conn.execute(names.NAMES_LARGEST_SHARE, params):
         if arrival.cost > row.share:
-            return f"cost {arrival.cost} exceeds the {row.share} slots (or tokens) a key of {row.name} can have"
+            return (
+                f"cost {arrival.cost} exceeds the {row.share} slots (or rate tokens, or starts in a rate window)"
+                f" a key of {row.name} can have"
+            )
     return None
 
 

@@ -14,7 +14,18 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_keyed.ledger import books, call_limits, claims, fair_weights, groups, keys, overrides, slots, waiting
+from celery_keyed.ledger import (
+    books,
+    call_limits,
+    claims,
+    fair_weights,
+    groups,
+    keys,
+    overrides,
+    slots,
+    waiting,
+    windows,
+)
 from celery_keyed.ledger.attempts import Outcome, Promotion, TaskOutcome, Token
 from celery_keyed.ledger.claims import Holding
 from celery_keyed.ledger.events import events_prune, events_record
@@ -64,6 +75,7 @@ class Report:
     pruned: int = 0  # finished task ids forgotten after the books' retention
     sends_dropped: int = 0  # reservations of sends (keyed_sent) whose task finished or never arrived
     retries_missing: int = 0  # tasks between attempts whose retry is overdue (registered at its publish, not arrived)
+    windows_pruned: int = 0  # keys whose rate windows hold no start any window can count
 
     def merge(self, other: Report) -> Report:
         for name in ("promotions", "finished", "reclaimed", "voided", "drift"):
@@ -455,9 +467,9 @@ def reconcile_once(
     books_retention: float | None = None,
 ) -> Report:
     """The periodic repair (beat task): reclaim dead leases and void unbound promotions, run the sweep,
-    check counters against the claims that exist, drop idle keys (and their limits from the call, after a day) and
-    the reservations of sends that hold nothing any more (their task finished, or never arrived before its
-    ``expires_at``), prune the books after
+    check counters against the claims that exist, drop idle keys (and their limits from the call, after a day), the
+    rate windows of keys whose starts are all older than their longest window, and the reservations of sends that
+    hold nothing any more (their task finished, or never arrived before its ``expires_at``), prune the books after
     ``books_retention`` seconds (None: keep every row). Returns a report."""
     report = reclaim_once(engine, lease=lease, now=now, dispatch=dispatch)
     report.merge(
@@ -473,6 +485,7 @@ def reconcile_once(
     report.dropped_keys = drop_idle_keys_once(engine, idle=idle, now=now)
     with engine.begin() as conn:
         call_limits.prune(conn, idle=idle, now=now)
+    report.windows_pruned = windows.prune(engine, now=now)
     report.sends_dropped = drop_sent_once(engine, now=now)
     report.retries_missing = report_missing_retries_once(engine, now=now)
     if books_retention is not None:

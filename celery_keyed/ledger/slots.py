@@ -20,14 +20,17 @@ from celery_keyed.ledger.waiting import PROMOTABLE_EXISTS
 # slots_claim_any: the fast path. Take one slot on any shard of the key that has room, skipping shards other
 # transactions hold; no shard = no room seen without waiting (the caller then takes the slow path that locks
 # every shard, D2). The guard is repeated in the UPDATE so the bound holds even if the limit changed. Also
-# answers the name's shard count (see admit._fast_claim).
+# answers the name's shard count (see admit._fast_claim). Never for a rated name: a retry or a redelivery starts
+# again, and takes its bucket's tokens and its windows' starts on the general path (admit._take_locked).
 SLOTS_CLAIM_ANY = sa.text(
     f"""
     WITH lim AS (
-        SELECT keyed_name_shards(:name) AS n
+        SELECT keyed_name_shards(:name) AS n,
+               COALESCE((SELECT c.rated FROM keyed_names c WHERE c.name = :name), false) AS rated
     ), pick AS (
         SELECT s.shard FROM keyed_slots s, lim
-         WHERE s.key = :key AND s.used + :cost <= keyed_row_share(:key, {NOW}, s.shards, lim.n, s.shard)
+         WHERE NOT lim.rated
+           AND s.key = :key AND s.used + :cost <= keyed_row_share(:key, {NOW}, s.shards, lim.n, s.shard)
            AND NOT {PROMOTABLE_EXISTS}
          ORDER BY random() LIMIT 1
          FOR UPDATE OF s SKIP LOCKED

@@ -105,7 +105,7 @@ STATUS_NAMES = sa.text(
            COALESCE(p.in_flight, 0) AS in_flight, COALESCE(p.waiting, 0) AS waiting,
            w.oldest AS oldest_waiting_at,
            {_AGE} AS oldest_waiting_age,
-           c.rate, c.burst, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version,
+           c.rate, c.burst, c.windows, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version,
            COALESCE(c.shards, 1) AS shards, c.max_waiting, c.max_wait, COALESCE(c.overflow, 'reject') AS overflow,
            COALESCE(c.group_failure, 'halt') AS group_failure,
            COALESCE(w.debounced, 0) AS debounced,
@@ -196,6 +196,7 @@ class NameStatus:
     oldest_waiting_age: float | None
     rate: float | None = None  # starts per second per key (token bucket), if configured
     burst: float | None = None
+    windows: tuple[tuple[int, float], ...] | None = None  # rate windows per key: (N starts, in T seconds), if any
     fair: bool = False  # slots shared round-robin by fair key
     uncertain_hold: float | None = None
     config_version: int | None = None  # keyed_config_version that stored its configuration (None: not configured)
@@ -278,6 +279,7 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             oldest_waiting_age=_age(r["oldest_waiting_age"]),
             rate=r["rate"],
             burst=r["burst"],
+            windows=None if r["windows"] is None else tuple((int(n), float(t)) for n, t in r["windows"]),
             fair=bool(r["fair"]),
             uncertain_hold=r["uncertain_hold"],
             config_version=r["config_version"],

@@ -128,7 +128,7 @@ WAITING_PROMOTABLE_EXISTS = sa.text(f"SELECT {PROMOTABLE_EXISTS}")
 WAITING_CLEAR_DUE_FOR_KEY = sa.text(
     f"""
     WITH due AS (UPDATE keyed_waiting SET not_before = NULL WHERE key = :key AND not_before <= {NOW})
-    SELECT COALESCE(c.fair, false) AS fair, c.rate IS NOT NULL AS rated
+    SELECT COALESCE(c.fair, false) AS fair, COALESCE(c.rated, false) AS rated
       FROM (SELECT 1) one LEFT JOIN keyed_names c ON c.name = :name
     """
 )

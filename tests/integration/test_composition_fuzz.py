@@ -1,11 +1,13 @@
 """Random sequences of composition operations on real Postgres (hypothesis), checked against the contract's
-invariants rather than a model: several keys per attempt, weights, rate limits, expiries, revokes, lost
-workers, uncertain holds, early releases and sweeps, in any order.
+invariants rather than a model: several keys per attempt, weights, rate limits (a token bucket, rate windows),
+expiries, revokes, lost workers, uncertain holds, early releases and sweeps, in any order.
 
 After every step: no key has more slots in use than its limit (claims, weighted, plus multi-key reservations:
 DESIGN §3.1); every counter equals the rows it counts (``check_counters_once`` finds no drift, D1); the books
-balance (§3.6). At the end a drain — bind what was promoted, release what runs, sweep, let time pass — must
-finish every task: nothing waits for ever behind a reservation, a moved line or an empty bucket (§3.12).
+balance (§3.6); the starts of the windowed key, counted here as they are handed out (admitted or promoted, at the
+run's clock, cost 2 as two), never put more than N in any window of T. At the end a drain — bind what was promoted,
+release what runs, sweep, let time pass — must finish every task: nothing waits for ever behind a reservation, a
+moved line, an empty bucket or a full window (§3.12).
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ from hypothesis import strategies as st
 from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict
 from celery_keyed.ledger.reconcile import check_counters_once
 
-LIMITS = {"t": 1, "g": 2, "r": 2}
+LIMITS = {"t": 1, "g": 2, "r": 2, "w": 2}
+WINDOWS = ((2, 1.0), (3, 5.0))
 CONFIG = {
     "t": NameConfig("t", limit=1, max_waiting=6),
     "g": NameConfig("g", limit=2, uncertain_hold=3.0),
     "r": NameConfig("r", limit=2, rate=2.0, burst=2),
+    "w": NameConfig("w", limit=2, windows=WINDOWS),
 }
 KEY_SETS = [("t:1",), ("t:2",), ("g",), ("r:x",), ("t:1", "g"), ("t:2", "g"), ("t:1", "g"), ("t:2", "g"),
-            ("g", "t:1"), ("t:1", "r:x", "g")]
+            ("g", "t:1"), ("t:1", "r:x", "g"), ("w:x",), ("w:x",), ("t:2", "w:x")]
 EPOCH = datetime.now(UTC).replace(microsecond=0) + timedelta(days=1)
 TABLES = (
     "keyed_names, keyed_overrides, keyed_override_log, keyed_slots, keyed_keys, keyed_holders, keyed_tasks, "
-    "keyed_claims, keyed_waiting, keyed_groups, keyed_group_members, keyed_events"
+    "keyed_claims, keyed_waiting, keyed_groups, keyed_group_members, keyed_events, keyed_windows, keyed_window_starts"
 )
 
 ARRIVE = st.tuples(
@@ -70,6 +74,15 @@ class Run:
         self.promoted: list[Any] = []
         self.all_ids: list[str] = []
         self.meta: dict[str, tuple[tuple[str, ...], int]] = {}
+        self.window_starts: list[tuple[datetime, int]] = []  # (when, cost) of every start handed out on w:x
+
+    def took(self, promotions: list[Any]) -> list[Any]:
+        """Note the starts on the windowed key among ``promotions`` (each took its windows when promoted)."""
+        for p in promotions:
+            keys, cost = self.meta[p.task_id]
+            if "w:x" in keys:
+                self.window_starts.append((self.now, cost))
+        return promotions
 
     def arrive(self, keys: tuple[str, ...], cost: int, deadline: float | None, attempt: int = 0,
                task_id: str | None = None) -> None:
@@ -83,9 +96,11 @@ class Run:
             message={"keys": list(keys), "cost": cost},
         )
         admission = self.ledger.admit(arrival, now=self.now)
-        self.promoted += admission.promotions
+        self.promoted += self.took(admission.promotions)
         if admission.verdict is Verdict.ADMITTED:
             self.running[arrival.token] = admission.fence
+            if "w:x" in keys:
+                self.window_starts.append((self.now, cost))
 
     def finish(self, index: int, how: str) -> None:
         if not self.running:
@@ -95,7 +110,7 @@ class Run:
         outcome = {"completed": Outcome.COMPLETED, "failed": Outcome.FAILED, "lost": Outcome.WORKER_LOST,
                    "hard": Outcome.FAILED, "retry": Outcome.RETRY}[how]
         report = self.ledger.release(token, fence, outcome, uncertain=how in ("lost", "hard"), now=self.now)
-        self.promoted += report.promotions
+        self.promoted += self.took(report.promotions)
         keys, cost = self.meta[token.task_id]
         if how == "lost":  # the broker redelivers the same attempt (acks_late)
             self.arrive(keys, cost, None, attempt=token.attempt, task_id=token.task_id)
@@ -114,15 +129,15 @@ class Run:
         if self.running:
             token = sorted(self.running, key=lambda t: (t.task_id, t.attempt))[index % len(self.running)]
             _, promotions = self.ledger.release_early(token, self.running[token], now=self.now)
-            self.promoted += promotions
+            self.promoted += self.took(promotions)
 
     def revoke(self, index: int) -> None:
         if self.all_ids:
-            self.promoted += self.ledger.revoke(self.all_ids[index % len(self.all_ids)], now=self.now)
+            self.promoted += self.took(self.ledger.revoke(self.all_ids[index % len(self.all_ids)], now=self.now))
 
     def sweep(self, seconds: float) -> None:
         self.now += timedelta(seconds=seconds)
-        self.promoted += self.ledger.sweep(now=self.now, reserve_timeout=2.0).promotions
+        self.promoted += self.took(self.ledger.sweep(now=self.now, reserve_timeout=2.0).promotions)
 
     def check(self) -> None:
         assert check_counters_once(self.engine, repair=False) == []
@@ -130,6 +145,10 @@ class Run:
             used = conn.execute(sa.text("SELECT key, name, sum(used) FROM keyed_slots GROUP BY key, name")).all()
             for key, name, total in used:
                 assert total <= LIMITS.get(name, 1), f"{key}: {total} slots in use, limit {LIMITS.get(name, 1)}"
+        for n, seconds in WINDOWS:
+            for at, _ in self.window_starts:
+                inside = sum(c for t, c in self.window_starts if at <= t < at + timedelta(seconds=seconds))
+                assert inside <= n, f"w:x: {inside} starts within {seconds}s from {at}"
         books = self.ledger.books()
         assert sum(v for k, v in books.items() if k != "arrivals") >= 0
         assert books.get("arrivals", len(self.all_ids)) == len(self.all_ids)
@@ -153,7 +172,7 @@ class Run:
                 return
             if promoted_unbound and not self.promoted:  # handed out to nobody we know: let the reaper void them
                 self.now += timedelta(seconds=11)
-                self.promoted += self.ledger.reconcile(now=self.now, reserve_timeout=2.0).promotions
+                self.promoted += self.took(self.ledger.reconcile(now=self.now, reserve_timeout=2.0).promotions)
         with self.engine.connect() as conn:
             stuck = conn.execute(
                 sa.text("SELECT task_id, key, keys, reserved_keys, not_before, shadow FROM keyed_waiting")

@@ -88,3 +88,29 @@ def test_the_largest_values_the_ledger_can_hold_are_accepted() -> None:
     )  # fmt: skip
     assert config.rate == 1e9
     assert NameConfig("x", rate="1/h").rate == pytest.approx(1 / 3600)
+
+
+def test_windows_take_pairs_and_texts_shortest_first() -> None:
+    config = NameConfig("q", windows=["10000/d", (100, 60), "5/10s", "3/1.5h"])
+    assert config.windows == ((5, 10.0), (100, 60.0), (3, 5400.0), (10000, 86400.0))
+    assert NameConfig("q", windows=[]).windows is None
+    assert NameConfig.from_setting("q", {"limit": 2, "windows": ["1/m"]}).windows == ((1, 60.0),)
+
+
+@pytest.mark.parametrize(
+    "windows, message",
+    [
+        ("100/m", "must be a list"),
+        (["100/fortnight"], "a window is 'N/unit'"),
+        (["0/m"], "a whole number"),
+        ([(0, 60)], "at least 1"),
+        ([(1.5, 60)], "must be an integer"),
+        ([(10, -1)], "positive number of seconds"),
+        ([(10, 60), (20, 60)], "same length"),
+        ([(1, 60)] * 9, "at most 8"),
+        ([(2_000_000, 60)], "at most 1000000"),
+    ],
+)
+def test_bad_windows_are_refused_with_a_clear_error(windows, message) -> None:
+    with pytest.raises(InvalidConfig, match=message):
+        NameConfig("q", windows=windows)

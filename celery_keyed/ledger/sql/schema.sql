@@ -41,7 +41,12 @@ CREATE TABLE keyed_names (
     -- what a group of this name does when its head fails (0027): halt (wait through retries, move on after the
     -- final failure), skip (dead-letter the head at once, move on), hold (wait for an operator)
     group_failure text NOT NULL DEFAULT 'halt',
-    CONSTRAINT keyed_names_group_failure_known CHECK (group_failure IN ('halt', 'skip', 'hold'))
+    CONSTRAINT keyed_names_group_failure_known CHECK (group_failure IN ('halt', 'skip', 'hold')),
+    -- rate windows per key: [[N, seconds], ...], at most N starts in any window of that many seconds (keyed_take_rate)
+    windows jsonb,
+    CONSTRAINT keyed_names_windows_array CHECK (windows IS NULL OR jsonb_typeof(windows) = 'array'),
+    -- whether a start of a key of this name takes from a rate limit (a token bucket, windows or both)
+    rated boolean GENERATED ALWAYS AS (rate IS NOT NULL OR windows IS NOT NULL) STORED
 );
 
 -- Overrides: an operator's runtime limit for a name (0 pauses), who, why, until when.
@@ -187,6 +192,28 @@ CREATE TABLE keyed_keys (
     CONSTRAINT keyed_keys_waiting_nonnegative CHECK (waiting >= 0)
 );
 CREATE INDEX keyed_keys_name_idx ON keyed_keys (name);
+
+-- Rate windows (keyed_names.windows): per key, the times of its latest starts, as a ring of `ring` rows (the
+-- name's largest N) that position `pos` (the key's count of starts so far) overwrites at slot pos % ring; a start
+-- of cost c fits every window [N, T] when the start at position next_pos + c - 1 - N is T old (O(1) per window, exact:
+-- at most N starts in any T seconds). Taken beside the token bucket under the key's head row lock, all or none
+-- (keyed_take_rate). Kept apart from keyed_keys (a daily quota outlives an idle key's row); reconcile deletes a key's
+-- rows once its latest start is older than its name's longest window (windows.prune).
+CREATE TABLE keyed_windows (
+    key text PRIMARY KEY,
+    name text NOT NULL,
+    next_pos bigint NOT NULL,  -- the position the key's next start takes
+    ring integer NOT NULL,  -- the ring's size when last written (a changed one re-slots the rows kept)
+    last_at timestamptz NOT NULL,  -- the latest start's time (starts are recorded in order: never before it)
+    CONSTRAINT keyed_windows_ring_positive CHECK (ring > 0)
+);
+CREATE TABLE keyed_window_starts (
+    key text NOT NULL REFERENCES keyed_windows (key) ON DELETE CASCADE,
+    slot integer NOT NULL,
+    pos bigint NOT NULL,
+    at timestamptz NOT NULL,
+    PRIMARY KEY (key, slot)
+);
 
 -- Holders: one row per worker process start (hostname + pid + start nonce, D6).
 -- machine: the boot and process namespace its pids belong to; pids: its main and pool processes (heartbeat).
@@ -684,7 +711,7 @@ DECLARE
     v_key text := NULL;
     v_blocked boolean := false;
     v_shards integer;
-    v_rate double precision;
+    v_rated boolean;
     v_shard integer;
     v_fence bigint;
 BEGIN
@@ -714,12 +741,12 @@ BEGIN
             v_key := r.key;
             v_blocked := false;
             SELECT keyed_name_shards(split_part(r.key, ':', 1)),
-                   (SELECT c.rate FROM keyed_names c WHERE c.name = split_part(r.key, ':', 1))
-              INTO v_shards, v_rate;
+                   COALESCE((SELECT c.rated FROM keyed_names c WHERE c.name = split_part(r.key, ':', 1)), false)
+              INTO v_shards, v_rated;
         END IF;
         v_shard := NULL;
         v_fence := NULL;
-        IF NOT v_blocked AND v_new[r.ord] AND v_rate IS NULL AND (r.deadline IS NULL OR r.deadline > v_now) THEN
+        IF NOT v_blocked AND v_new[r.ord] AND NOT v_rated AND (r.deadline IS NULL OR r.deadline > v_now) THEN
             IF v_shards = 1 THEN
                 SELECT s.shard INTO v_shard FROM keyed_slots s
                  WHERE s.key = r.key AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
@@ -944,7 +971,7 @@ BEGIN
         PERFORM 1 FROM keyed_keys k WHERE k.key = v_key FOR UPDATE;
         -- Rows whose not-before time passed join the line first (their arrival number keeps their place, D2).
         UPDATE keyed_waiting wt SET not_before = NULL WHERE wt.key = v_key AND wt.not_before <= v_now;
-        SELECT COALESCE(c.fair, false), c.rate IS NOT NULL INTO v_fair, v_rated
+        SELECT COALESCE(c.fair, false), COALESCE(c.rated, false) INTO v_fair, v_rated
           FROM (SELECT 1) one LEFT JOIN keyed_names c ON c.name = v_name;
         WHILE v_budget > 0 LOOP
             SELECT wt.task_id, wt.attempt, wt.group_key, wt.keys, wt.reserved_keys, wt.cost, wt.queue, wt.message,
@@ -1152,7 +1179,7 @@ DECLARE
     v_fence bigint;
     v_policy text;
 BEGIN
-    IF EXISTS (SELECT 1 FROM keyed_names c WHERE c.name = v_name AND c.rate IS NOT NULL) THEN
+    IF EXISTS (SELECT 1 FROM keyed_names c WHERE c.name = v_name AND c.rated) THEN
         RETURN QUERY SELECT 'general'::text, NULL::boolean, NULL::bigint, NULL::integer, ''::text;
         RETURN;
     END IF;
@@ -1759,5 +1786,99 @@ BEGIN
            finished_at = EXCLUDED.finished_at, detail = EXCLUDED.detail, notified = true, message = NULL
      WHERE t.outcome IS NULL;
     RETURN FOUND;
+END
+$$;
+
+-- keyed_take_rate: take what a start of cost p_cost needs from a rate-limited key (the caller holds its keyed_keys
+-- row locked): tokens of its name's bucket and one position per cost in each of its windows, all or none. unrated:
+-- the name has neither; took: taken; else next_at: when every one of them would let it (its bucket's tokens exist,
+-- each window's oldest start in the way is a window old), for the attempt's not-before time (D2: no polling).
+-- A cost above a window's N never fits (admission rejects it first: names.NAMES_LARGEST_SHARE).
+CREATE FUNCTION keyed_take_rate(p_key text, p_name text, p_cost integer, p_now timestamptz,
+                                OUT unrated boolean, OUT took boolean, OUT next_at timestamptz)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := COALESCE(p_now, now());
+    v_rate double precision;
+    v_burst double precision;
+    v_windows jsonb;
+    v_avail double precision;
+    v_ring integer;
+    v_next bigint := 0;
+    v_last timestamptz;
+    v_had_ring integer;
+    v_at timestamptz;
+    v_free timestamptz;
+    v_pos bigint[];
+    v_ats timestamptz[];
+    w record;
+BEGIN
+    took := false;
+    SELECT c.rate, COALESCE(c.burst, 1), c.windows INTO v_rate, v_burst, v_windows
+      FROM keyed_names c WHERE c.name = p_name AND c.rated;
+    unrated := NOT FOUND;
+    IF unrated THEN
+        RETURN;
+    END IF;
+    next_at := v_now;
+    IF v_rate IS NOT NULL THEN
+        SELECT LEAST(v_burst, COALESCE(k.tokens, v_burst)
+                     + v_rate * GREATEST(EXTRACT(EPOCH FROM v_now - COALESCE(k.tokens_at, v_now)), 0))
+          INTO v_avail FROM keyed_keys k WHERE k.key = p_key;
+        IF NOT FOUND THEN
+            next_at := NULL;
+            RETURN;
+        END IF;
+        IF v_avail < p_cost THEN
+            next_at := v_now + make_interval(secs => (p_cost - v_avail) / v_rate);
+        END IF;
+    END IF;
+    IF v_windows IS NOT NULL THEN
+        SELECT max((e ->> 0)::integer) INTO v_ring FROM jsonb_array_elements(v_windows) e;
+        SELECT h.next_pos, h.last_at, h.ring INTO v_next, v_last, v_had_ring
+          FROM keyed_windows h WHERE h.key = p_key FOR UPDATE;
+        IF NOT FOUND THEN
+            v_next := 0;
+        ELSIF v_had_ring <> v_ring THEN
+            -- the name's windows changed their largest N: keep the latest starts the new ring holds, re-slotted
+            SELECT array_agg(s.pos), array_agg(s.at) INTO v_pos, v_ats
+              FROM keyed_window_starts s WHERE s.key = p_key AND s.pos >= v_next - v_ring;
+            DELETE FROM keyed_window_starts s WHERE s.key = p_key;
+            INSERT INTO keyed_window_starts (key, slot, pos, at)
+            SELECT p_key, CAST(u.pos % v_ring AS integer), u.pos, u.at FROM unnest(v_pos, v_ats) AS u(pos, at);
+            UPDATE keyed_windows h SET ring = v_ring WHERE h.key = p_key;
+        END IF;
+        FOR w IN SELECT (e ->> 0)::integer AS n, (e ->> 1)::double precision AS secs
+                   FROM jsonb_array_elements(v_windows) e LOOP
+            IF p_cost > w.n THEN
+                next_at := GREATEST(next_at, v_now + make_interval(secs => w.secs));
+            ELSIF v_next + p_cost - 1 - w.n >= 0 THEN
+                -- starts are recorded in order, so the latest of the starts the take pushes out of the window decides
+                SELECT s.at + make_interval(secs => w.secs) INTO v_free FROM keyed_window_starts s
+                 WHERE s.key = p_key AND s.slot = (v_next + p_cost - 1 - w.n) % v_ring
+                   AND s.pos = v_next + p_cost - 1 - w.n;
+                IF FOUND AND v_free > v_now THEN
+                    next_at := GREATEST(next_at, v_free);
+                END IF;
+            END IF;
+        END LOOP;
+    END IF;
+    IF next_at > v_now THEN
+        RETURN;
+    END IF;
+    IF v_rate IS NOT NULL THEN
+        UPDATE keyed_keys k SET tokens = v_avail - p_cost, tokens_at = v_now WHERE k.key = p_key;
+    END IF;
+    IF v_windows IS NOT NULL THEN
+        v_at := GREATEST(v_now, v_last);
+        INSERT INTO keyed_windows AS h (key, name, next_pos, ring, last_at)
+        VALUES (p_key, p_name, v_next + p_cost, v_ring, v_at)
+        ON CONFLICT (key) DO UPDATE SET next_pos = excluded.next_pos, ring = excluded.ring, last_at = excluded.last_at;
+        INSERT INTO keyed_window_starts AS s (key, slot, pos, at)
+        SELECT p_key, CAST((v_next + i) % v_ring AS integer), v_next + i, v_at FROM generate_series(0, p_cost - 1) AS i
+        ON CONFLICT (key, slot) DO UPDATE SET pos = excluded.pos, at = excluded.at;
+    END IF;
+    took := true;
+    next_at := NULL;
 END
 $$;
