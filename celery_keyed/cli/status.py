@@ -28,6 +28,7 @@ from celery_keyed.ledger import (
     key_overrides_live,
     names_newest_version,
     outbox_by_name,
+    rate_text,
     sent_by_name,
     status_key_count,
     status_keys,
@@ -255,18 +256,6 @@ def names_table(names: list[NameStatus]) -> str:
         ("NAME", "LIMIT", "SOURCE", "RULES", "KEYS", "IN FLIGHT", "WAITING", "OLDEST WAIT", "OVERRIDE"),
         rows,
         right=(1, 4, 5, 6, 7),
-    )
-
-
-def rate_text(rate: float) -> str:
-    """Starts per second in the unit that shows it as a whole number, as it was most likely configured ("100/m")."""
-    return next(
-        (
-            f"{round(rate * per):g}/{unit}"
-            for unit, per in (("s", 1), ("m", 60), ("h", 3600))
-            if abs(rate * per - round(rate * per)) < 1e-6 and round(rate * per) >= 1
-        ),
-        f"{rate:g}/s",
     )
 
 

@@ -133,7 +133,7 @@ from celery_keyed.ledger.status import (
     status_prepare,
     status_recent,
 )
-from celery_keyed.ledger.windows import WindowUse, window_text
+from celery_keyed.ledger.windows import WindowUse, rate_text, window_text
 from celery_keyed.ledger.windows import usage as window_usage
 
 __all__ = [
@@ -213,6 +213,7 @@ __all__ = [
     "override_get",
     "parse_limits",
     "per_transaction",
+    "rate_text",
     "schema_missing",
     "sent_admit",
     "sent_by_name",

@@ -106,3 +106,15 @@ def window_text(n: int, seconds: float) -> str:
         if count >= 1 and abs(count - round(count)) < 1e-9:
             return f"{n}/{unit}" if round(count) == 1 else f"{n}/{round(count)}{unit}"
     return f"{n}/{seconds:g}s"
+
+
+def rate_text(rate: float) -> str:
+    """Starts per second in the unit that shows it as a whole number, as it was most likely configured ("100/m")."""
+    return next(
+        (
+            f"{round(rate * per):g}/{unit}"
+            for unit, per in (("s", 1), ("m", 60), ("h", 3600))
+            if abs(rate * per - round(rate * per)) < 1e-6 and round(rate * per) >= 1
+        ),
+        f"{rate:g}/s",
+    )

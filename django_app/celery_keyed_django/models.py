@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
+from django.db.models import Q
 
 from celery_keyed.ledger import OUTCOME_KINDS
 
@@ -45,6 +46,14 @@ class Name(models.Model):
     uncertain_hold = models.FloatField(null=True, blank=True)
     rate = models.FloatField(null=True, blank=True, help_text="tasks per second per key (token bucket)")
     burst = models.FloatField(null=True, blank=True)
+    windows = models.JSONField(  # rate windows per key
+        null=True, blank=True, help_text="rate windows per key: [[N, seconds], ...], at most N starts in any window"
+    )
+    rated = models.GeneratedField(  # computed by PostgreSQL: a start takes from a bucket, windows or both
+        expression=Q(rate__isnull=False) | Q(windows__isnull=False),
+        output_field=models.BooleanField(),
+        db_persist=True,
+    )
     fair = models.BooleanField(help_text="waiters share a key's slots round-robin by their fair key")
     fair_weights = models.JSONField(  # weighted fair sharing (0016)
         null=True, blank=True, help_text="weights by fair-key prefix (keyed_fair_weights); default 1"
@@ -218,6 +227,37 @@ class CallLimit(models.Model):
     class Meta:
         managed = False
         db_table = "keyed_call_limits"
+        default_permissions = ()
+
+
+class RateWindow(models.Model):
+    """The rate windows of one key (``keyed_windows``): the position its next start takes in the ring of its latest
+    start times, the ring's size and the latest start's time."""
+
+    key = models.TextField(primary_key=True)
+    name = models.TextField()
+    next_pos = models.BigIntegerField(help_text="the key's starts so far (the position its next start takes)")
+    ring = models.IntegerField(help_text="start times kept: the largest N of its name's windows")
+    last_at = models.DateTimeField("latest start")
+
+    class Meta:
+        managed = False
+        db_table = "keyed_windows"
+        default_permissions = ()
+
+
+class RateWindowStart(models.Model):
+    """One start time of a key in its windows' ring (``keyed_window_starts``)."""
+
+    pk = models.CompositePrimaryKey("key", "slot")
+    key = models.TextField()
+    slot = models.IntegerField()
+    pos = models.BigIntegerField()
+    at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "keyed_window_starts"
         default_permissions = ()
 
 

@@ -74,3 +74,17 @@ def test_the_admin_and_status_show_the_same_limits_and_labels(admin_client: Clie
     assert listed(state="paused") == {"paused:1"}
     body = admin_client.get(url("name_changelist")).content.decode()
     assert "3 (config)" in body and "0 (paused) (override)" in body and "(configured)" not in body
+
+
+def test_the_names_list_shows_each_names_rate_per_key(ledger_engine: sa.Engine, admin_client: Client) -> None:
+    """The token bucket and the rate windows, as the settings write them."""
+    Ledger(ledger_engine, holder="worker-1:4242:beef", lease=60.0).configure({
+        "api": NameConfig("api", 5, rate="6/s", burst=3),
+        "quota": NameConfig("quota", 2, windows=["100/m", "10000/d"]),
+        "both": NameConfig("both", 1, rate="100/m", windows=[(5, 10)]),
+        "plain": NameConfig("plain", 1),
+    })
+    body = admin_client.get(url("name_changelist")).content.decode()
+    assert "Rate per key" in body
+    for shown in ("6/s, burst 3", "100/m; 10000/d", "100/m; 5/10s"):
+        assert shown in body, shown

@@ -46,7 +46,7 @@ CREATE TABLE keyed_names (
     windows jsonb,
     CONSTRAINT keyed_names_windows_array CHECK (windows IS NULL OR jsonb_typeof(windows) = 'array'),
     -- whether a start of a key of this name takes from a rate limit (a token bucket, windows or both)
-    rated boolean GENERATED ALWAYS AS (rate IS NOT NULL OR windows IS NOT NULL) STORED
+    rated boolean NOT NULL GENERATED ALWAYS AS (rate IS NOT NULL OR windows IS NOT NULL) STORED
 );
 
 -- Overrides: an operator's runtime limit for a name (0 pauses), who, why, until when.

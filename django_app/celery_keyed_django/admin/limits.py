@@ -17,6 +17,7 @@ from django.urls import path
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from celery_keyed.ledger import rate_text, window_text
 from celery_keyed_django import ledger as ledger_access
 from celery_keyed_django.admin.base import (
     ReadOnlyAdmin,
@@ -237,7 +238,7 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
 @admin.register(Name)
 class NameAdmin(ReadOnlyAdmin):
     list_display = ("name", "slot_limit", "override_display", "effective_display", "shards", "max_waiting",
-                    "max_wait", "overflow", "rate", "fair", "fair_weights", "config_version", "updated_at")
+                    "max_wait", "overflow", "rate_display", "fair", "fair_weights", "config_version", "updated_at")
     search_fields = ("name",)
     ordering = ("name",)
     list_title = "Configured names"
@@ -251,6 +252,15 @@ class NameAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Name]:
         return _limits(super().get_queryset(request))
+
+    @admin.display(description="Rate per key")
+    def rate_display(self, obj: Any) -> str:
+        """The token bucket ("6/s, burst 3") and the rate windows ("100/m", "10000/d"), or "-"."""
+        said = []
+        if obj.rate is not None:
+            said.append(rate_text(obj.rate) + (f", burst {obj.burst:g}" if obj.burst else ""))
+        said += [window_text(int(n), float(t)) for n, t in (obj.windows or ())]
+        return "; ".join(said) or "-"
 
     @admin.display(description="Override")
     def override_display(self, obj: Any) -> str:

@@ -6,7 +6,7 @@ ALTER TABLE keyed_names
     ADD COLUMN windows jsonb,
     ADD CONSTRAINT keyed_names_windows_array CHECK (windows IS NULL OR jsonb_typeof(windows) = 'array'),
     -- whether a start of a key of this name takes from a rate limit (a token bucket, windows or both)
-    ADD COLUMN rated boolean GENERATED ALWAYS AS (rate IS NOT NULL OR windows IS NOT NULL) STORED;
+    ADD COLUMN rated boolean NOT NULL GENERATED ALWAYS AS (rate IS NOT NULL OR windows IS NOT NULL) STORED;
 
 -- Rate windows (keyed_names.windows): per key, the times of its latest starts, as a ring of `ring` rows (the
 -- name's largest N) that position `pos` (the key's count of starts so far) overwrites at slot pos % ring; a start
