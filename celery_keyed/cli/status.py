@@ -311,7 +311,8 @@ def rules_in_words(names: list[NameStatus]) -> list[str]:
             burst = f" (saving up at most {n.burst:g})" if n.burst and n.burst > 1 else ""
             said.append(f"each key starts at most {rate_text(n.rate)}{burst}")
         if n.windows:
-            counts = " and ".join(f"{c} in any {_length(t)}" for c, t in n.windows)
+            parts = [f"{c} in any {_length(t)}" for c, t in n.windows]
+            counts = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
             said.append(f"each key starts at most {counts}")
         if n.shards > 1:
             said.append(f"each key's limit is spread over {n.shards} shards")

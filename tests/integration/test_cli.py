@@ -366,6 +366,7 @@ def test_status_shows_rate_fair_and_uncertain_rules(app: Celery, ledger: Ledger)
         {
             "api": NameConfig("api", limit=10, rate="100/m", burst=10, fair=True),
             "bank": NameConfig("bank", limit=1, uncertain_hold=30.0),
+            "quota": NameConfig("quota", limit=2, windows=["100/m", "10000/d", "5/10s"]),
         }
     )
     lines = run(app, "status").stdout.splitlines()
@@ -373,9 +374,14 @@ def test_status_shows_rate_fair_and_uncertain_rules(app: Celery, ledger: Ledger)
     bank = next(line for line in lines if line.startswith("bank "))
     assert "rate 100/m burst 10, fair" in api
     assert "uncertain 30s" in bank
+    assert "windows 5/10s 100/m 10000/d" in next(line for line in lines if line.startswith("quota "))
+    assert (
+        "quota: each key starts at most 5 in any 10 seconds, 100 in any minute and 10000 in any day."
+    ) in lines
     doc = run_json(app, "status")
     by_name = {n["name"]: n for n in doc["names"]}
     assert by_name["api"]["fair"] is True and abs(by_name["api"]["rate"] - 100 / 60) < 1e-9
+    assert by_name["quota"]["windows"] == [[5, 10.0], [100, 60.0], [10000, 86400.0]]
 
 
 def test_status_shows_the_rules_that_reject_or_expire_tasks(app: Celery, ledger: Ledger) -> None:
