@@ -303,11 +303,17 @@ class LedgerCollector(Collector):
             "Keys of a name whose limit their latest call computed (a task's concurrency_limit).",
             labels=["name"],
         )
+        windowed = GaugeMetricFamily(
+            "celery_keyed_keys_window_full",
+            "Keys of a name with a full rate window now (their next start waits until it frees).",
+            labels=["name"],
+        )
         for n in names:
             paused.add_metric([n.name], n.paused_keys)
             limited.add_metric([n.name], n.limited_keys)
             called.add_metric([n.name], n.call_limited_keys)
-        return [paused, limited, called]
+            windowed.add_metric([n.name], n.window_full_keys)
+        return [paused, limited, called, windowed]
 
     @staticmethod
     def _fair(shares: list[Any]) -> list[GaugeMetricFamily]:

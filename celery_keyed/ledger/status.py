@@ -94,6 +94,16 @@ STATUS_NAMES = sa.text(
     ), called AS (
         SELECT name, count(*) AS call_limited_keys FROM keyed_call_limits
          WHERE CAST(:name AS text) IS NULL OR name = :name GROUP BY name
+    ), windowed AS (
+        SELECT h.name,
+               count(*) FILTER (WHERE EXISTS (
+                   SELECT 1 FROM jsonb_array_elements(c.windows) AS e
+                     JOIN keyed_window_starts s
+                       ON s.key = h.key AND s.slot = (h.next_pos - CAST(e ->> 0 AS integer)) % h.ring
+                      AND s.pos = h.next_pos - CAST(e ->> 0 AS integer)
+                    WHERE s.at + make_interval(secs => CAST(e ->> 1 AS double precision)) > {NOW})) AS window_full_keys
+          FROM keyed_windows h JOIN keyed_names c ON c.name = h.name
+         WHERE CAST(:name AS text) IS NULL OR h.name = :name GROUP BY h.name
     ), limits AS (
         SELECT * FROM keyed_limits({NOW})
     ), names AS (
@@ -110,7 +120,8 @@ STATUS_NAMES = sa.text(
            COALESCE(c.group_failure, 'halt') AS group_failure,
            COALESCE(w.debounced, 0) AS debounced,
            COALESCE(k.paused_keys, 0) AS paused_keys, COALESCE(k.limited_keys, 0) AS limited_keys,
-           COALESCE(cl.call_limited_keys, 0) AS call_limited_keys
+           COALESCE(cl.call_limited_keys, 0) AS call_limited_keys,
+           COALESCE(wf.window_full_keys, 0) AS window_full_keys
       FROM names n
       LEFT JOIN limits l ON l.name = n.name
       LEFT JOIN keyed_names c ON c.name = n.name
@@ -118,6 +129,7 @@ STATUS_NAMES = sa.text(
       LEFT JOIN oldest w ON w.name = n.name
       LEFT JOIN own k ON k.name = n.name
       LEFT JOIN called cl ON cl.name = n.name
+      LEFT JOIN windowed wf ON wf.name = n.name
      WHERE CAST(:name AS text) IS NULL OR n.name = :name
      ORDER BY n.name
     """
@@ -204,6 +216,7 @@ class NameStatus:
     paused_keys: int = 0  # keys of the name paused on their own now (keyed_pause, pause-key)
     limited_keys: int = 0  # keys of the name with a limit of their own now (keyed_set_limit, set-key-limit)
     call_limited_keys: int = 0  # keys of the name whose latest call computed their limit (concurrency_limit)
+    window_full_keys: int = 0  # keys of the name with a full rate window now (their next start waits for it)
     # the rules that refuse or end a task besides the limit: counter rows per key, the waiting room's size and what
     # a full one does (reject, or supersede the oldest), the longest wait before a task expires (None: no bound)
     shards: int = 1
@@ -287,6 +300,7 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             paused_keys=int(r["paused_keys"]),
             limited_keys=int(r["limited_keys"]),
             call_limited_keys=int(r["call_limited_keys"]),
+            window_full_keys=int(r["window_full_keys"]),
             shards=int(r["shards"]),
             max_waiting=r["max_waiting"],
             overflow=r["overflow"],
