@@ -283,6 +283,8 @@ def rules(n: NameStatus) -> str:
         found.append(f"rate {rate_text(n.rate)}" + (f" burst {n.burst:g}" if n.burst else ""))
     if n.windows:
         found.append("windows " + " ".join(window_text(c, t) for c, t in n.windows))
+    if n.cap is not None:
+        found.append(f"cap {n.cap}" + (" borrow" if n.borrow else ""))
     if n.fair:
         found.append("fair")
     if n.uncertain_hold:
@@ -314,6 +316,9 @@ def rules_in_words(names: list[NameStatus]) -> list[str]:
             parts = [f"{c} in any {_length(t)}" for c, t in n.windows]
             counts = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
             said.append(f"each key starts at most {counts}")
+        if n.cap is not None:
+            borrow = f"; a key may run up to {n.cap} while no task waits for that room" if n.borrow else ""
+            said.append(f"its keys together run at most {n.cap}{borrow}")
         if n.shards > 1:
             said.append(f"each key's limit is spread over {n.shards} shards")
         if n.group_failure in GROUP_FAILURE_WORDS:

@@ -63,6 +63,7 @@ from celery_keyed.ledger.bounds import (
     check_seconds,
 )
 from celery_keyed.ledger.call_limits import check_call_limit
+from celery_keyed.ledger.caps import Caps
 from celery_keyed.ledger.claims import HeldClaim, claims_cancel_requested, claims_renew
 from celery_keyed.ledger.configure import Configured, configure_names
 from celery_keyed.ledger.controls import OperatorControls
@@ -257,6 +258,7 @@ class Ledger(OperatorControls, ProducerCalls):
     ) -> None:
         super().__init__(engine, holder=holder, lease=lease, dispatch=dispatch)
         self.batches = Batches(self)
+        self.caps = Caps(engine)
 
     def register_holder(self, *, pids: list[int] | None = None, now: datetime | None = None) -> None:
         """Record this process as a holder (the worker's first ledger call at start); ``pids``: the processes
@@ -309,6 +311,7 @@ class Ledger(OperatorControls, ProducerCalls):
 
         with schema_required(self.engine):
             done = self.transaction(work)
+            self.caps.refresh()
         if done.kept or done.newest_version > version:
             logger.warning(
                 "celery-keyed: this worker runs configuration version %d, older than version %d stored in the ledger"
@@ -333,27 +336,34 @@ class Ledger(OperatorControls, ProducerCalls):
 
     def admit(self, arrival: Arrival, *, now: datetime | None = None) -> Admission:
         """Admit ``arrival`` or park it (``batches.Batches.admit``): the fast claim, ``keyed_admit_plain`` or the
-        general transaction (``admit.admit``), whichever decides it first."""
-        return self.batches.admit(arrival, now=now)
+        general transaction (``admit.admit``), whichever decides it first. A key of a capped name takes a slot of
+        its name's cap too (``caps.Caps.apply``)."""
+        return self.batches.admit(self._capped(arrival), now=now)
 
     def park_at_receipt(self, arrival: Arrival, *, now: datetime | None = None) -> Admission | None:
         """Park ``arrival`` as soon as it is received when its key has a line or no room (PARKED, or REJECTED when
         its waiting room is full); None: left to its admission (``batches.Batches.park_at_receipt``). Never takes a
         slot (D3)."""
-        return self.batches.park_at_receipt(arrival, now=now)
+        return self.batches.park_at_receipt(self._capped(arrival), now=now)
 
     def admit_many(self, arrivals: Sequence[Arrival], *, now: datetime | None = None) -> list[Admission]:
         """Admit or park a batch of arrivals: one Admission per arrival, in input order, each its own verdict (as
         ``admit`` would give it), FIFO within a key (D10); a value the database refuses rejects its arrival only
         (``batches.Batches.admit_many``)."""
-        return self.batches.admit_many(arrivals, now=now)
+        return self.batches.admit_many([self._capped(a) for a in arrivals], now=now)
 
     def park_many_at_receipt(
         self, arrivals: Sequence[Arrival], *, now: datetime | None = None
     ) -> list[Admission | BaseException | None]:
         """``park_at_receipt`` for a batch, in one round trip; per arrival its answer or the exception its own call
         raised (``batches.Batches.park_many_at_receipt``)."""
-        return self.batches.park_many_at_receipt(arrivals, now=now)
+        return self.batches.park_many_at_receipt([self._capped(a) for a in arrivals], now=now)
+
+    def _capped(self, arrival: Arrival) -> Arrival:
+        """``arrival`` with its names' cap keys (``caps.Caps.apply``; the capped names read at most every few
+        seconds)."""
+        with schema_required(self.engine):
+            return self.caps.apply(arrival)
 
     def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:
         """Bind a promotion by its nonce (D5): one guarded, self-committing statement; its fence, or None."""

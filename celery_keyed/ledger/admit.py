@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from celery_keyed.ledger import books, claims, driver, fast_paths, groups, keys, names, slots, waiting
 from celery_keyed.ledger.attempts import Admission, Arrival, Promotion, TaskOutcome, Token, Verdict
 from celery_keyed.ledger.bounds import tokens_of
+from celery_keyed.ledger.caps import capped_name
 from celery_keyed.ledger.clock import clock_is_future
 from celery_keyed.ledger.keyspec import key_name
 from celery_keyed.ledger.newest_wins import Cancels, cancel_older
@@ -538,6 +539,8 @@ def _exclusive_refused(conn: sa.Connection, arrival: Arrival) -> str | None:
     """Why an exclusive attempt (readers and writers) can never start, or None: it has one concurrency key, on a
     name with one shard (a sharded gate has no row whose lock covers the whole key; the guard FITS refuses it
     there too)."""
+    if arrival.key is not None and arrival.extra_keys and all(capped_name(k) for k in arrival.extra_keys):
+        return f"an exclusive attempt cannot run on {key_name(arrival.key)}: the name has a cap (caps count slots)"
     if arrival.key is None or arrival.extra_keys:
         return "an exclusive attempt needs exactly one concurrency key"
     name = key_name(arrival.key)

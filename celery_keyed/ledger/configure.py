@@ -13,6 +13,7 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from celery_keyed.ledger.attempts import Promotion
+from celery_keyed.ledger.caps import cap_key
 from celery_keyed.ledger.names import NameConfig, names_newest_version, names_upsert
 from celery_keyed.ledger.promote import DEFAULT_DISPATCH_TIMEOUT, promote_name
 
@@ -45,4 +46,5 @@ def configure_names(
     promotions: list[Promotion] = []
     for name in written:
         promotions += promote_name(conn, name, dispatch=dispatch, now=now)
+        promotions += promote_name(conn, cap_key(name), dispatch=dispatch, now=now)  # a raised or lifted cap
     return Configured(written, kept, names_newest_version(conn), promotions)

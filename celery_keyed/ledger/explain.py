@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger import call_limits, windows
 from celery_keyed.ledger.bounds import is_exclusive
+from celery_keyed.ledger.caps import capped_name
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.fair_weights import fair_shares
 from celery_keyed.ledger.groups import groups_hold_get
@@ -319,6 +320,16 @@ def _waiting_for_slots(
     now: datetime | None,
 ) -> Explanation:
     """A waiter for slots: of several keys at once, of a paused key, of a fair name, of one key; or for its group."""
+    capped = capped_name(wait["key"]) if wait["key"] is not None else None
+    if wait["keys"] and capped is not None:  # in the line of its name's cap
+        return Explanation(
+            task_id,
+            "waiting",
+            f"waiting for the cap of {capped}: its keys hold {wait['in_flight']} of {wait['k']} together;"
+            f" {wait['ahead']} waiting ahead (its own keys, {', '.join(k for k in wait['keys'] if k != wait['key'])},"
+            " have room)",
+            facts,
+        )
     if wait["keys"]:
         return Explanation(
             task_id,

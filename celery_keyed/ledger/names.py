@@ -30,6 +30,7 @@ from celery_keyed.ledger.bounds import (
     check_number,
     check_seconds,
 )
+from celery_keyed.ledger.caps import cap_key
 from celery_keyed.ledger.clock import NOW
 from celery_keyed.ledger.errors import InvalidConfig
 from celery_keyed.ledger.fair_weights import check_weights
@@ -43,7 +44,7 @@ GROUP_FAILURE_POLICIES: tuple[str, ...] = ("halt", "skip", "hold")
 
 _KNOWN_OPTIONS = {
     "limit", "shards", "max_waiting", "max_wait", "overflow", "uncertain_hold", "rate", "burst", "windows", "fair",
-    "fair_weights",
+    "fair_weights", "cap", "borrow",
     "admit_at_send", "register_at_publish",
     "debounce", "debounce_max", "debounce_keep",
     "on_newer",
@@ -62,7 +63,9 @@ class NameConfig:
     bucket; settings also take "100/m", "6/s", "500/h", "1000/d"), ``burst`` the tokens a key can save up (default 1);
     ``windows``: rate windows per key, at most N starts in any window of T seconds for every window given, as
     ``[(N, T), ...]`` or ``["100/m", "10000/d", "5/10s"]`` (beside or instead of ``rate``: a start takes from all of
-    them or none);
+    them or none); ``cap``: at most that many slots held by all the keys of the name together (every task of a key of
+    the name also takes a slot of its name's cap key, ``caps.cap_key``); ``borrow``: while no task waits for the cap,
+    a key may hold up to the cap instead of its own limit (it returns to its limit for new starts once one waits);
     ``fair``: waiters share a key's slots round-robin by their fair key instead of one FIFO line;
     ``fair_weights``: a fair name's weights by fair-key prefix (``{"tenant:big": 3}``; default 1): while several
     fair keys wait, each one's share of a key's slots follows its weight (ledger/fair_weights.py);
@@ -85,6 +88,8 @@ class NameConfig:
     rate: float | None = None
     burst: float | None = None
     windows: tuple[tuple[int, float], ...] | None = None
+    cap: int | None = None
+    borrow: bool = False
     fair: bool = False
     fair_weights: Mapping[str, float] | None = None
     admit_at_send: bool = False
@@ -131,6 +136,12 @@ class NameConfig:
         if self.burst is not None:
             check_number(self.burst, f"{self.name}: burst", minimum=1, maximum=BURST_MAX, unit="a number of tokens")
         object.__setattr__(self, "windows", parse_windows(self.name, self.windows))
+        if self.cap is not None:
+            check_int(self.cap, f"{self.name}: cap", minimum=1, maximum=SLOT_LIMIT_MAX)
+        if not isinstance(self.borrow, bool):
+            raise InvalidConfig(f"{self.name}: borrow must be True or False, got {self.borrow!r}")
+        if self.borrow and self.cap is None:
+            raise InvalidConfig(f"{self.name}: borrow needs a cap (the most all its keys may hold together)")
 
     def _check_flags(self) -> None:
         """Fairness and its weights, the producer-side switches, the overflow policy."""
@@ -255,14 +266,15 @@ def parse_limits(setting: Mapping[str, Any] | None) -> dict[str, NameConfig]:
 NAMES_UPSERT = sa.text(
     f"""
     INSERT INTO keyed_names (name, slot_limit, shards, max_waiting, max_wait, overflow, uncertain_hold, rate, burst,
-                             windows, fair, fair_weights, group_failure, config_version, updated_at)
+                             windows, cap, borrow, fair, fair_weights, group_failure, config_version, updated_at)
     SELECT :name, :limit, :shards, :max_waiting, :max_wait, :overflow, :uncertain_hold, :rate, :burst,
-           CAST(:windows AS jsonb), :fair, CAST(:fair_weights AS jsonb), :group_failure, :version, {NOW}
+           CAST(:windows AS jsonb), :cap, :borrow, :fair, CAST(:fair_weights AS jsonb), :group_failure, :version, {NOW}
      WHERE NOT EXISTS (SELECT 1 FROM keyed_names n WHERE n.config_version > :version)
     ON CONFLICT (name) DO UPDATE SET
         slot_limit = excluded.slot_limit, shards = excluded.shards, max_waiting = excluded.max_waiting,
         max_wait = excluded.max_wait, overflow = excluded.overflow, uncertain_hold = excluded.uncertain_hold,
-        rate = excluded.rate, burst = excluded.burst, windows = excluded.windows, fair = excluded.fair,
+        rate = excluded.rate, burst = excluded.burst, windows = excluded.windows, cap = excluded.cap,
+        borrow = excluded.borrow, fair = excluded.fair,
         fair_weights = excluded.fair_weights,
         group_failure = excluded.group_failure,
         config_version = excluded.config_version,
@@ -270,6 +282,22 @@ NAMES_UPSERT = sa.text(
      WHERE keyed_names.config_version <= excluded.config_version
     RETURNING name
     """
+)
+
+# names_cap_upsert: the name row of a name's cap key ("<name>#cap", caps.py): its limit is the cap. Written with
+# the name's own row, under the same configuration version.
+NAMES_CAP_UPSERT = sa.text(
+    f"""
+    INSERT INTO keyed_names (name, slot_limit, config_version, updated_at) VALUES (:name, :cap, :version, {NOW})
+    ON CONFLICT (name) DO UPDATE SET slot_limit = excluded.slot_limit, config_version = excluded.config_version,
+                                     updated_at = excluded.updated_at
+    """
+)
+# names_cap_lift: a name without a cap any more: its cap key (if it has one) stops bounding the tasks that still hold
+# or wait for it (new tasks do not take it).
+NAMES_CAP_LIFT = sa.text(
+    f"UPDATE keyed_names SET slot_limit = {SLOT_LIMIT_MAX}, config_version = :version, updated_at = {NOW}"
+    f" WHERE name = :name AND slot_limit <> {SLOT_LIMIT_MAX}"
 )
 
 # names_newest_version: the highest configuration version stored (0 when no name is configured).
@@ -322,6 +350,8 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, n
             "rate": config.rate,
             "burst": config.burst,
             "windows": None if config.windows is None else json.dumps([list(w) for w in config.windows]),
+            "cap": config.cap,
+            "borrow": config.borrow,
             "fair": config.fair,
             "fair_weights": None if config.fair_weights is None else json.dumps(dict(config.fair_weights)),
             "group_failure": config.group_failure,
@@ -329,6 +359,9 @@ def names_upsert(conn: sa.Connection, config: NameConfig, *, version: int = 0, n
             "now": now,
         },
     ).first()
+    if row is not None:
+        params = {"name": cap_key(config.name), "cap": config.cap, "version": version, "now": now}
+        conn.execute(NAMES_CAP_UPSERT if config.cap is not None else NAMES_CAP_LIFT, params)
     return row is not None
 
 

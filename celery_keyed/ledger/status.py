@@ -115,7 +115,8 @@ STATUS_NAMES = sa.text(
            COALESCE(p.in_flight, 0) AS in_flight, COALESCE(p.waiting, 0) AS waiting,
            w.oldest AS oldest_waiting_at,
            {_AGE} AS oldest_waiting_age,
-           c.rate, c.burst, c.windows, COALESCE(c.fair, false) AS fair, c.uncertain_hold, c.config_version,
+           c.rate, c.burst, c.windows, c.cap, COALESCE(c.borrow, false) AS borrow, COALESCE(c.fair, false) AS fair,
+           c.uncertain_hold, c.config_version,
            COALESCE(c.shards, 1) AS shards, c.max_waiting, c.max_wait, COALESCE(c.overflow, 'reject') AS overflow,
            COALESCE(c.group_failure, 'halt') AS group_failure,
            COALESCE(w.debounced, 0) AS debounced,
@@ -209,6 +210,8 @@ class NameStatus:
     rate: float | None = None  # starts per second per key (token bucket), if configured
     burst: float | None = None
     windows: tuple[tuple[int, float], ...] | None = None  # rate windows per key: (N starts, in T seconds), if any
+    cap: int | None = None  # the most all the keys of the name hold together (its cap key "<name>#cap" counts them)
+    borrow: bool = False  # a key may hold up to the cap while no task waits for it
     fair: bool = False  # slots shared round-robin by fair key
     uncertain_hold: float | None = None
     config_version: int | None = None  # keyed_config_version that stored its configuration (None: not configured)
@@ -293,6 +296,8 @@ def status_names(conn: sa.Connection, *, name: str | None = None, now: datetime 
             rate=r["rate"],
             burst=r["burst"],
             windows=None if r["windows"] is None else tuple((int(n), float(t)) for n, t in r["windows"]),
+            cap=r["cap"],
+            borrow=bool(r["borrow"]),
             fair=bool(r["fair"]),
             uncertain_hold=r["uncertain_hold"],
             config_version=r["config_version"],

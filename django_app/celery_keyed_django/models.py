@@ -49,6 +49,10 @@ class Name(models.Model):
     windows = models.JSONField(  # rate windows per key
         null=True, blank=True, help_text="rate windows per key: [[N, seconds], ...], at most N starts in any window"
     )
+    cap = models.IntegerField(  # caps and borrowing
+        null=True, blank=True, help_text="the most all the keys of the name hold together (its key “name#cap”)"
+    )
+    borrow = models.BooleanField(help_text="a key may hold up to the cap while no task waits for the cap")
     rated = models.GeneratedField(  # computed by PostgreSQL: a start takes from a bucket, windows or both
         expression=Q(rate__isnull=False) | Q(windows__isnull=False),
         output_field=models.BooleanField(),

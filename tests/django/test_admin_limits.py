@@ -77,14 +77,15 @@ def test_the_admin_and_status_show_the_same_limits_and_labels(admin_client: Clie
 
 
 def test_the_names_list_shows_each_names_rate_per_key(ledger_engine: sa.Engine, admin_client: Client) -> None:
-    """The token bucket and the rate windows, as the settings write them."""
+    """The token bucket and the rate windows, as the settings write them; a name's cap (and its cap key's row)."""
     Ledger(ledger_engine, holder="worker-1:4242:beef", lease=60.0).configure({
         "api": NameConfig("api", 5, rate="6/s", burst=3),
         "quota": NameConfig("quota", 2, windows=["100/m", "10000/d"]),
         "both": NameConfig("both", 1, rate="100/m", windows=[(5, 10)]),
         "plain": NameConfig("plain", 1),
+        "tenant": NameConfig("tenant", 1, cap=20, borrow=True),
     })
     body = admin_client.get(url("name_changelist")).content.decode()
-    assert "Rate per key" in body
+    assert "Rate per key" in body and "20, borrowing" in body and "tenant#cap" in body
     for shown in ("6/s, burst 3", "100/m; 10000/d", "100/m; 5/10s"):
         assert shown in body, shown

@@ -367,6 +367,7 @@ def test_status_shows_rate_fair_and_uncertain_rules(app: Celery, ledger: Ledger)
             "api": NameConfig("api", limit=10, rate="100/m", burst=10, fair=True),
             "bank": NameConfig("bank", limit=1, uncertain_hold=30.0),
             "quota": NameConfig("quota", limit=2, windows=["100/m", "10000/d", "5/10s"]),
+            "tenant": NameConfig("tenant", limit=2, cap=20, borrow=True),
         }
     )
     lines = run(app, "status").stdout.splitlines()
@@ -375,6 +376,10 @@ def test_status_shows_rate_fair_and_uncertain_rules(app: Celery, ledger: Ledger)
     assert "rate 100/m burst 10, fair" in api
     assert "uncertain 30s" in bank
     assert "windows 5/10s 100/m 10000/d" in next(line for line in lines if line.startswith("quota "))
+    assert "cap 20 borrow" in next(line for line in lines if line.startswith("tenant "))
+    assert (
+        "tenant: its keys together run at most 20; a key may run up to 20 while no task waits for that room."
+    ) in lines
     assert (
         "quota: each key starts at most 5 in any 10 seconds, 100 in any minute and 10000 in any day."
     ) in lines

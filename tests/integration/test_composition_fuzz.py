@@ -4,8 +4,9 @@ expiries, revokes, lost workers, uncertain holds, early releases and sweeps, in 
 
 After every step: no key has more slots in use than its limit (claims, weighted, plus multi-key reservations:
 DESIGN §3.1); every counter equals the rows it counts (``check_counters_once`` finds no drift, D1); the books
-balance (§3.6); the starts of the windowed key, counted here as they are handed out (admitted or promoted, at the
-run's clock, cost 2 as two), never put more than N in any window of T. At the end a drain — bind what was promoted,
+balance (§3.6); the keys of the capped name hold no more than its cap together (counted from their own rows); the
+starts of the windowed key, counted here as they are handed out (admitted or promoted, at the run's clock, cost 2
+as two), never put more than N in any window of T. At the end a drain — bind what was promoted,
 release what runs, sweep, let time pass — must finish every task: nothing waits for ever behind a reservation, a
 moved line, an empty bucket or a full window (§3.12).
 """
@@ -24,16 +25,19 @@ from hypothesis import strategies as st
 from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict
 from celery_keyed.ledger.reconcile import check_counters_once
 
-LIMITS = {"t": 1, "g": 2, "r": 2, "w": 2}
+LIMITS = {"t": 1, "g": 2, "r": 2, "w": 2, "b": 3, "b#cap": 3}  # b: limit 1, borrowing up to its cap of 3
+CAPS = {"b": 3}
 WINDOWS = ((2, 1.0), (3, 5.0))
 CONFIG = {
     "t": NameConfig("t", limit=1, max_waiting=6),
     "g": NameConfig("g", limit=2, uncertain_hold=3.0),
     "r": NameConfig("r", limit=2, rate=2.0, burst=2),
     "w": NameConfig("w", limit=2, windows=WINDOWS),
+    "b": NameConfig("b", limit=1, cap=3, borrow=True),
 }
 KEY_SETS = [("t:1",), ("t:2",), ("g",), ("r:x",), ("t:1", "g"), ("t:2", "g"), ("t:1", "g"), ("t:2", "g"),
-            ("g", "t:1"), ("t:1", "r:x", "g"), ("w:x",), ("w:x",), ("t:2", "w:x")]
+            ("g", "t:1"), ("t:1", "r:x", "g"), ("w:x",), ("w:x",), ("t:2", "w:x"), ("b:1",), ("b:1",),
+            ("b:2",), ("b:3", "t:1")]
 EPOCH = datetime.now(UTC).replace(microsecond=0) + timedelta(days=1)
 TABLES = (
     "keyed_names, keyed_overrides, keyed_override_log, keyed_slots, keyed_keys, keyed_holders, keyed_tasks, "
@@ -145,6 +149,9 @@ class Run:
             used = conn.execute(sa.text("SELECT key, name, sum(used) FROM keyed_slots GROUP BY key, name")).all()
             for key, name, total in used:
                 assert total <= LIMITS.get(name, 1), f"{key}: {total} slots in use, limit {LIMITS.get(name, 1)}"
+            for name, cap in CAPS.items():  # the keys of a capped name together, counted from their own rows
+                total = sum(t for _, n, t in used if n == name)
+                assert total <= cap, f"{name}: {total} slots held by its keys together, cap {cap}"
         for n, seconds in WINDOWS:
             for at, _ in self.window_starts:
                 inside = sum(c for t, c in self.window_starts if at <= t < at + timedelta(seconds=seconds))

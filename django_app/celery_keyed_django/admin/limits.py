@@ -238,7 +238,8 @@ class OverrideAdmin(RefusesBadInput, admin.ModelAdmin):
 @admin.register(Name)
 class NameAdmin(ReadOnlyAdmin):
     list_display = ("name", "slot_limit", "override_display", "effective_display", "shards", "max_waiting",
-                    "max_wait", "overflow", "rate_display", "fair", "fair_weights", "config_version", "updated_at")
+                    "max_wait", "overflow", "rate_display", "cap_display", "fair", "fair_weights", "config_version",
+                    "updated_at")
     search_fields = ("name",)
     ordering = ("name",)
     list_title = "Configured names"
@@ -252,6 +253,13 @@ class NameAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Name]:
         return _limits(super().get_queryset(request))
+
+    @admin.display(description="Cap of the name")
+    def cap_display(self, obj: Any) -> str:
+        """The cap on all the keys of the name together, and whether its keys borrow its idle room; or "-"."""
+        if obj.cap is None:
+            return "-"
+        return f"{obj.cap}" + (", borrowing" if obj.borrow else "")
 
     @admin.display(description="Rate per key")
     def rate_display(self, obj: Any) -> str:
