@@ -134,8 +134,7 @@ from celery_keyed.ledger.status import (
     status_prepare,
     status_recent,
 )
-from celery_keyed.ledger.windows import WindowUse, rate_text, window_text
-from celery_keyed.ledger.windows import usage as window_usage
+from celery_keyed.ledger.windows import rate_text, window_text
 
 __all__ = [
     "COST_MAX",
@@ -180,7 +179,6 @@ __all__ = [
     "TaskOutcome",
     "Token",
     "Verdict",
-    "WindowUse",
     "WrongState",
     "applied_versions",
     "check_call_limit",
@@ -230,7 +228,6 @@ __all__ = [
     "validate_name",
     "validate_task_id",
     "window_text",
-    "window_usage",
 ]
 
 
