@@ -119,6 +119,40 @@ def test_status_shows_the_cap_and_what_the_name_holds(ledger: Ledger, engine: sa
     assert by_name["tenant#cap"].limit == 5 and by_name["tenant#cap"].in_flight == 3
 
 
+def test_a_task_revoked_while_it_waits_for_the_cap_leaves_its_line(ledger: Ledger, scalar) -> None:
+    ledger.configure({"tenant": NameConfig("tenant", limit=1, cap=1)})
+    a = arrive(ledger, "a", "tenant:a")
+    assert arrive(ledger, "b", "tenant:b").verdict is Verdict.PARKED
+    assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'tenant#cap'") == 1
+    ledger.revoke("b")
+    assert scalar("SELECT waiting FROM keyed_keys WHERE key = 'tenant#cap'") == 0
+    assert used(scalar, "tenant:b") == 0 and scalar("SELECT count(*) FROM keyed_waiting") == 0
+    assert ledger.release(Token("a", 0), a.fence, Outcome.COMPLETED).promotions == []
+    assert used(scalar, "tenant#cap") == 0 and check_counters_once(ledger.engine) == []
+
+
+def test_group_members_of_a_capped_name_run_in_order_and_count_against_the_cap(ledger: Ledger, scalar) -> None:
+    ledger.configure({"tenant": NameConfig("tenant", limit=5, cap=2)})
+    blocker = arrive(ledger, "x", "tenant:x")
+    first = ledger.admit(Arrival("g1", key="tenant:g", group_key="order:1", group_seq=1, message={}))
+    second = ledger.admit(Arrival("g2", key="tenant:g", group_key="order:1", group_seq=2, message={}))
+    assert first.admitted and second.verdict is Verdict.PARKED  # its group's head runs
+    assert arrive(ledger, "y", "tenant:y").verdict is Verdict.PARKED  # the cap (2) is full
+    report = ledger.release(Token("g1", 0), first.fence, Outcome.COMPLETED)
+    promoted = {p.task_id for p in report.promotions}
+    assert len(promoted) == 1 and promoted <= {"g2", "y"}
+    assert name_total(scalar, "tenant") == 2 and used(scalar, "tenant#cap") == 2
+    _ = blocker
+
+
+def test_a_sharded_name_keeps_its_cap_exact(ledger: Ledger, scalar) -> None:
+    ledger.configure({"tenant": NameConfig("tenant", limit=4, shards=2, cap=3, borrow=True)})
+    verdicts = [arrive(ledger, f"t{i}", f"tenant:{i % 2}").verdict for i in range(6)]
+    assert verdicts.count(Verdict.ADMITTED) == 3
+    assert name_total(scalar, "tenant") == 3 and used(scalar, "tenant#cap") == 3
+    assert check_counters_once(ledger.engine) == []
+
+
 @pytest.mark.parametrize(
     "options, message",
     [({"borrow": True}, "borrow needs a cap"), ({"cap": 0}, "at least 1"), ({"cap": 2, "borrow": "yes"}, "True or")],
