@@ -359,8 +359,7 @@ class Ledger(OperatorControls, ProducerCalls):
     def _capped(self, arrival: Arrival) -> Arrival:
         """``arrival`` with its names' cap keys (``caps.Caps.apply``; the capped names read at most every few
         seconds)."""
-        with schema_required(self.engine):
-            return self.caps.apply(arrival)
+        return self.caps.apply(arrival)
 
     def bind(self, token: Token, nonce: uuid.UUID, *, now: datetime | None = None) -> int | None:
         """Bind a promotion by its nonce (D5): one guarded, self-committing statement; its fence, or None."""

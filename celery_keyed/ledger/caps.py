@@ -22,6 +22,7 @@ import sqlalchemy as sa
 
 from celery_keyed.ledger.attempts import Arrival
 from celery_keyed.ledger.keyspec import key_name
+from celery_keyed.ledger.migrations import schema_required
 
 #: What a name's cap key adds to the name (``"tenant#cap"``).
 CAP_SUFFIX = "#cap"
@@ -54,16 +55,25 @@ class Caps:
 
     def names(self) -> frozenset[str]:
         """The capped names, read again when older than the ttl."""
-        read_at = self._read_at
-        if read_at is None or time.monotonic() - read_at > self._ttl:
-            self.refresh()
+        if self._stale():
+            with self._lock:
+                if self._stale():  # another thread may have read them meanwhile
+                    self._read()
         return self._names
 
     def refresh(self) -> None:
         """Read the capped names now."""
-        with self._lock, self._engine.connect() as conn:
+        with self._lock:
+            self._read()
+
+    def _stale(self) -> bool:
+        read_at = self._read_at
+        return read_at is None or time.monotonic() - read_at > self._ttl
+
+    def _read(self) -> None:
+        with schema_required(self._engine), self._engine.connect() as conn:
             names = frozenset(conn.execute(CAPS_NAMES).scalars())
-            self._names, self._read_at = names, time.monotonic()
+        self._names, self._read_at = names, time.monotonic()
 
     def apply(self, arrival: Arrival) -> Arrival:
         """``arrival`` with the cap key of each capped name among its keys' names added after its keys (unchanged

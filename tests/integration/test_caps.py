@@ -4,6 +4,7 @@ task waits for the cap, and takes no more past its limit once one does; the slot
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -160,3 +161,18 @@ def test_a_sharded_name_keeps_its_cap_exact(ledger: Ledger, scalar) -> None:
 def test_bad_caps_are_refused(options, message) -> None:
     with pytest.raises(InvalidConfig, match=message):
         NameConfig("tenant", **options)
+
+
+def test_a_cap_another_worker_configured_applies_here_within_the_ttl(ledger: Ledger, engine: sa.Engine,
+                                                                      scalar) -> None:
+    from celery_keyed.ledger.caps import Caps
+
+    other = Ledger(engine, holder="other-host:2:bbbb", lease=30.0, dispatch=10.0)
+    other.caps = Caps(engine, ttl=0.2)
+    assert arrive(other, "before", "tenant:a").admitted  # read now: no name has a cap
+    ledger.configure({"tenant": NameConfig("tenant", limit=5, cap=1)})
+    assert arrive(other, "cached", "tenant:b").admitted  # within the ttl: not counted against the cap yet
+    assert used(scalar, "tenant#cap") == 0
+    time.sleep(0.3)
+    assert arrive(other, "after", "tenant:c").admitted and used(scalar, "tenant#cap") == 1  # read again: counted
+    assert arrive(other, "next", "tenant:d").verdict is Verdict.PARKED  # the cap (1) is full
