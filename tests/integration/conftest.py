@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -34,6 +34,23 @@ def clock() -> Clock:
 @pytest.fixture
 def ledger(engine: sa.Engine) -> Ledger:
     return Ledger(engine, holder="test-host:1:aaaa", lease=30.0, dispatch=10.0)
+
+
+@pytest.fixture
+def gauge(database_url: str) -> Iterator[Callable[..., float | None]]:
+    """One sample of the ledger gauges, read as a scrape reads them (a ``LedgerCollector`` on the test's database):
+    ``gauge("celery_keyed_in_flight", name="api")``."""
+    from prometheus_client import CollectorRegistry
+
+    from celery_keyed.metrics import LedgerCollector
+
+    collector = LedgerCollector(database_url, timeout=1.0)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    try:
+        yield lambda metric, **labels: registry.get_sample_value(metric, labels)
+    finally:
+        collector.engine.dispose()
 
 
 @pytest.fixture

@@ -153,24 +153,14 @@ def test_status_and_explain_say_where_a_keys_limit_comes_from(ledger: Ledger, cl
         assert "latest call" not in waiting.text and not waiting.facts["call_limit"]["in_effect"]
 
 
-def test_metrics_count_the_keys_whose_call_computed_their_limit(database_url: str, ledger: Ledger, clock) -> None:
+def test_metrics_count_the_keys_whose_call_computed_their_limit(gauge, ledger: Ledger, clock) -> None:
     """celery_keyed_keys_call_limit, per name (never a series per key)."""
-    from prometheus_client import CollectorRegistry
-
-    from celery_keyed.metrics import LedgerCollector
-
     ledger.admit(arrival("a", "tenant:1", 3), now=clock())
     ledger.admit(arrival("b", "tenant:2", 1), now=clock())
     ledger.admit(Arrival("c", key="tenant:3", message={}), now=clock())
     ledger.admit(Arrival("d", key="api:1", message={}), now=clock())
-    registry = CollectorRegistry()
-    collector = LedgerCollector(database_url, timeout=1.0)
-    registry.register(collector)
-    try:
-        assert registry.get_sample_value("celery_keyed_keys_call_limit", {"name": "tenant"}) == 2
-        assert registry.get_sample_value("celery_keyed_keys_call_limit", {"name": "api"}) == 0
-    finally:
-        collector.engine.dispose()
+    assert gauge("celery_keyed_keys_call_limit", name="tenant") == 2
+    assert gauge("celery_keyed_keys_call_limit", name="api") == 0
 
 
 def test_a_batch_stores_its_limits_first_and_the_latest_of_a_key_wins(ledger: Ledger, scalar, clock) -> None:

@@ -110,12 +110,7 @@ def test_raising_and_lifting_a_cap_start_the_tasks_it_held(ledger: Ledger, scala
     assert used(scalar, "tenant#cap") == 3 and used(scalar, "tenant:d") == 1
 
 
-def test_status_and_the_metrics_show_the_cap_and_what_the_name_holds(database_url: str, ledger: Ledger,
-                                                                        engine: sa.Engine) -> None:
-    from prometheus_client import CollectorRegistry
-
-    from celery_keyed.metrics import LedgerCollector
-
+def test_status_and_the_metrics_show_the_cap_and_what_the_name_holds(gauge, ledger: Ledger, engine: sa.Engine) -> None:
     ledger.configure({"tenant": NameConfig("tenant", limit=1, cap=5, borrow=True)})
     for i in range(3):
         arrive(ledger, f"a{i}", "tenant:a")
@@ -123,14 +118,8 @@ def test_status_and_the_metrics_show_the_cap_and_what_the_name_holds(database_ur
         by_name = {n.name: n for n in status_names(conn)}
     assert (by_name["tenant"].cap, by_name["tenant"].borrow) == (5, True)
     assert by_name["tenant#cap"].limit == 5 and by_name["tenant#cap"].in_flight == 3
-    registry = CollectorRegistry()
-    collector = LedgerCollector(database_url, timeout=1.0)
-    registry.register(collector)
-    try:
-        assert registry.get_sample_value("celery_keyed_in_flight", {"name": "tenant#cap"}) == 3
-        assert registry.get_sample_value("celery_keyed_limit", {"name": "tenant#cap", "source": "config"}) == 5
-    finally:
-        collector.engine.dispose()
+    assert gauge("celery_keyed_in_flight", name="tenant#cap") == 3
+    assert gauge("celery_keyed_limit", name="tenant#cap", source="config") == 5
 
 
 def test_a_task_revoked_while_it_waits_for_the_cap_leaves_its_line(ledger: Ledger, scalar) -> None:

@@ -223,23 +223,12 @@ def test_status_and_explain_show_the_windows(ledger: Ledger, clock, engine: sa.E
     assert "2/m" in text and "full" in text, text
 
 
-def test_status_and_the_metrics_count_the_keys_with_a_full_window(database_url: str, ledger: Ledger,
-                                                                     engine: sa.Engine) -> None:
+def test_status_and_the_metrics_count_the_keys_with_a_full_window(gauge, ledger: Ledger, engine: sa.Engine) -> None:
     """celery_keyed_keys_window_full, per name (never a series per key), from status_names."""
-    from prometheus_client import CollectorRegistry
-
-    from celery_keyed.metrics import LedgerCollector
-
     ledger.configure({"q": NameConfig("q", limit=5, windows=[(2, 3600)]), "p": NameConfig("p", limit=5)})
     for task_id, key in (("a1", "q:a"), ("a2", "q:a"), ("b1", "q:b"), ("p1", "p:1")):
         assert arrive(ledger, task_id, key).admitted
     with engine.connect() as conn:
         assert {n.name: n.window_full_keys for n in status_names(conn)} == {"q": 1, "p": 0}
-    registry = CollectorRegistry()
-    collector = LedgerCollector(database_url, timeout=1.0)
-    registry.register(collector)
-    try:
-        assert registry.get_sample_value("celery_keyed_keys_window_full", {"name": "q"}) == 1
-        assert registry.get_sample_value("celery_keyed_keys_window_full", {"name": "p"}) == 0
-    finally:
-        collector.engine.dispose()
+    assert gauge("celery_keyed_keys_window_full", name="q") == 1
+    assert gauge("celery_keyed_keys_window_full", name="p") == 0
