@@ -232,3 +232,29 @@ def test_status_and_the_metrics_count_the_keys_with_a_full_window(gauge, ledger:
         assert {n.name: n.window_full_keys for n in status_names(conn)} == {"q": 1, "p": 0}
     assert gauge("celery_keyed_keys_window_full", name="q") == 1
     assert gauge("celery_keyed_keys_window_full", name="p") == 0
+
+
+def test_concurrent_arrivals_never_take_more_starts_than_a_window_allows(engine: sa.Engine, scalar) -> None:
+    """Twelve threads, each its own worker, arrive on one key at once: the window (5 per hour) admits exactly 5."""
+    import threading
+
+    Ledger(engine, holder="config:1:aaaa").configure({"q": NameConfig("q", limit=100, windows=[(5, 3600)])})
+    verdicts: list[Verdict] = []
+    lock = threading.Lock()
+    start = threading.Barrier(12)
+
+    def worker(n: int) -> None:
+        ledger = Ledger(engine, holder=f"w{n}:1:aaaa", lease=30.0, dispatch=10.0)
+        start.wait()
+        for i in range(2):
+            verdict = arrive(ledger, f"t{n}-{i}", "q:x").verdict
+            with lock:
+                verdicts.append(verdict)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert verdicts.count(Verdict.ADMITTED) == 5 and verdicts.count(Verdict.PARKED) == 19
+    assert positions(scalar, "q:x") == 5 and used(scalar, "q:x") == 5

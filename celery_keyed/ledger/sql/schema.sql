@@ -1854,9 +1854,12 @@ BEGIN
     END IF;
     IF v_windows IS NOT NULL THEN
         SELECT max((e ->> 0)::integer) INTO v_ring FROM jsonb_array_elements(v_windows) e;
+        -- the key's head row, created if need be and locked: two takes of one key never read the same position
+        INSERT INTO keyed_windows (key, name, next_pos, ring, last_at) VALUES (p_key, p_name, 0, v_ring, '-infinity')
+        ON CONFLICT (key) DO NOTHING;
         SELECT h.next_pos, h.last_at, h.ring INTO v_next, v_last, v_had_ring
           FROM keyed_windows h WHERE h.key = p_key FOR UPDATE;
-        IF NOT FOUND THEN
+        IF NOT FOUND THEN  -- pruned meanwhile: every start it kept was older than every window
             v_next := 0;
         ELSIF v_had_ring <> v_ring THEN
             -- the name's windows changed their largest N: keep the latest starts the new ring holds, re-slotted
