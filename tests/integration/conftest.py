@@ -9,6 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_keyed.ledger import Ledger
+from celery_keyed.ledger.caps import Caps
 
 
 class Clock:
@@ -33,7 +34,11 @@ def clock() -> Clock:
 
 @pytest.fixture
 def ledger(engine: sa.Engine) -> Ledger:
-    return Ledger(engine, holder="test-host:1:aaaa", lease=30.0, dispatch=10.0)
+    ledger = Ledger(engine, holder="test-host:1:aaaa", lease=30.0, dispatch=10.0)
+    # Which names have a cap: read at the first arrival and when this ledger configures names, not again every few
+    # seconds as in a worker, so that a test counting an arrival's statements counts only the arrival's own.
+    ledger.caps = Caps(engine, ttl=float("inf"))
+    return ledger
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from celery_keyed.ledger import (
     check_counters_once,
     release,
 )
+from celery_keyed.ledger.caps import Caps
 from tests.integration.test_races import Side, count
 
 HOLDER = "batch:1:aaaa"
@@ -49,7 +50,12 @@ class NoRetry(Ledger):
 
 @pytest.fixture
 def ledger(engine: sa.Engine) -> Ledger:
-    return NoRetry(engine, holder=HOLDER, lease=30.0, dispatch=10.0)
+    ledger = NoRetry(engine, holder=HOLDER, lease=30.0, dispatch=10.0)
+    # Which names have a cap is read here, once (a worker reads it every few seconds): the statements these tests
+    # count are the arrivals' own.
+    ledger.caps = Caps(engine, ttl=float("inf"))
+    ledger.caps.refresh()
+    return ledger
 
 
 def wait_for_lock_waiter(engine: sa.Engine, timeout: float = 10.0) -> None:
