@@ -35,6 +35,7 @@ from celery_keyed.ledger import (
     status_names,
     status_now,
     status_prepare,
+    window_length_text,
     window_text,
 )
 from celery_keyed.settings import KeyedSettings
@@ -259,15 +260,6 @@ def names_table(names: list[NameStatus]) -> str:
     )
 
 
-def _length(seconds: float) -> str:
-    """A window's length in words: "minute", "10 seconds", "day"."""
-    for unit, per in (("day", 86400.0), ("hour", 3600.0), ("minute", 60.0), ("second", 1.0)):
-        count = seconds / per
-        if count >= 1 and abs(count - round(count)) < 1e-9:
-            return unit if round(count) == 1 else f"{round(count)} {unit}s"
-    return f"{seconds:g} seconds"
-
-
 def rules(n: NameStatus) -> str:
     """A name's rules besides its limit, as its settings name them: the waiting room (max_waiting, and "supersede"
     when a full one replaces its oldest), max_wait, shards, rate (with burst), fair sharing, uncertain hold; "-"
@@ -313,7 +305,7 @@ def rules_in_words(names: list[NameStatus]) -> list[str]:
             burst = f" (saving up at most {n.burst:g})" if n.burst and n.burst > 1 else ""
             said.append(f"each key starts at most {rate_text(n.rate)}{burst}")
         if n.windows:
-            parts = [f"{c} in any {_length(t)}" for c, t in n.windows]
+            parts = [f"{c} in any {window_length_text(t)}" for c, t in n.windows]
             counts = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
             said.append(f"each key starts at most {counts}")
         if n.cap is not None:

@@ -134,7 +134,7 @@ from celery_keyed.ledger.status import (
     status_prepare,
     status_recent,
 )
-from celery_keyed.ledger.windows import rate_text, window_text
+from celery_keyed.ledger.windows import rate_text, window_length_text, window_text
 
 __all__ = [
     "COST_MAX",
@@ -227,6 +227,7 @@ __all__ = [
     "status_recent",
     "validate_name",
     "validate_task_id",
+    "window_length_text",
     "window_text",
 ]
 

@@ -99,13 +99,35 @@ def prune(engine: sa.Engine, *, now: datetime | None = None, batch: int = PRUNE_
             return pruned
 
 
-def window_text(n: int, seconds: float) -> str:
-    """A window as people write it: "100/m", "10000/d", "5/10s"."""
-    for unit, per in (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0)):
+#: A window's length in the largest unit that counts it whole: (unit as settings write it, in words, seconds).
+_UNITS = (("d", "day", 86400.0), ("h", "hour", 3600.0), ("m", "minute", 60.0), ("s", "second", 1.0))
+
+
+def _whole(seconds: float) -> tuple[int, str, str] | None:
+    """``seconds`` as a whole count of the largest unit that counts it whole: (count, "m", "minute"), else None."""
+    for short, word, per in _UNITS:
         count = seconds / per
         if count >= 1 and abs(count - round(count)) < 1e-9:
-            return f"{n}/{unit}" if round(count) == 1 else f"{n}/{round(count)}{unit}"
-    return f"{n}/{seconds:g}s"
+            return round(count), short, word
+    return None
+
+
+def window_text(n: int, seconds: float) -> str:
+    """A window as people write it: "100/m", "10000/d", "5/10s"."""
+    whole = _whole(seconds)
+    if whole is None:
+        return f"{n}/{seconds:g}s"
+    count, short, _ = whole
+    return f"{n}/{short}" if count == 1 else f"{n}/{count}{short}"
+
+
+def window_length_text(seconds: float) -> str:
+    """A window's length in words: "minute", "10 seconds", "day"."""
+    whole = _whole(seconds)
+    if whole is None:
+        return f"{seconds:g} seconds"
+    count, _, word = whole
+    return word if count == 1 else f"{count} {word}s"
 
 
 def rate_text(rate: float) -> str:
