@@ -173,9 +173,11 @@ class AdmissionService:
                     self._warm()
                 except Exception:  # a warm-up is an optimisation: never the end of the thread
                     logger.debug("celery-keyed: %s could not warm up", self._name, exc_info=True)
-            while self.admit_once():
-                pass
             if self._stop.is_set():
                 while self.admit_once():
                     pass
                 return
+            # one batch per look: what arrives while it is decided waits for the next look, which lingers for
+            # more of it (a loop here decided those in batches of one or two)
+            if self.admit_once() and self.pending():
+                self._ready.set()

@@ -305,11 +305,14 @@ class Releaser:
                 except Exception:  # never the end of the thread
                     logger.debug("celery-keyed: the releaser could not warm up", exc_info=True)
             self._linger(stop)
-            stopping = stop.is_set()
-            while self.release_once():
-                pass
-            if stopping:
+            if stop.is_set():
+                while self.release_once():
+                    pass
                 return
+            # one batch per look: releases handed over while it runs wait for the next look, which lingers for
+            # more of them
+            if self.release_once() and self.queued():
+                self._ready.set()
 
     # -- releases ----------------------------------------------------------------------------------------
 

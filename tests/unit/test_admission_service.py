@@ -297,3 +297,33 @@ def test_jobs_that_may_wait_are_decided_together_once_their_time_comes_or_enough
         assert time.monotonic() - handed >= 0.04
     finally:
         service.stop()
+
+
+def test_jobs_that_may_wait_handed_over_during_a_batch_wait_for_the_next_look_and_go_together() -> None:
+    """The thread decides one batch per look: jobs that may wait (``extra["by"]``), handed over while a batch is
+    being decided, are not decided the moment it ends (a batch of one or two each, as under load they came) but at
+    the next look, which lingers until their time, together."""
+    import time
+
+    release = threading.Event()
+    rec = Recorder(block=release)
+    service = AdmissionService(rec.decide, rec.deliver, batch=64)
+    service.start()
+    try:
+        service.submit(job(0))  # may not wait: decided at once (blocked in decide)
+        time.sleep(0.05)
+        handed = time.monotonic()
+        for n in (1, 2, 3):
+            waiting = job(n)
+            waiting.extra["by"] = handed + 0.3
+            service.submit(waiting)
+        release.set()
+        deadline = time.monotonic() + 10
+        while sum(len(b) for b in rec.delivered) < 4:
+            assert time.monotonic() < deadline, "the thread kept its jobs"
+            time.sleep(0.005)
+        decided_at = time.monotonic()
+    finally:
+        service.stop()
+    assert rec.decided == [[0], [1, 2, 3]]
+    assert decided_at - handed >= 0.25  # they waited for their time at the next look

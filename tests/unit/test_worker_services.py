@@ -182,6 +182,39 @@ def test_releases_of_keys_without_a_line_linger_to_share_a_round_trip_until_a_li
         releaser.stop()
 
 
+def test_releases_handed_over_during_a_batch_linger_for_the_next_one() -> None:
+    """The releaser thread gives back one batch per look: releases of keys without a line, handed over while a
+    batch is in the ledger, wait for the next look's linger to share its round trip (not a call of their own the
+    moment the batch ends)."""
+    import time
+
+    gate = fake_gate()
+    entered, proceed = threading.Event(), threading.Event()
+    release_many = gate.ledger.release_many
+
+    def slow_release_many(requests: list[Any]) -> list[ReleaseReport]:
+        entered.set()
+        proceed.wait(10)
+        return release_many(requests)
+
+    gate.ledger.release_many = slow_release_many
+    releaser = releaser_of(gate, linger=0.3)  # type: ignore[arg-type]
+    releaser.start()
+    try:
+        hand(releaser, "r0")
+        releaser.hand_over(Token("c", 0), 1, Outcome.COMPLETED, key="k:2", name="t", contended=True)
+        assert entered.wait(10)  # the first batch is in the ledger
+        for n in (1, 2, 3):
+            hand(releaser, f"r{n}")
+        proceed.set()
+        time.sleep(0.1)
+        assert gate.ledger.calls == [("release_many", ["r0", "c"])]  # r1-r3 linger for the next look
+        _wait_idle(releaser)
+        assert gate.ledger.calls == [("release_many", ["r0", "c"]), ("release_many", ["r1", "r2", "r3"])]
+    finally:
+        releaser.stop()
+
+
 def test_an_admission_of_a_key_whose_release_lingers_has_it_commit_first_and_a_stop_ends_the_linger() -> None:
     """``Releaser.settle`` (an admission's thread, before it claims): a release of one of its keys waiting in the
     releaser goes now, and settle returns once it has committed — the arrival finds the slot its own worker freed
