@@ -281,14 +281,11 @@ class Handoff:
         with long work that will run) it is published: another worker may be idle. A promotion bound here that no
         process took within a heartbeat goes back in line (``Heartbeat``), whatever this guess. ``exclude``: a
         received request not to count (a promotion asking whether it can start here)."""
+        size, typical = self.pool_size(), self.typical_run
+        if size is None or (typical is not None and typical / size <= SOON):
+            return True  # short runs: yes whatever the count (counted on every release, so not counted for nothing)
         counted = self._will_run(released, exclude=exclude)
-        if counted is None:
-            return True
-        will_run, size = counted
-        if will_run < size:
-            return True
-        typical = self.typical_run
-        return typical is not None and typical / size <= SOON
+        return counted is None or counted[0] < counted[1]
 
     def pool_size(self) -> int | None:
         """The consumer's number of pool processes, or None where it has no pool of known size."""
@@ -332,8 +329,7 @@ class Handoff:
         active = worker_state.active_requests
         releaser = self.releaser
         busy: set[str] | None = None  # read when a request needs it (most hold their claim already)
-        with self.lock:
-            bound_here = {token.task_id for token in self.prebound}
+        bound_here: set[str] | None = None  # likewise
         will_run = 0
         for request in reserved:
             if request is exclude:
@@ -341,11 +337,13 @@ class Handoff:
             # A request admitted here (it holds its claim, or a claim bound here waits for it) starts on the next
             # free process, even before Celery counts it active; its own key is held by that very claim, so the key
             # rules below must not skip it.
-            if (
-                request not in active
-                and getattr(request, "keyed_claim", None) is None
-                and getattr(request, "id", None) not in bound_here
-            ):
+            if getattr(request, "keyed_claim", None) is not None or request in active:
+                will_run += 1
+                continue
+            if bound_here is None:
+                with self.lock:
+                    bound_here = {token.task_id for token in self.prebound}
+            if getattr(request, "id", None) not in bound_here:
                 key = getattr(request, "keyed_arrival_key", None)
                 if key is None:
                     headers = getattr(request, "_request_dict", None) or {}
