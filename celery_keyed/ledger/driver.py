@@ -22,7 +22,9 @@ only autocommit calls take this path.
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -46,6 +48,49 @@ def driver_sql(statement: sa.TextClause) -> str:
     return entry[1]
 
 
+def array_literal(values: list[Any]) -> str | None:
+    """``values`` as a PostgreSQL array literal (``{"a","b",NULL}``), or None when an element is of a type this does
+    not write (a list, a dict, bytes...: psycopg adapts those itself).
+
+    Why: psycopg adapts a Python list by looking at its elements to choose the array's type, in Python, per call: 62
+    µs for the eleven values of a release batch of three, 16 µs as text literals, on the threads that share the
+    consumer loop's interpreter lock. Every statement of ``run`` casts its arrays (``CAST(:x AS text[])``), so the
+    server parses the literal as the array it always got. Each element is quoted and its backslashes and double quotes
+    escaped, so a value is read back exactly as it was (a NUL, which no text value may hold, is refused by the
+    driver as before: a data error of that call)."""
+    parts = []
+    for value in values:
+        kind = type(value)
+        if value is None:
+            parts.append("NULL")
+        elif kind is str:
+            parts.append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+        elif kind is int or kind is float:
+            parts.append(repr(value))
+        elif kind is bool:
+            parts.append("true" if value else "false")
+        elif isinstance(value, datetime) and value.tzinfo is not None:
+            parts.append('"' + value.isoformat() + '"')
+        elif isinstance(value, uuid.UUID):
+            parts.append(str(value))
+        else:
+            return None
+    return "{" + ",".join(parts) + "}"
+
+
+def _arrays_as_literals(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``params`` with each list written as an array literal (``array_literal``) where it can be."""
+    out: dict[str, Any] | None = None
+    for name, value in params.items():
+        if type(value) is list:
+            literal = array_literal(value)
+            if literal is not None:
+                if out is None:
+                    out = dict(params)
+                out[name] = literal
+    return params if out is None else out
+
+
 def run(conn: sa.Connection, statement: sa.TextClause, params: Mapping[str, Any]) -> list[Any]:
     """Execute ``statement`` with ``params`` on ``conn``'s driver connection; its rows (named tuples: attribute
     access as on SQLAlchemy's rows), or [] for a statement that returns none. ``conn`` in a transaction (not in
@@ -55,6 +100,7 @@ def run(conn: sa.Connection, statement: sa.TextClause, params: Mapping[str, Any]
         result = conn.execute(statement, params)
         return list(result) if result.returns_rows else []
     sql = driver_sql(statement)
+    params = _arrays_as_literals(params)
     dispatch = conn.dispatch
     with driver.cursor(row_factory=namedtuple_row) as cursor:
         if dispatch.before_cursor_execute:

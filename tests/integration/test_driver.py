@@ -127,3 +127,38 @@ def test_a_value_over_postgresqls_own_limits_is_a_data_error_not_an_unreachable_
     with pytest.raises(sa.exc.DataError, match="index row size"), engine.begin() as conn:
         conn.execute(statement, {"task_id": huge})
     assert ledger.admit(Arrival("t-fine", key="acct:huge", message={"id": "t-fine"})).verdict.value == "admitted"
+
+
+def test_lists_go_as_array_literals_and_come_back_exactly(engine: sa.Engine) -> None:
+    """Lists are written as array literals (``driver.array_literal``: psycopg's own adaptation of a list is most of
+    a hot call's client CPU). Hostile text must come back exactly: quotes, backslashes, braces, commas, blanks, the
+    word NULL, non-ASCII; ints, floats, timestamps and NULLs too. A NUL is still a data error of the call."""
+    import datetime
+    import uuid
+
+    hostile = ['a"b', "c\\d", "{e,f}", " g ", "NULL", "", "h'i", "ключ:🔑", '\\"', "x\ny\tz"]
+    moment = datetime.datetime(2026, 12, 6, 5, 0, 0, 123456, tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
+    ident = uuid.uuid4()
+    probe = sa.text(
+        "SELECT CAST(:t AS text[]) AS t, CAST(:i AS bigint[]) AS i, CAST(:f AS double precision[]) AS f,"
+        " CAST(:d AS timestamptz[]) AS d, CAST(:u AS uuid[]) AS u, CAST(:b AS boolean[]) AS b"
+    )
+    params = {
+        "t": [*hostile, None], "i": [0, -1, 2**62, None], "f": [0.1, -2.5e300, None], "d": [moment, None],
+        "u": [ident], "b": [True, False, None],
+    }
+    assert driver.array_literal(params["t"]) is not None
+    with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        row = driver.one(conn, probe, params)
+        assert row.t == params["t"]
+        assert row.i == params["i"] and row.f == params["f"] and row.u == params["u"] and row.b == params["b"]
+        assert row.d == params["d"]
+        try:
+            driver.run(conn, sa.text("SELECT CAST(:t AS text[]) AS t"), {"t": ["nul\x00here"]})
+        except sa.exc.DataError as exc:  # the class admit_many's and release_many's isolation catch
+            assert "NUL" in str(exc)
+        else:
+            raise AssertionError("a NUL in a text array was accepted")
+    # an element it does not write (a naive time, bytes) leaves the list to psycopg
+    assert driver.array_literal([datetime.datetime(2026, 1, 1)]) is None
+    assert driver.array_literal([b"x"]) is None
