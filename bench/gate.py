@@ -551,9 +551,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="runs of c and of d (default 2 and 3, quick 1)")
     parser.add_argument("--loop-admission", action="store_true",
                         help="also run b's pairs with admission on the consumer loop (keyed_admission_batch = 0)")
+    parser.add_argument("--only", default="abcd", metavar="SCENARIOS",
+                        help="run only these scenarios, e.g. b or cd (default abcd: all, with the full report)")
     parser.add_argument("--control", action="store_true",
                         help="also run a's pairs as A then A again: the noise floor of a ratio on this machine")
     args = parser.parse_args(argv)
+    only = set(args.only)
+    if not only or only - set("abcd"):
+        parser.error("--only takes letters of abcd")
     quick = args.quick
     n = args.tasks or (500 if quick else 2000)
     pairs = args.pairs or (2 if quick else 5)
@@ -573,27 +578,33 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()
         print(f"servers: {described}; {os.cpu_count()} CPUs, load average {load[0]:.1f} at start", flush=True)
 
-        print(f"\na. unkeyed tasks, A plain vs B celery-keyed installed: {pairs} pairs of {n} tasks, c=2", flush=True)
-        a_pairs = ratio_pairs(bench, pairs, "noop", n, False, "a")
+        a_pairs, b_pairs = Pairs(), Pairs()
+        c_results: list[Contended] = []
+        d_results: list[Contended] = []
         control: list[float] = []
-        if args.control:
+        loop_ratios: list[float] = []
+        if "a" in only:
+            print(f"\na. unkeyed tasks, A plain vs B celery-keyed installed: {pairs} pairs of {n} tasks, c=2",
+                  flush=True)
+            a_pairs = ratio_pairs(bench, pairs, "noop", n, False, "a")
+        if "a" in only and args.control:
             print(f"\na'. control: A plain then A plain again, {pairs} pairs of {n} tasks, c=2", flush=True)
             control = ratio_pairs(bench, pairs, "noop", n, False, "a'", second="plain").ratios
 
-        print(f"\nb. keyed tasks on {KEYS} uncontended keys vs the same task plain: {keyed_pairs} pairs of {n} "
-              f"tasks, c=2 (warming {KEYS} keys first)", flush=True)
-        warm_keys(database_url)
-        b_pairs = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b")
-        loop_ratios: list[float] = []
-        if args.loop_admission:
+        if "b" in only:
+            print(f"\nb. keyed tasks on {KEYS} uncontended keys vs the same task plain: {keyed_pairs} pairs of {n} "
+                  f"tasks, c=2 (warming {KEYS} keys first)", flush=True)
+            warm_keys(database_url)
+            b_pairs = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b")
+        if "b" in only and args.loop_admission:
             print(f"\nb'. the same, admission on the consumer loop (keyed_admission_batch = 0): {keyed_pairs} pairs",
                   flush=True)
             loop_ratios = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b'", second="keyed-loop").ratios
 
-        print(f"\nc. handoff, one key, K = 1: {c_runs} run(s) of {handoff_tasks} tasks of 5 ms, 2 workers c=2",
-              flush=True)
-        c_results = []
-        for r in range(c_runs):
+        if "c" in only:
+            print(f"\nc. handoff, one key, K = 1: {c_runs} run(s) of {handoff_tasks} tasks of 5 ms, 2 workers c=2",
+                  flush=True)
+        for r in range(c_runs if "c" in only else 0):
             res = contended(bench, [f"h{r}:{uuid.uuid4().hex[:6]}"], handoff_tasks, 0.005, 2, 2)
             c_results.append(res)
             print(f"  run {r + 1}: p50 {pct(res.handoffs, 0.5) * 1000:.2f} ms, p99 "
@@ -602,10 +613,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"ms, p99 {pct(res.steady, 0.99) * 1000:.2f} ms ({len(res.steady)}); "
                   f"{res.per_task:.3f} messages/task, overlaps {res.overlaps}", flush=True)
 
-        print(f"\nd. contended workload: {d_runs} run(s) of 5 keys x 40 tasks of 50 ms, K = 1, 2 workers c=4",
-              flush=True)
-        d_results = []
-        for r in range(d_runs):
+        if "d" in only:
+            print(f"\nd. contended workload: {d_runs} run(s) of 5 keys x 40 tasks of 50 ms, K = 1, 2 workers c=4",
+                  flush=True)
+        for r in range(d_runs if "d" in only else 0):
             tag = uuid.uuid4().hex[:6]
             res = contended(bench, [f"m{i}:{tag}" for i in range(5)], 40, 0.05, 2, 4)
             d_results.append(res)
@@ -621,12 +632,32 @@ def main(argv: list[str] | None = None) -> int:
             app.close()
 
     print()
-    print(report(a_pairs, b_pairs, c_results, d_results, control))
+    if only == set("abcd"):
+        print(report(a_pairs, b_pairs, c_results, d_results, control))
+    else:
+        print(partial_report(a_pairs, b_pairs, c_results, d_results))
     if loop_ratios:
         print(f"b'. keyed with admission on the loop / plain: median {statistics.median(loop_ratios):.3f} "
               f"(admission thread: {statistics.median(b_pairs.ratios):.3f})")
     print(f"\nload average {load[0]:.1f} at start, {load_end[0]:.1f} at end; total {time.monotonic() - started:.0f} s")
     return 0
+
+
+def partial_report(a_pairs: Pairs, b_pairs: Pairs, c_results: list[Contended], d_results: list[Contended]) -> str:
+    """The medians of the scenarios an ``--only`` run ran (the full report needs all four)."""
+    lines = []
+    for label, pairs in (("a", a_pairs), ("b", b_pairs)):
+        if pairs.ratios:
+            lines.append(f"{label}. B/A median {statistics.median(pairs.ratios):.3f}, range "
+                         f"{min(pairs.ratios):.3f}-{max(pairs.ratios):.3f}")
+    if b_pairs.ratios:
+        lines.extend(cpu_rows(b_pairs))
+    handoffs = [h for r in c_results for h in r.handoffs]
+    if handoffs:
+        lines.append(f"c. handoff p50 {pct(handoffs, 0.5) * 1000:.2f} ms, p99 {pct(handoffs, 0.99) * 1000:.2f} ms")
+    if d_results:
+        lines.append(f"d. makespan / ideal median {statistics.median(r.makespan / 2.0 for r in d_results):.3f}")
+    return "\n".join(lines)
 
 
 def cpu_medians(splits: list[dict[str, float] | None]) -> dict[str, float] | None:
