@@ -767,14 +767,18 @@ BEGIN
         v_fence := NULL;
         IF NOT v_blocked AND v_new[r.ord] AND NOT v_rated AND (r.deadline IS NULL OR r.deadline > v_now) THEN
             IF v_shards = 1 THEN
-                SELECT s.shard INTO v_shard FROM keyed_slots s
-                 WHERE s.key = r.key AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
+                -- One row: the guarded UPDATE is the claim (D1, D2), its share read once. It takes the row's lock
+                -- only when the guard holds, and READ COMMITTED re-evaluates the guard (a fresh share) on the row's
+                -- newest version after waiting for that lock. A key whose rows still follow another shard count
+                -- (before the sweep moves them) is tried on its row 0 only; refused, it takes the general path.
+                UPDATE keyed_slots s SET used = s.used + r.cost
+                 WHERE s.key = r.key AND s.shard = 0
+                   AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
                    AND NOT EXISTS (
                        SELECT 1 FROM keyed_waiting w
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
                           AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
-                 LIMIT 1
-                   FOR UPDATE OF s;
+                RETURNING s.shard INTO v_shard;
             ELSE
                 SELECT s.shard INTO v_shard FROM keyed_slots s
                  WHERE s.key = r.key AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
@@ -784,13 +788,13 @@ BEGIN
                           AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
                  ORDER BY random() LIMIT 1
                    FOR UPDATE OF s SKIP LOCKED;
-            END IF;
-            IF v_shard IS NOT NULL THEN
-                -- The guard again under the lock: the bound holds even if the limit changed (D1).
-                UPDATE keyed_slots s SET used = s.used + r.cost
-                 WHERE s.key = r.key AND s.shard = v_shard
-                   AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
-                RETURNING s.shard INTO v_shard;
+                IF v_shard IS NOT NULL THEN
+                    -- The guard again under the lock: the bound holds even if the limit changed (D1).
+                    UPDATE keyed_slots s SET used = s.used + r.cost
+                     WHERE s.key = r.key AND s.shard = v_shard
+                       AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
+                    RETURNING s.shard INTO v_shard;
+                END IF;
             END IF;
             IF v_shard IS NOT NULL THEN
                 INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
@@ -1669,7 +1673,13 @@ $$;
 CREATE FUNCTION keyed_claims_failover_guard() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF current_setting('keyed.reassert', true) = 'on' OR NOT keyed_failover_holding() THEN
+    -- Asked once per transaction (keyed.guard_passed is local to it): its later claims commit with its first, as
+    -- one claim would.
+    IF current_setting('keyed.guard_passed', true) = 'on' OR current_setting('keyed.reassert', true) = 'on' THEN
+        RETURN NEW;
+    END IF;
+    IF NOT keyed_failover_holding() THEN
+        PERFORM set_config('keyed.guard_passed', 'on', true);
         RETURN NEW;
     END IF;
     RAISE EXCEPTION 'celery-keyed: after a failover of the ledger no new start until the previous server''s claims have lapsed'
