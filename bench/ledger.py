@@ -293,11 +293,12 @@ class Clients:
 
 
 @contextmanager
-def bench_database() -> Iterator[tuple[str, str]]:
-    """A fresh migrated database on a durable server; yields (SQLAlchemy URL, server description)."""
+def bench_database(settings: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    """A fresh migrated database on a durable server (``settings``: extra server parameters, for a server the
+    benchmark starts); yields (SQLAlchemy URL, server description)."""
     from celery_keyed.testing import start_postgres
 
-    with start_postgres(durable=True) as server:
+    with start_postgres(durable=True, settings=settings) as server:
         admin_url = make_url(server.url).set(drivername="postgresql").render_as_string(hide_password=False)
         name = f"keyed_bench_{uuid.uuid4().hex[:8]}"
         with psycopg.connect(admin_url, autocommit=True) as admin:

@@ -1,25 +1,23 @@
 """Where the ledger's server time goes, statement by statement: ``python -m bench.statements``.
 
-Starts a durable PostgreSQL of its own with ``pg_stat_statements`` (``track = all``: the statements inside the ledger's
-PL/pgSQL functions and triggers are counted too), migrates a fresh ledger, warms ``--keys`` keys, then runs
-``--batches`` rounds of one ``Ledger.admit_many`` of ``--size`` uncontended arrivals and one ``Ledger.release_many``
-of their claims on one connection: the calls a worker's threads make in bench.gate's scenario b. Prints each
-statement's calls and execution time per round (µs), the top-level calls first by their total; a statement inside a
-function is counted inside its caller's time as well.
+Starts a durable PostgreSQL of its own (``bench.ledger.bench_database``: a fresh migrated ledger, with bench.ledger's
+names and raw tables beside it) with ``pg_stat_statements`` (``track = all``: the statements inside the ledger's
+PL/pgSQL functions and triggers are counted too), warms ``--keys`` keys, then runs ``--batches`` rounds of one
+``Ledger.admit_many`` of ``--size`` uncontended arrivals and one ``Ledger.release_many`` of their claims on one
+connection: the calls a worker's threads make in bench.gate's scenario b. Prints each statement's calls and execution
+time per round (µs), the top-level calls first by their total; a statement inside a function is counted inside its
+caller's time as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-import uuid
 
-import psycopg
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
-from celery_keyed.ledger import Arrival, Ledger, Outcome, ReleaseRequest, Token, migrate
-from celery_keyed.testing import start_postgres
+from bench.ledger import bench_database
+from celery_keyed.ledger import Arrival, Ledger, Outcome, ReleaseRequest, Token
 
 SETTINGS = {
     "shared_preload_libraries": "pg_stat_statements",
@@ -50,7 +48,7 @@ def rounds(ledger: Ledger, keys: list[str], tag: str, batches: int, size: int) -
             ]
             admitted = ledger.admit_many(arrivals)
             done = zip(arrivals, admitted, strict=True)
-            ledger.release_many([ReleaseRequest(Token(a.task_id, 0), d.fence, Outcome.COMPLETED) for a, d in done])
+            ledger.release_many([ReleaseRequest(Token(a.task_id, 0), d.fence or 0, Outcome.COMPLETED) for a, d in done])
     return time.perf_counter() - started
 
 
@@ -61,15 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=1000, help="uncontended keys, warmed first (1000)")
     parser.add_argument("--rows", type=int, default=25, help="statements shown (25)")
     args = parser.parse_args(argv)
-    with start_postgres(durable=True, settings=SETTINGS) as pg:
-        admin_url = make_url(pg.url).set(drivername="postgresql").render_as_string(hide_password=False)
-        name = f"keyed_bench_statements_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-            version = admin.execute("SHOW server_version").fetchone()
-        engine = sa.create_engine(pg.url_for(name), pool_size=2)
+    with bench_database(SETTINGS) as (url, server):
+        engine = sa.create_engine(url, pool_size=2)
         try:
-            migrate(engine)
             with engine.begin() as conn:
                 conn.execute(sa.text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
             ledger = Ledger(engine, holder="bench-statements")
@@ -83,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.dispose()
     n = args.batches
-    print(f"PostgreSQL {version[0] if version else '?'}; {n} rounds of a claim of {args.size} and their release, "
+    print(f"{server}; {n} rounds of a claim of {args.size} and their release, "
           f"{wall / n * 1000:.2f} ms wall per round")
     print("| level | calls per round | µs per round | statement |")
     print("|---|---:|---:|---|")
