@@ -198,7 +198,7 @@ def test_releases_handed_over_during_a_batch_linger_for_the_next_one() -> None:
         return release_many(requests)
 
     gate.ledger.release_many = slow_release_many
-    releaser = releaser_of(gate, linger=0.3)  # type: ignore[arg-type]
+    releaser = releaser_of(gate, linger=30.0)  # type: ignore[arg-type]
     releaser.start()
     try:
         hand(releaser, "r0")
@@ -207,10 +207,11 @@ def test_releases_handed_over_during_a_batch_linger_for_the_next_one() -> None:
         for n in (1, 2, 3):
             hand(releaser, f"r{n}")
         proceed.set()
-        time.sleep(0.1)
+        time.sleep(0.3)
         assert gate.ledger.calls == [("release_many", ["r0", "c"])]  # r1-r3 linger for the next look
+        releaser.hand_over(Token("c2", 0), 1, Outcome.COMPLETED, key="k:2", name="t", contended=True)  # ends it
         _wait_idle(releaser)
-        assert gate.ledger.calls == [("release_many", ["r0", "c"]), ("release_many", ["r1", "r2", "r3"])]
+        assert gate.ledger.calls == [("release_many", ["r0", "c"]), ("release_many", ["r1", "r2", "r3", "c2"])]
     finally:
         releaser.stop()
 
