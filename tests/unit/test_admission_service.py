@@ -305,13 +305,18 @@ def test_jobs_that_may_wait_handed_over_during_a_batch_wait_for_the_next_look_an
     the next look, which lingers until their time, together."""
     import time
 
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
     rec = Recorder(block=release)
-    service = AdmissionService(rec.decide, rec.deliver, batch=64)
+
+    def decide(jobs: Sequence[Job]) -> None:
+        entered.set()
+        rec.decide(jobs)
+
+    service = AdmissionService(decide, rec.deliver, batch=64)
     service.start()
     try:
         service.submit(job(0))  # may not wait: decided at once (blocked in decide)
-        time.sleep(0.05)
+        assert entered.wait(10)
         handed = time.monotonic()
         for n in (1, 2, 3):
             waiting = job(n)
