@@ -714,7 +714,8 @@ $$;
 -- pass an earlier one). The caller admits those one by one, in input order.
 -- Locks: every task row first, in task id order; then the slot rows key by key in key order (a name with one shard
 -- waits for its row like any counter update; a sharded name picks with SKIP LOCKED, never waiting), so two batches
--- never wait on each other in a cycle. The bound (D1) is the same guarded pick-and-take as fast_paths.CLAIM_NEW:
+-- never wait on each other in a cycle; then the claims taken are inserted, in one statement (migration 0006: new
+-- rows of task ids whose rows this call holds). The bound (D1) is the same guarded pick-and-take as fast_paths.CLAIM_NEW:
 -- used + cost <= keyed_row_share(...) under the row's lock, and never ahead of a
 -- promotable waiter (the room belongs to the head of the line, D10).
 CREATE FUNCTION keyed_claim_many(
@@ -728,11 +729,20 @@ DECLARE
     v_new boolean[];
     r record;
     v_key text := NULL;
+    v_name text := NULL;
     v_blocked boolean := false;
     v_shards integer;
     v_rated boolean;
     v_shard integer;
     v_fence bigint;
+    -- the claims this call takes, written by one INSERT after the loop (c_*: one element per claim)
+    c_task_ids text[] := '{}';
+    c_attempts integer[] := '{}';
+    c_keys text[] := '{}';
+    c_shards integer[] := '{}';
+    c_fences bigint[] := '{}';
+    c_costs integer[] := '{}';
+    c_fair_keys text[] := '{}';
 BEGIN
     -- The books: one row per task id, inserted or locked in task id order; new only for the first position of a
     -- task id in the batch (a second delivery in the same batch is a known task).
@@ -759,9 +769,14 @@ BEGIN
         IF r.key IS DISTINCT FROM v_key THEN
             v_key := r.key;
             v_blocked := false;
-            SELECT keyed_name_shards(split_part(r.key, ':', 1)),
-                   COALESCE((SELECT c.rated FROM keyed_names c WHERE c.name = split_part(r.key, ':', 1)), false)
-              INTO v_shards, v_rated;
+            -- The name's shards and rate, read once per name in a call (the keys come sorted: a name's keys are
+            -- mostly together).
+            IF split_part(r.key, ':', 1) IS DISTINCT FROM v_name THEN
+                v_name := split_part(r.key, ':', 1);
+                SELECT keyed_name_shards(v_name),
+                       COALESCE((SELECT c.rated FROM keyed_names c WHERE c.name = v_name), false)
+                  INTO v_shards, v_rated;
+            END IF;
         END IF;
         v_shard := NULL;
         v_fence := NULL;
@@ -797,11 +812,11 @@ BEGIN
                 END IF;
             END IF;
             IF v_shard IS NOT NULL THEN
-                INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder,
-                                          lease_expires_at, claimed_at, cost, fair_key)
-                VALUES (r.task_id, r.attempt, r.key, v_shard, NULL, 'running', nextval('keyed_fence_seq'), p_holder,
-                        v_now + make_interval(secs => p_lease), v_now, r.cost, r.fair_key)
-                RETURNING keyed_claims.fence INTO v_fence;
+                -- The slot is taken: the claim is this call's (its row is written with the others, below).
+                v_fence := nextval('keyed_fence_seq');
+                c_task_ids := c_task_ids || r.task_id; c_attempts := c_attempts || r.attempt;
+                c_keys := c_keys || r.key; c_shards := c_shards || v_shard; c_fences := c_fences || v_fence;
+                c_costs := c_costs || r.cost; c_fair_keys := c_fair_keys || r.fair_key;
             END IF;
         END IF;
         IF v_fence IS NULL THEN
@@ -813,6 +828,17 @@ BEGIN
         shard := v_shard;
         RETURN NEXT;
     END LOOP;
+    -- Every claim taken, in one statement: the table's checks are set up once per statement, not once per claim
+    -- (they were half of a claim row's cost), and the failover guard asks once. The answers above are returned only
+    -- when this succeeds: an error here (the guard after a failover) rolls back the whole call, slots included.
+    IF cardinality(c_task_ids) > 0 THEN
+        INSERT INTO keyed_claims (task_id, attempt, key, shard, group_key, state, fence, holder, lease_expires_at,
+                                  claimed_at, cost, fair_key)
+        SELECT c.task_id, c.attempt, c.key, c.shard, NULL, 'running', c.fence, p_holder,
+               v_now + make_interval(secs => p_lease), v_now, c.cost, c.fair_key
+          FROM unnest(c_task_ids, c_attempts, c_keys, c_shards, c_fences, c_costs, c_fair_keys)
+               AS c(task_id, attempt, key, shard, fence, cost, fair_key);
+    END IF;
 END
 $$;
 
