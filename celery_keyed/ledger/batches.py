@@ -203,9 +203,10 @@ class Batches:
 
         Arrivals with one key, no group and no not-before time are claimed together in one call
         (``keyed_claim_many``: task rows locked in task id order, then slot rows in key order, so two batches never
-        deadlock): N uncontended arrivals on keys seen before cost one round trip. The others — and any the call
-        did not admit (no room, a known task, a key's first use) — are then decided one by one in input order, each
-        in its own transaction, as ``admit`` decides them. FIFO within a key (D10): an arrival is never admitted
+        deadlock): N uncontended arrivals cost one round trip (a single-shard name's new keys included: their rows are
+        created in the call). The others — and any the call did not admit (no room, a known task, the first use of a
+        key of a sharded name) — are then decided one by one in input order, each in its own transaction, as
+        ``admit`` decides them. FIFO within a key (D10): an arrival is never admitted
         ahead of an earlier arrival of the same key in the batch (once one of a key is not admitted by the call,
         the later ones of that key are not tried there either).
 

@@ -30,6 +30,7 @@ from celery_keyed.ledger import (
     Verdict,
     admit,
     check_counters_once,
+    drop_idle_keys_once,
     release,
 )
 from celery_keyed.ledger.caps import Caps
@@ -130,6 +131,48 @@ def test_admit_many_one_round_trip_for_uncontended_keys(engine: sa.Engine, ledge
     assert [r.finished for r in reports] == [[(f"t{i}", "completed")] for i in range(8)]
     assert all(used(engine, k) == 0 for k in keys)
     assert ledger.books() == {"completed": 16, "arrivals": 16}
+
+
+def test_admit_many_one_round_trip_for_keys_never_seen(engine: sa.Engine, ledger: Ledger) -> None:
+    """A key's first use on a single-shard name is claimed by the batch call too: its slot row and head row are
+    created there (as the one-by-one path creates them), one round trip for the batch. A sharded name's new key is
+    left to the path that creates every shard's row. Idle, the new keys' rows are dropped as any key's are."""
+    ledger.configure({"wide": NameConfig("wide", limit=4, shards=2)})
+    keys = [f"fresh:{i}" for i in range(6)]
+    with statements(engine) as sent:
+        admissions = ledger.admit_many([Arrival(f"f{i}", key=k) for i, k in enumerate(keys)])
+    assert [a.verdict for a in admissions] == [Verdict.ADMITTED] * 6
+    assert len(sent) == 1, sent
+    assert count(engine, "SELECT count(*) FROM keyed_slots WHERE key LIKE 'fresh:%' AND used = 1") == 6
+    assert count(engine, "SELECT count(*) FROM keyed_keys WHERE key LIKE 'fresh:%' AND waiting = 0") == 6
+    # K = 1 holds on a key created in the same batch: a second arrival of it is not admitted beside the first
+    again = ledger.admit_many([Arrival("f-again", key="fresh:0"), Arrival("w0", key="wide:new")])
+    assert again[0].verdict == Verdict.PARKED and again[1].verdict == Verdict.ADMITTED
+    assert count(engine, "SELECT count(*) FROM keyed_slots WHERE key = 'wide:new'") == 2  # both shards' rows
+    reports = ledger.release_many(
+        [ReleaseRequest(Token(f"f{i}", 0), a.fence or 0, Outcome.COMPLETED) for i, a in enumerate(admissions)]
+        + [ReleaseRequest(Token("w0", 0), again[1].fence or 0, Outcome.COMPLETED)]
+    )
+    assert all(r.released for r in reports)
+    assert [p.task_id for p in reports[0].promotions] == ["f-again"]
+    assert check_counters_once(engine) == []
+    # idle: every new key's rows go, but fresh:0's (f-again holds its slot, promoted)
+    assert drop_idle_keys_once(engine, idle=0.0) == 6
+    assert count(engine, "SELECT string_agg(key, ',') FROM keyed_slots WHERE key LIKE 'fresh:%' OR key = 'wide:new'") \
+        == "fresh:0"
+    assert count(engine, "SELECT string_agg(key, ',') FROM keyed_keys WHERE key LIKE 'fresh:%' OR key = 'wide:new'") \
+        == "fresh:0"
+
+
+def test_a_key_first_used_in_a_batch_holds_its_bound_within_the_batch(engine: sa.Engine, ledger: Ledger) -> None:
+    ledger.configure({"pair": NameConfig("pair", limit=2)})
+    got = ledger.admit_many([Arrival(f"d{i}", key="fresh:dup") for i in range(3)]
+                            + [Arrival(f"p{i}", key="pair:new") for i in range(3)])
+    assert [a.verdict for a in got] == [Verdict.ADMITTED, Verdict.PARKED, Verdict.PARKED,
+                                        Verdict.ADMITTED, Verdict.ADMITTED, Verdict.PARKED]
+    assert used(engine, "fresh:dup") == 1 and used(engine, "pair:new") == 2
+    assert parked(engine, "fresh:dup") == ["d1", "d2"] and parked(engine, "pair:new") == ["p2"]
+    assert check_counters_once(engine) == []
 
 
 def test_batch_where_some_rows_are_admitted_and_others_park(engine: sa.Engine, ledger: Ledger) -> None:

@@ -709,7 +709,8 @@ $$;
 -- keyed_claim_many: the fast claim of a batch of arrivals, each with one key, no group, no not-before, on a name
 -- without a rate: one call. One row per input position (ord, 1-based): new = this call recorded the task's first
 -- arrival; fence and shard when admitted. Not admitted (fence NULL): no room seen, a later attempt or a known task
--- (D8 is checked by the general path), expired, the key's first use (no slot rows yet), a rated name, or a row of a
+-- (D8 is checked by the general path), expired, the first use of a key of a sharded name (no slot rows yet; a
+-- single-shard name's key gets its rows here), a rated name, or a row of a
 -- key behind a row of that key that was not admitted (FIFO within a key, D10: a batch never lets a later arrival
 -- pass an earlier one). The caller admits those one by one, in input order.
 -- Locks: every task row first, in task id order; then the slot rows key by key in key order (a name with one shard
@@ -794,6 +795,23 @@ BEGIN
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
                           AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
                 RETURNING s.shard INTO v_shard;
+                IF v_shard IS NULL AND NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = r.key) THEN
+                    -- The key's first use (migration 0006): its slot row and its head row are created as
+                    -- keyed_admit_or_park_plain creates them (keyed_slots_ensure: row 0 of the name's layout, locked;
+                    -- then the head row), and the same guarded UPDATE takes the slot. Lock order as for any key:
+                    -- its slot rows, then its head row, before the next key's.
+                    PERFORM keyed_slots_ensure(r.key, v_name);
+                    INSERT INTO keyed_keys AS k (key, name, waiting, active_at) VALUES (r.key, v_name, 0, v_now)
+                    ON CONFLICT (key) DO UPDATE SET active_at = excluded.active_at;
+                    UPDATE keyed_slots s SET used = s.used + r.cost
+                     WHERE s.key = r.key AND s.shard = 0
+                       AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
+                       AND NOT EXISTS (
+                           SELECT 1 FROM keyed_waiting w
+                            WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
+                              AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
+                    RETURNING s.shard INTO v_shard;
+                END IF;
             ELSE
                 SELECT s.shard INTO v_shard FROM keyed_slots s
                  WHERE s.key = r.key AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)

@@ -3,7 +3,9 @@
 -- eleven), and that set-up was half of the cost of each claim row (88 us per row inserted one statement at a time,
 -- 12 us in one statement, measured on a durable server). Same slots, same guards and lock order, same answers; the
 -- failover guard still fires before any claim is written, and an error rolls the whole call back. A name's shard
--- count and rate are read once per name in a call, not once per key.
+-- count and rate are read once per name in a call, not once per key. The first use of a key of a single-shard name
+-- is claimed here too (its slot row and head row created as keyed_admit_or_park_plain creates them), where it went
+-- to a second round trip and a transaction of its own.
 
 CREATE OR REPLACE FUNCTION keyed_claim_many(
     p_task_ids text[], p_attempts integer[], p_task_names text[], p_keys text[], p_deadlines timestamptz[],
@@ -81,6 +83,23 @@ BEGIN
                         WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
                           AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
                 RETURNING s.shard INTO v_shard;
+                IF v_shard IS NULL AND NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = r.key) THEN
+                    -- The key's first use (migration 0006): its slot row and its head row are created as
+                    -- keyed_admit_or_park_plain creates them (keyed_slots_ensure: row 0 of the name's layout, locked;
+                    -- then the head row), and the same guarded UPDATE takes the slot. Lock order as for any key:
+                    -- its slot rows, then its head row, before the next key's.
+                    PERFORM keyed_slots_ensure(r.key, v_name);
+                    INSERT INTO keyed_keys AS k (key, name, waiting, active_at) VALUES (r.key, v_name, 0, v_now)
+                    ON CONFLICT (key) DO UPDATE SET active_at = excluded.active_at;
+                    UPDATE keyed_slots s SET used = s.used + r.cost
+                     WHERE s.key = r.key AND s.shard = 0
+                       AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
+                       AND NOT EXISTS (
+                           SELECT 1 FROM keyed_waiting w
+                            WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
+                              AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
+                    RETURNING s.shard INTO v_shard;
+                END IF;
             ELSE
                 SELECT s.shard INTO v_shard FROM keyed_slots s
                  WHERE s.key = r.key AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
