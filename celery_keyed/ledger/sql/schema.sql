@@ -727,7 +727,8 @@ LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     v_now timestamptz := COALESCE(p_now, now());
-    v_new boolean[];
+    v_inserted text[];
+    v_new boolean;
     r record;
     v_key text := NULL;
     v_name text := NULL;
@@ -745,21 +746,17 @@ DECLARE
     c_costs integer[] := '{}';
     c_fair_keys text[] := '{}';
 BEGIN
-    -- The books: one row per task id, inserted or locked in task id order; new only for the first position of a
-    -- task id in the batch (a second delivery in the same batch is a known task).
-    WITH a AS (
-        SELECT t.task_id, t.task_name, t.key, t.ord
-          FROM unnest(p_task_ids, p_task_names, p_keys) WITH ORDINALITY AS t(task_id, task_name, key, ord)
-    ), firsts AS (
-        SELECT DISTINCT ON (a.task_id) a.task_id, a.task_name, a.key, a.ord FROM a ORDER BY a.task_id, a.ord
-    ), ins AS (
+    -- The books: one row per task id, inserted or locked in task id order (its first position's name and key); new
+    -- only for the first position of a task id in the batch (a second delivery in the same batch is a known task).
+    WITH ins AS (
         INSERT INTO keyed_tasks AS kt (task_id, task_name, key, group_key, arrived_at)
-        SELECT f.task_id, f.task_name, f.key, NULL, v_now FROM firsts f ORDER BY f.task_id
+        SELECT DISTINCT ON (t.task_id) t.task_id, t.task_name, t.key, NULL, v_now
+          FROM unnest(p_task_ids, p_task_names, p_keys) WITH ORDINALITY AS t(task_id, task_name, key, ord)
+         ORDER BY t.task_id, t.ord
         ON CONFLICT (task_id) DO UPDATE SET task_id = excluded.task_id
         RETURNING kt.task_id, (kt.xmax = 0) AS new
     )
-    SELECT array_agg(COALESCE(ins.new AND f.ord = a.ord, false) ORDER BY a.ord) INTO v_new
-      FROM a JOIN firsts f ON f.task_id = a.task_id JOIN ins ON ins.task_id = a.task_id;
+    SELECT COALESCE(array_agg(ins.task_id) FILTER (WHERE ins.new), '{}') INTO v_inserted FROM ins;
 
     FOR r IN
         SELECT t.key, t.ord::integer AS ord, t.task_id, t.attempt, t.deadline, t.cost, t.fair_key
@@ -781,7 +778,8 @@ BEGIN
         END IF;
         v_shard := NULL;
         v_fence := NULL;
-        IF NOT v_blocked AND v_new[r.ord] AND NOT v_rated AND (r.deadline IS NULL OR r.deadline > v_now) THEN
+        v_new := r.task_id = ANY(v_inserted) AND array_position(p_task_ids, r.task_id) = r.ord;
+        IF NOT v_blocked AND v_new AND NOT v_rated AND (r.deadline IS NULL OR r.deadline > v_now) THEN
             IF v_shards = 1 THEN
                 -- One row: the guarded UPDATE is the claim (D1, D2), its share read once. It takes the row's lock
                 -- only when the guard holds, and READ COMMITTED re-evaluates the guard (a fresh share) on the row's
@@ -841,7 +839,7 @@ BEGIN
             v_blocked := true;  -- FIFO within the key: the rows of this key behind it wait for the caller
         END IF;
         ord := r.ord;
-        new := v_new[r.ord];
+        new := v_new;
         fence := v_fence;
         shard := v_shard;
         RETURN NEXT;
