@@ -74,22 +74,7 @@ BEGIN
                 -- only when the guard holds, and READ COMMITTED re-evaluates the guard (a fresh share) on the row's
                 -- newest version after waiting for that lock. A key whose rows still follow another shard count
                 -- (before the sweep moves them) is tried on its row 0 only; refused, it takes the general path.
-                UPDATE keyed_slots s SET used = s.used + r.cost
-                 WHERE s.key = r.key AND s.shard = 0
-                   AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
-                   AND NOT EXISTS (
-                       SELECT 1 FROM keyed_waiting w
-                        WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
-                          AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
-                RETURNING s.shard INTO v_shard;
-                IF v_shard IS NULL AND NOT EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = r.key) THEN
-                    -- The key's first use (migration 0006): its slot row and its head row are created as
-                    -- keyed_admit_or_park_plain creates them (keyed_slots_ensure: row 0 of the name's layout, locked;
-                    -- then the head row), and the same guarded UPDATE takes the slot. Lock order as for any key:
-                    -- its slot rows, then its head row, before the next key's.
-                    PERFORM keyed_slots_ensure(r.key, v_name);
-                    INSERT INTO keyed_keys AS k (key, name, waiting, active_at) VALUES (r.key, v_name, 0, v_now)
-                    ON CONFLICT (key) DO UPDATE SET active_at = excluded.active_at;
+                FOR v_try IN 1 .. 2 LOOP
                     UPDATE keyed_slots s SET used = s.used + r.cost
                      WHERE s.key = r.key AND s.shard = 0
                        AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
@@ -98,7 +83,16 @@ BEGIN
                             WHERE w.key = r.key AND NOT w.shadow AND (w.not_before IS NULL OR w.not_before <= v_now)
                               AND NOT w.group_blocked AND (w.deadline IS NULL OR w.deadline > v_now))
                     RETURNING s.shard INTO v_shard;
-                END IF;
+                    EXIT WHEN v_shard IS NOT NULL OR v_try = 2
+                              OR EXISTS (SELECT 1 FROM keyed_slots s WHERE s.key = r.key);
+                    -- The key's first use (migration 0006): its slot row and its head row are created as
+                    -- keyed_admit_or_park_plain creates them (keyed_slots_ensure: row 0 of the name's layout, locked;
+                    -- then the head row), and the same guarded UPDATE takes the slot. Lock order as for any key:
+                    -- its slot rows, then its head row, before the next key's.
+                    PERFORM keyed_slots_ensure(r.key, v_name);
+                    INSERT INTO keyed_keys AS k (key, name, waiting, active_at) VALUES (r.key, v_name, 0, v_now)
+                    ON CONFLICT (key) DO UPDATE SET active_at = excluded.active_at;
+                END LOOP;
             ELSE
                 SELECT s.shard INTO v_shard FROM keyed_slots s
                  WHERE s.key = r.key AND s.used + r.cost <= keyed_row_share(r.key, v_now, s.shards, v_shards, s.shard)
