@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any
 
@@ -47,10 +48,8 @@ from celery_keyed.ledger.attempts import (
 from celery_keyed.ledger.batches import Batches
 from celery_keyed.ledger.books import (
     books_balance,
-    books_mark_notified,
     books_open_idle,
     books_reject_unkeyable,
-    books_unnotified,
 )
 from celery_keyed.ledger.bounds import (
     COST_MAX,
@@ -104,6 +103,7 @@ from celery_keyed.ledger.migrations import (
     schema_required,
 )
 from celery_keyed.ledger.names import NameConfig, names_newest_version, parse_limits
+from celery_keyed.ledger.never_ran import NeverRan, take_never_ran
 from celery_keyed.ledger.outbox import outbox_by_name, outbox_register
 from celery_keyed.ledger.outcome_kinds import NEVER_RAN_KINDS, OUTCOME_KINDS
 from celery_keyed.ledger.overrides import clear_override, override_get, set_override
@@ -168,6 +168,7 @@ __all__ = [
     "LostBooks",
     "NameConfig",
     "NameStatus",
+    "NeverRan",
     "Outcome",
     "Promotion",
     "RecentStatus",
@@ -515,14 +516,12 @@ class Ledger(OperatorControls, ProducerCalls):
             lambda conn: books_reject_unkeyable(conn, task_id, task_name=task_name, detail=detail, now=now)
         )
 
-    def unnotified(self, *, limit: int = 500) -> list[sa.Row[Any]]:
-        """Tasks that never ran whose failure result is not stored yet (D11)."""
-        with self.engine.connect() as conn:
-            return books_unnotified(conn, limit)
-
-    def mark_notified(self, task_ids: list[str]) -> None:
-        """Their failure results are stored."""
-        self.transaction(lambda conn: books_mark_notified(conn, task_ids))
+    def take_never_ran(
+        self, task_ids: list[str] | None = None, *, limit: int = 500
+    ) -> AbstractContextManager[NeverRan]:
+        """A context manager: the never-ran rows whose failure result is not stored yet, locked for the caller while
+        it stores them (``never_ran.take_never_ran``: ``task_ids``, else the sweep's oldest ``limit``)."""
+        return take_never_ran(self.engine, task_ids, limit=limit)
 
     def captured_keys(self, names: list[str]) -> list[sa.Row[Any]]:
         """Per name, the keys seen while it was a K = 1 identity (prefix capture, DESIGN §3.11)."""

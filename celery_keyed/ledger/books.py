@@ -81,13 +81,14 @@ BOOKS_REVOKE_UNARRIVED = sa.text(
 )
 
 # books_reject_unkeyable: an arrival whose keys cannot be read (a foreign producer's malformed headers) gets its
-# one outcome, rejected, without entering admission; its failure result is stored by the caller (notified).
+# one outcome, rejected, without entering admission; its failure result is stored by the caller, which takes the row
+# to notify like any (``books_take_unnotified``).
 BOOKS_REJECT_UNKEYABLE = sa.text(
     f"""
-    INSERT INTO keyed_tasks AS t (task_id, task_name, arrived_at, outcome, finished_at, detail, notified)
-    VALUES (:task_id, :task_name, {NOW}, 'rejected', {NOW}, :detail, true)
+    INSERT INTO keyed_tasks AS t (task_id, task_name, arrived_at, outcome, finished_at, detail)
+    VALUES (:task_id, :task_name, {NOW}, 'rejected', {NOW}, :detail)
     ON CONFLICT (task_id) DO UPDATE
-       SET outcome = 'rejected', finished_at = excluded.finished_at, detail = excluded.detail, notified = true
+       SET outcome = 'rejected', finished_at = excluded.finished_at, detail = excluded.detail
      WHERE t.outcome IS NULL  -- one outcome per task id
        -- an arrival recorded by an earlier call that committed alone (the fast claim) and then refused: no attempt
        -- of the task lives (a running or parked copy keeps its books; only this copy is refused)
@@ -96,16 +97,33 @@ BOOKS_REJECT_UNKEYABLE = sa.text(
     """
 )
 
-# books_unnotified: never-ran outcomes whose failure result is not stored yet (D11).
-BOOKS_UNNOTIFIED = sa.text(
-    """
+# books_take_unnotified: never-ran outcomes whose failure result is not stored yet (D11), locked until the caller's
+# transaction ends. The notifier holding a row stores its result and marks it notified before it commits; one running
+# at the same time (another thread, another worker) skips the row (SKIP LOCKED), or, when it read the row before the
+# commit, finds it notified when it locks it: one result stored, one errback called. A row without a stored message
+# (a refusal at arrival) is left to the worker that refused it, which holds the request's context, for ``:grace``
+# seconds; after that the sweep stores it from the books.
+BOOKS_TAKE_UNNOTIFIED = sa.text(
+    f"""
     SELECT task_id, task_name, outcome, detail, message FROM keyed_tasks
      WHERE NOT notified AND outcome = ANY(:outcomes)
+       AND (message IS NOT NULL OR finished_at < {NOW} - make_interval(secs => :grace))
      ORDER BY finished_at LIMIT :limit
+       FOR UPDATE SKIP LOCKED
     """
 )
+# books_take_unnotified_ids: the same for the given task ids, at once (the worker that decided their outcome).
+BOOKS_TAKE_UNNOTIFIED_IDS = sa.text(
+    """
+    SELECT task_id, task_name, outcome, detail, message FROM keyed_tasks
+     WHERE task_id = ANY(:task_ids) AND NOT notified AND outcome = ANY(:outcomes)
+     ORDER BY task_id
+       FOR UPDATE SKIP LOCKED
+    """
+)
+BOOKS_KNOWN = sa.text("SELECT task_id FROM keyed_tasks WHERE task_id = ANY(:task_ids)")
 BOOKS_MARK_NOTIFIED = sa.text(
-    "UPDATE keyed_tasks SET notified = true, message = NULL WHERE task_id = ANY(:task_ids)"
+    "UPDATE keyed_tasks SET notified = true, message = NULL WHERE task_id = ANY(:task_ids) AND NOT notified"
 )
 
 # books_record_lost: a registered group number never received gets its one outcome, lost (D10); a task id that
@@ -200,9 +218,27 @@ def books_prune(conn: sa.Connection, *, retention: float, batch: int, now: datet
     return int(conn.execute(BOOKS_PRUNE, params).scalar_one())
 
 
-def books_unnotified(conn: sa.Connection, limit: int = 500) -> list[sa.Row[Any]]:
-    """Tasks that never ran and whose failure result has not been stored yet."""
-    return list(conn.execute(BOOKS_UNNOTIFIED, {"limit": limit, "outcomes": list(NEVER_RAN)}))
+def books_take_unnotified(
+    conn: sa.Connection,
+    task_ids: list[str] | None = None,
+    *,
+    limit: int = 500,
+    grace: float = 0.0,
+    now: datetime | None = None,
+) -> list[sa.Row[Any]]:
+    """Tasks that never ran whose failure result is not stored yet, each locked until the transaction ends; another
+    transaction's rows are skipped. ``task_ids``: only these (no grace); else the oldest ``limit``, rows without a
+    stored message only once they are ``grace`` seconds old."""
+    outcomes = list(NEVER_RAN)
+    if task_ids is not None:
+        return list(conn.execute(BOOKS_TAKE_UNNOTIFIED_IDS, {"task_ids": task_ids, "outcomes": outcomes}))
+    params = {"limit": limit, "outcomes": outcomes, "grace": grace, "now": now}
+    return list(conn.execute(BOOKS_TAKE_UNNOTIFIED, params))
+
+
+def books_known(conn: sa.Connection, task_ids: list[str]) -> set[str]:
+    """Which of these task ids have a row in the books."""
+    return set(conn.execute(BOOKS_KNOWN, {"task_ids": task_ids}).scalars())
 
 
 def books_mark_notified(conn: sa.Connection, task_ids: list[str]) -> None:

@@ -121,30 +121,38 @@ class Sweeper:
             grouped_timeout=arrival_timeout(settings, grouped=True),
         )
 
-    def notify_never_ran(self) -> None:
-        """Store a failure result for every task that got a final outcome without running (D11)."""
-        rows = self.ledger.unnotified()
-        done = []
-        for row in rows:
-            self.store_never_ran(row.task_id, row.outcome, row.detail, row.message, task_name=row.task_name)
-            done.append(row.task_id)
-        if done:
-            self.ledger.mark_notified(done)
+    def notify_never_ran(self, task_ids: list[str] | None = None) -> None:
+        """Store a failure result for every task that got a final outcome without running (D11): ``task_ids``, or
+        the oldest the books list. Each row is held while its result is stored (``Ledger.take_never_ran``), so a
+        result is stored once however many notifiers run. A store that failed (the backend out of reach, most
+        likely) ends the turn: that row and the rest wait for the next sweep."""
+        with self.ledger.take_never_ran(task_ids) as taken:
+            for row in taken.rows:
+                if not self.store_never_ran(row.task_id, row.outcome, row.detail, row.message, task_name=row.task_name):
+                    break
+                taken.stored(row.task_id)
 
     def store_never_ran(
         self, task_id: str, outcome: str, detail: str, record: dict[str, Any] | None, task_name: str = ""
-    ) -> None:
+    ) -> bool:
         """Store the failure result of a task that will never run (``KeyedRejected``, ``KeyedExpired``…, D11)
-        through its task's result backend, and announce it."""
+        through its task's result backend, and announce it. True when stored. A stored message the backend cannot
+        take as a request (a hostile producer's) is stored without its context rather than retried for ever."""
         app = self.app
         exc = exceptions.BY_OUTCOME.get(outcome, exceptions.KeyedOutcome)(detail)
-        context = context_from_record(record) if record else {"id": task_id, "task": task_name}
-        try:
-            task = app.tasks.get(context.get("task") or task_name)
-            backend = task.backend if task is not None else app.backend
-            from celery.app.task import Context
+        bare = {"id": task_id, "task": task_name}
+        context = context_from_record(record) if record else bare
+        name = str(context.get("task") or task_name)
+        from celery.app.task import Context
 
-            backend.mark_as_failure(task_id, exc, request=Context(context), store_result=True)
-        except Exception:
-            logger.exception("celery-keyed: could not store the %s outcome of %s", outcome, task_id)
-        self.announce_never_ran(task_id, outcome, detail, str(context.get("task") or task_name), None)
+        task = app.tasks.get(name)
+        backend = task.backend if task is not None else app.backend
+        for attempt in (context, bare) if context is not bare else (bare,):
+            try:
+                backend.mark_as_failure(task_id, exc, request=Context(attempt), store_result=True)
+            except Exception:
+                logger.exception("celery-keyed: could not store the %s outcome of %s", outcome, task_id)
+                continue
+            self.announce_never_ran(task_id, outcome, detail, name, None)
+            return True
+        return False

@@ -55,8 +55,9 @@ class Verdicts:
             self.journal_parked(request)
             worker_state.task_ready(request)
             self._announce_parked(request.id, request.name, key)
-            for task_id in admission.superseded:
-                self.sweeper.store_never_ran(task_id, "superseded", f"replaced by {request.id}", None)
+            if admission.superseded:  # stored from their books rows (their stored messages: their errbacks)
+                with contextlib.suppress(sa.exc.SQLAlchemyError, LedgerError):
+                    self.sweeper.notify_never_ran(list(admission.superseded))
         elif admission.verdict is Verdict.DUPLICATE:
             logger.info(
                 "celery-keyed: duplicate delivery of %s[%s] dropped (%s)", request.name, request.id, admission.detail
@@ -72,16 +73,14 @@ class Verdicts:
         logger.error("celery-keyed: %s[%s] rejected: %s", task_name, task_id[:300], detail)
         with contextlib.suppress(sa.exc.SQLAlchemyError, LedgerError):
             self.ledger.reject_unkeyable(task_id, task_name=task_name, detail=detail)
-        try:
+
+        def store() -> None:
             backend = task.backend if task is not None else self.app.backend
             backend.mark_as_failure(task_id, exceptions.KeyedRejected(detail), store_result=True)
-        except Exception:
-            logger.exception("celery-keyed: could not store the rejected result of %s", task_id[:300])
-            return
-        with contextlib.suppress(Exception):
-            self.announce_never_ran(task_id, "rejected", detail, task_name, None)
-        with contextlib.suppress(sa.exc.SQLAlchemyError, LedgerError):
-            self.ledger.mark_notified([task_id])
+
+        if self._store_once(task_id, "rejected", store):
+            with contextlib.suppress(Exception):
+                self.announce_never_ran(task_id, "rejected", detail, task_name, None)
 
     def _finish_without_running(
         self, request: Any, outcome: str, detail: str, *, record_in_ledger: bool = False
@@ -93,16 +92,43 @@ class Verdicts:
             with contextlib.suppress(sa.exc.SQLAlchemyError, LedgerError):
                 self.ledger.reject_unkeyable(request.id, task_name=request.name, detail=detail)
         logger.warning("celery-keyed: %s[%s] %s: %s", request.name, request.id, outcome, detail)
-        stored = False
-        try:
+
+        def store() -> None:
             exc = exceptions.BY_OUTCOME[outcome](detail)
             request.task.backend.mark_as_failure(request.id, exc, request=request._context, store_result=True)
-            stored = True
-        except Exception:
-            logger.exception("celery-keyed: could not store the %s result of %s", outcome, request.id)
+
+        stored = self._store_once(request.id, outcome, store)
         request.acknowledge()
         worker_state.task_ready(request)
-        self.announce_never_ran(request.id, outcome, detail, request.name, getattr(request, "keyed_arrival_key", None))
         if stored:
-            with contextlib.suppress(sa.exc.SQLAlchemyError, LedgerError):
-                self.ledger.mark_notified([request.id])
+            self.announce_never_ran(
+                request.id, outcome, detail, request.name, getattr(request, "keyed_arrival_key", None)
+            )
+
+    def _store_once(self, task_id: str, outcome: str, store: Callable[[], None]) -> bool:
+        """Store the result of a task this worker refused, with the request's context, unless another notifier
+        holds its books row or has stored it (``Ledger.take_never_ran``: one result, one errback). A task id the
+        books do not know is stored here (nobody else will); with the ledger out of reach too, at the risk of a
+        second store by a sweep later. True when this call stored it."""
+        state = {"tried": False, "stored": False}
+
+        def attempt() -> bool:
+            state["tried"] = True
+            try:
+                store()
+            except Exception:
+                logger.exception("celery-keyed: could not store the %s result of %s", outcome, task_id[:300])
+                return False
+            state["stored"] = True
+            return True
+
+        try:
+            with self.ledger.take_never_ran([task_id]) as taken:
+                if taken.rows and attempt():
+                    taken.stored(task_id)
+                elif not taken.rows and task_id in taken.unknown:
+                    attempt()
+        except (sa.exc.SQLAlchemyError, LedgerError):
+            if not state["tried"]:
+                attempt()
+        return state["stored"]
