@@ -168,7 +168,6 @@ __all__ = [
     "LostBooks",
     "NameConfig",
     "NameStatus",
-    "NeverRan",
     "Outcome",
     "Promotion",
     "RecentStatus",

@@ -102,7 +102,8 @@ def _sweeper(app: Celery, ledger: Ledger) -> Sweeper:
 
 def _notified(engine: sa.Engine, task_id: str) -> bool:
     with engine.connect() as conn:
-        return bool(conn.execute(sa.text("SELECT notified FROM keyed_tasks WHERE task_id = :t"), {"t": task_id}).scalar())
+        row = conn.execute(sa.text("SELECT notified FROM keyed_tasks WHERE task_id = :t"), {"t": task_id})
+        return bool(row.scalar())
 
 
 @pytest.fixture
