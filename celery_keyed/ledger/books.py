@@ -112,13 +112,17 @@ BOOKS_TAKE_UNNOTIFIED = sa.text(
        FOR UPDATE SKIP LOCKED
     """
 )
-# books_take_unnotified_ids: the same for the given task ids, at once (the worker that decided their outcome).
+# books_take_unnotified_ids: the same for the given task ids, at once (the worker that decided their outcome, or
+# that stored a revoke), waiting for a row another notifier holds: that notifier commits it notified, and this one
+# then passes it by (the row is read again once locked). The caller returns only once their results are stored —
+# by it or by another worker (Celery's revoke command, right after, stores REVOKED for a task without a result). In
+# task id order, so two such callers never wait for each other in a circle; the sweep never waits.
 BOOKS_TAKE_UNNOTIFIED_IDS = sa.text(
     """
     SELECT task_id, task_name, outcome, detail, message FROM keyed_tasks
      WHERE task_id = ANY(:task_ids) AND NOT notified AND outcome = ANY(:outcomes)
      ORDER BY task_id
-       FOR UPDATE SKIP LOCKED
+       FOR UPDATE
     """
 )
 BOOKS_KNOWN = sa.text("SELECT task_id FROM keyed_tasks WHERE task_id = ANY(:task_ids)")
@@ -226,8 +230,9 @@ def books_take_unnotified(
     grace: float = 0.0,
     now: datetime | None = None,
 ) -> list[sa.Row[Any]]:
-    """Tasks that never ran whose failure result is not stored yet, each locked until the transaction ends; another
-    transaction's rows are skipped. ``task_ids``: only these (no grace); else the oldest ``limit``, rows without a
+    """Tasks that never ran whose failure result is not stored yet, each locked until the transaction ends.
+    ``task_ids``: these, waiting for the ones another transaction holds (the caller bounds the wait: a
+    ``lock_timeout``); else the oldest ``limit``, skipping the ones another transaction holds, and rows without a
     stored message only once they are ``grace`` seconds old."""
     outcomes = list(NEVER_RAN)
     if task_ids is not None:

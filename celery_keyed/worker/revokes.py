@@ -39,12 +39,12 @@ class Revokes:
         ledger: Any,
         breaker: Any,
         dispatch: Callable[..., None],
-        notify_never_ran: Callable[[], None],
+        notify_never_ran: Callable[[list[str]], None],
     ) -> None:
         self.ledger = ledger
         self.breaker = breaker
         self.dispatch = dispatch  # the handoff's dispatch of promotions
-        self.notify_never_ran = notify_never_ran  # the sweeper's: store the results of tasks that never ran
+        self.notify_never_ran = notify_never_ran  # the sweeper's: store the results of these tasks that never ran
         self.pending: deque[str] = deque()  # revokes not yet stored (ledger unreachable)
 
     def record(self, task_ids: Iterable[str]) -> None:
@@ -85,7 +85,9 @@ class Revokes:
                 logger.error("celery-keyed: the ledger refused the revoke of %r: %s", task_id[:300], exc)
                 continue
             self.dispatch(promotions, local=local)
-        self.notify_never_ran()
+        # Their KeyedRevoked results, before Celery's handler runs: it stores REVOKED for a task without a result.
+        # Another worker storing one of them (the broadcast reaches every worker) is waited for.
+        self.notify_never_ran(task_ids)
 
     def flush_pending(self, budget: int | None = None) -> None:
         """Heartbeat thread: store the revokes received while the ledger was unreachable, or beyond what one

@@ -12,8 +12,9 @@ last, the outbox relay publishes what is due (``publisher.relay_outbox``).
 Threads and fields: the sweeper's thread belongs to the consumer (started and stopped with it; skips its turn
 while the breaker is open). ``_last_reclaim`` and ``_last_gone_check`` are its thread's only (``sweep_once``
 called by a test runs in the test's thread, with the thread not started). ``notify_never_ran`` and
-``store_never_ran`` also run on the loop (after a revoke, a supersede) and on the heartbeat (pending revokes):
-they keep no state.
+``store_never_ran`` also run on the loop (after a revoke, a supersede: for those task ids, waiting for another
+worker storing one of them) and on the heartbeat (pending revokes): they keep no state; the ledger's row locks keep
+two of them from storing one result (``Ledger.take_never_ran``).
 """
 
 from __future__ import annotations

@@ -151,27 +151,63 @@ def test_two_sweeps_at_once_store_a_revoked_result_once_and_call_its_errback_onc
         app.AsyncResult(task_id).get(timeout=WAIT)
 
 
-def test_the_worker_that_refused_skips_a_result_another_notifier_is_storing(
+def test_a_notifier_of_given_tasks_waits_for_the_one_storing_them_and_stores_nothing_more(
     app: Celery, engine: sa.Engine, two_workers: tuple[Ledger, Ledger]
 ) -> None:
-    """The direct path (a worker storing the result of a task it refused or superseded, with the request's
-    context) stores nothing while another notifier holds the row or after it stored it; it stores a task id the
-    books do not know (nobody else would)."""
+    """The revoke broadcast reaches both workers; A's sweep is storing the revoked task's result when B's revoke
+    command asks for it. B waits for A (Celery's revoke handler, which B runs next, stores REVOKED over a task
+    without a result: B must not return before the KeyedRevoked result is stored), then finds it notified and
+    stores nothing. The worker that refused a task (``Verdicts._store_once``) waits the same way."""
     first, second = two_workers
-    task_id = _revoked_while_parked(app, first, "direct")
+    task_id = _revoked_while_parked(app, first, "wait")
+    backend = Backend(app)
+    backend.hold = True
+    a, b = _sweeper(app, first), _sweeper(app, second)
+    thread = threading.Thread(target=a.notify_never_ran)
+    thread.start()
+    b_done = threading.Event()
+    results: list[Any] = []
+
+    def revoke_command_b() -> None:
+        b.notify_never_ran([task_id])
+        results.append(app.backend.get_state(task_id))  # what Celery's revoke handler would read next
+        b_done.set()
+
+    waiter = threading.Thread(target=revoke_command_b)
+    try:
+        assert backend.entered.wait(WAIT)
+        waiter.start()
+        assert not b_done.wait(0.5)  # B waits while A stores
+    finally:
+        backend.go.set()
+        thread.join(WAIT)
+        waiter.join(WAIT)
+    assert b_done.is_set() and results == ["FAILURE"]
+    assert backend.stored == [task_id] and app.errbacks == [task_id]  # type: ignore[attr-defined]
+
     verdicts = Verdicts(
         app=app, ledger=second, releaser=None, sweeper=None, announce_parked=lambda *a: None,
         announce_never_ran=lambda *a: None,
     )
     calls: list[str] = []
+    assert not verdicts._store_once(task_id, "revoked", lambda: calls.append(task_id))  # stored already
+    assert verdicts._store_once("never-booked", "rejected", lambda: calls.append("never-booked"))  # nobody else will
+    assert calls == ["never-booked"]
+
+
+def test_a_notifier_of_given_tasks_waits_a_bounded_time(
+    app: Celery, engine: sa.Engine, two_workers: tuple[Ledger, Ledger]
+) -> None:
+    """A notifier whose store hangs does not hold another worker's loop for longer than the wait: the other one
+    leaves the row to it (and stores nothing)."""
+    first, _ = two_workers
+    task_id = _revoked_while_parked(app, first, "bounded")
     with first.take_never_ran() as held:
         assert [r.task_id for r in held.rows] == [task_id]
-        assert not verdicts._store_once(task_id, "revoked", lambda: calls.append(task_id))
+        with take_never_ran(engine, [task_id], wait=0.2) as other:
+            assert other.rows == [] and other.unknown == set()
         held.stored(task_id)
-    assert calls == [] and _notified(engine, task_id)
-    assert not verdicts._store_once(task_id, "revoked", lambda: calls.append(task_id))  # stored already
-    assert verdicts._store_once("never-booked", "rejected", lambda: calls.append("never-booked"))
-    assert calls == ["never-booked"]
+    assert _notified(engine, task_id)
 
 
 def test_a_malformed_message_refused_by_two_workers_stores_one_result(
