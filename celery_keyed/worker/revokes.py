@@ -78,16 +78,19 @@ class Revokes:
         """Store each revoke; one the ledger refuses for its value (a foreign task id it cannot hold: over 255
         characters' index row, a NUL) is logged and dropped, and never keeps the others from being stored. Celery's
         own in-memory revoke still applies to it. An unreachable ledger raises (the caller keeps the rest)."""
+        stored = []
         for task_id in task_ids:  # a revoked group member: its group moves on (its promotions)
             try:
                 promotions = self.ledger.revoke(task_id)
             except (sa.exc.DataError, sa.exc.IntegrityError, sa.exc.ProgrammingError, LedgerError) as exc:
                 logger.error("celery-keyed: the ledger refused the revoke of %r: %s", task_id[:300], exc)
                 continue
+            stored.append(task_id)
             self.dispatch(promotions, local=local)
         # Their KeyedRevoked results, before Celery's handler runs: it stores REVOKED for a task without a result.
         # Another worker storing one of them (the broadcast reaches every worker) is waited for.
-        self.notify_never_ran(task_ids)
+        if stored:
+            self.notify_never_ran(stored)
 
     def flush_pending(self, budget: int | None = None) -> None:
         """Heartbeat thread: store the revokes received while the ledger was unreachable, or beyond what one
