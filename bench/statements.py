@@ -7,17 +7,31 @@ PL/pgSQL functions and triggers are counted too), warms ``--keys`` keys, then ru
 connection: the calls a worker's threads make in bench.gate's scenario b. Prints each statement's calls and execution
 time per round (µs), the top-level calls first by their total; a statement inside a function is counted inside its
 caller's time as well.
+
+Then the server's CPU per task (every backend of the run's database, from ``/proc``), and with ``--wal`` the WAL the
+measured rounds wrote, per task and by record type (``pg_waldump --stats=record`` of the server's binaries); with
+``--perf`` where the backends' CPU goes by kind of work (``perf record -g`` on the backends, Linux ``perf`` on the
+PATH), each kind the share of samples whose stack holds one of its PostgreSQL functions: what a statement costs to
+start and end, its CHECK constraints, the commit, the rows and index entries themselves.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
+import subprocess
+import tempfile
 import time
+from collections import Counter
+from pathlib import Path
 
 import sqlalchemy as sa
 
 from bench.ledger import bench_database
 from celery_keyed.ledger import Arrival, Ledger, Outcome, ReleaseRequest, Token
+from celery_keyed.testing import find_postgres_bindir
 
 SETTINGS = {
     "shared_preload_libraries": "pg_stat_statements",
@@ -37,6 +51,75 @@ REPORT = sa.text(
 )
 
 
+# Kinds of a backend's work, by the PostgreSQL functions whose frames a perf sample's stack holds (a sample counts in
+# every kind it matches: the kinds overlap, e.g. the WAL flush is part of the commit).
+PERF_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the ledger's functions (PL/pgSQL), inclusive", ("plpgsql_exec_function",)),
+    ("a statement's start and end (executor set-up, tear-down, plan cache)",
+     ("standard_ExecutorStart", "standard_ExecutorEnd", "standard_ExecutorFinish", "GetCachedPlan", "PortalStart")),
+    ("CHECK constraints (their expressions are set up again at every statement)", ("ExecConstraints",)),
+    ("the commit", ("CommitTransactionCommand",)),
+    ("— of which the WAL flush (fsync)", ("XLogFlush",)),
+    ("triggers (the outbox's, the failover guard)",
+     ("plpgsql_exec_trigger", "ExecBRInsertTriggers", "AfterTriggerEndQuery", "ExecARInsertTriggers")),
+    ("rows written (heap insert, update, delete)", ("heap_insert", "heap_update", "heap_delete")),
+    ("index entries written", ("ExecInsertIndexTuples",)),
+    ("index lookups", ("index_getnext_slot", "_bt_first")),
+    ("WAL records (insert)", ("XLogInsert",)),
+    ("the client protocol (read, parse, bind, send)",
+     ("pq_getbyte", "socket_flush", "exec_parse_message", "exec_bind_message", "internal_flush", "secure_read")),
+)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def backend_cpu(pids: list[int]) -> float | None:
+    """CPU seconds (user + system) the given server processes used so far; None where /proc cannot tell."""
+    try:
+        return sum(_cpu_seconds(pid) for pid in pids)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def wal_by_record(bindir: Path, datadir: str, start: str, end: str) -> list[tuple[str, int, int, int]] | str:
+    """``pg_waldump --stats=record`` between two LSNs: (record type, records, bytes without full pages, full-page
+    bytes) per type, or why it could not run."""
+    waldump = bindir / "pg_waldump"
+    if not waldump.is_file():
+        return f"no pg_waldump in {bindir}"
+    cmd = [str(waldump), "-p", str(Path(datadir) / "pg_wal"), "-s", start, "-e", end, "--stats=record"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rows = []
+    for line in done.stdout.splitlines():
+        m = re.match(r"^(\S+/\S+)\s+(\d+)\s+\(\s*[\d.]+\)\s+(\d+)\s+\(\s*[\d.]+\)\s+(\d+)", line)
+        if m:
+            rows.append((m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))))
+    return rows or f"pg_waldump gave nothing: {done.stderr.strip()[:200]}"
+
+
+def perf_kinds(data: Path) -> tuple[int, Counter[str]] | str:
+    """The samples of a ``perf record -g`` file, and how many of them fall in each of PERF_KINDS."""
+    done = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return f"perf script failed: {done.stderr.strip()[:200]}"
+    total = 0
+    counts: Counter[str] = Counter()
+    for sample in done.stdout.split("\n\n"):
+        lines = sample.strip().splitlines()
+        if not lines:
+            continue
+        total += 1
+        frames = {re.sub(r"\+0x.*$", "", parts[1]) for parts in (ln.split() for ln in lines[1:]) if len(parts) > 1}
+        for kind, functions in PERF_KINDS:
+            if frames.intersection(functions):
+                counts[kind] += 1
+    return total, counts
+
+
 def rounds(ledger: Ledger, keys: list[str], tag: str, batches: int, size: int) -> float:
     """``batches`` rounds of a claim of ``size`` arrivals and the release of their claims; seconds of wall time."""
     started = time.perf_counter()
@@ -52,29 +135,70 @@ def rounds(ledger: Ledger, keys: list[str], tag: str, batches: int, size: int) -
     return time.perf_counter() - started
 
 
+PIDS = sa.text(
+    """
+    SELECT pid, datname IS NOT NULL AS backend FROM pg_stat_activity
+     WHERE datname = current_database() OR backend_type IN ('walwriter', 'checkpointer', 'background writer')
+    """
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.statements", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=1500, help="rounds measured (default 1500)")
     parser.add_argument("--size", type=int, default=3, help="arrivals per claim call and releases per call (3)")
     parser.add_argument("--keys", type=int, default=1000, help="uncontended keys, warmed first (1000)")
     parser.add_argument("--rows", type=int, default=25, help="statements shown (25)")
+    parser.add_argument("--wal", action="store_true", help="also the WAL per task by record type (pg_waldump)")
+    parser.add_argument("--perf", action="store_true", help="also where the backends' CPU goes (Linux perf)")
     args = parser.parse_args(argv)
-    with bench_database(SETTINGS) as (url, server):
+    if args.perf and shutil.which("perf") is None:
+        parser.error("--perf needs Linux perf on the PATH")
+    wal: list[tuple[str, int, int, int]] | str = "not asked (--wal)"
+    profile: tuple[int, Counter[str]] | str = "not asked (--perf)"
+    with bench_database(SETTINGS) as (url, server), tempfile.TemporaryDirectory() as tmp:
         engine = sa.create_engine(url, pool_size=2)
         try:
             with engine.begin() as conn:
                 conn.execute(sa.text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
-            ledger = Ledger(engine, holder="bench-statements")
+            ledger = Ledger(engine, holder="bench:1:statements")
             keys = [f"k:{i}" for i in range(args.keys)]
             rounds(ledger, keys, "warm", max(1, args.keys // args.size + 100), args.size)
             with engine.begin() as conn:
                 conn.execute(sa.text("SELECT pg_stat_statements_reset()"))
+                conn.execute(sa.text("CHECKPOINT"))  # full-page images after it are counted apart
+                found = conn.execute(PIDS).all()
+                datadir = conn.execute(sa.text("SHOW data_directory")).scalar_one()
+                start_lsn = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
+            backends = [row.pid for row in found if row.backend]
+            background = [row.pid for row in found if not row.backend]
+            before = backend_cpu(backends), backend_cpu(background)
+            recorder = None
+            data = Path(tmp) / "perf.data"
+            if args.perf:
+                recorder = subprocess.Popen(
+                    ["perf", "record", "-g", "-F", "1999", "-o", str(data), "-p", ",".join(map(str, backends))],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)  # perf attaches
             wall = rounds(ledger, keys, "run", args.batches, args.size)
+            if recorder is not None:
+                recorder.terminate()
+                recorder.wait()
+            after = backend_cpu(backends), backend_cpu(background)
             with engine.connect() as conn:
+                end_lsn = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
+                wal_bytes = conn.execute(
+                    sa.text("SELECT pg_wal_lsn_diff(CAST(:e AS pg_lsn), CAST(:s AS pg_lsn))"),
+                    {"e": end_lsn, "s": start_lsn}).scalar_one()
                 rows = conn.execute(REPORT, {"width": 110, "rows": args.rows}).all()
+            if args.wal:
+                wal = wal_by_record(find_postgres_bindir(), datadir, start_lsn, end_lsn)
+            if args.perf:
+                profile = perf_kinds(data)
         finally:
             engine.dispose()
     n = args.batches
+    tasks = n * args.size
     print(f"{server}; {n} rounds of a claim of {args.size} and their release, "
           f"{wall / n * 1000:.2f} ms wall per round")
     print("| level | calls per round | µs per round | statement |")
@@ -83,7 +207,46 @@ def main(argv: list[str] | None = None) -> int:
         level = "call" if row.toplevel else "inside"
         query = row.query.replace("|", "\\|")
         print(f"| {level} | {row.calls / n:.2f} | {row.total_exec_time * 1000 / n:.1f} | `{query}` |")
+    print()
+    cpu = None
+    if None not in before and None not in after:
+        cpu = (after[0] - before[0]) / tasks * 1e6  # type: ignore[operator]
+        bg = (after[1] - before[1]) / tasks * 1e6  # type: ignore[operator]
+        print(f"server CPU per task: {cpu:.0f} µs in the backends of the run's database, {bg:.0f} µs in the WAL "
+              f"writer, checkpointer and background writer (/proc)")
+    print(f"WAL per task: {float(wal_bytes) / tasks:.0f} B (pg_current_wal_lsn before and after)")
+    if args.wal:
+        _print_wal(wal, tasks)
+    if args.perf:
+        _print_profile(profile, cpu)
     return 0
+
+
+def _print_wal(wal: list[tuple[str, int, int, int]] | str, tasks: int) -> None:
+    print()
+    if isinstance(wal, str):
+        print(f"WAL by record type: {wal}")
+        return
+    print("| WAL record type | records per task | B per task | full-page images, B per task |")
+    print("|---|---:|---:|---:|")
+    for kind, count, size, fpi in sorted(wal, key=lambda r: -r[2]):
+        print(f"| {kind} | {count / tasks:.2f} | {size / tasks:.0f} | {fpi / tasks:.0f} |")
+    print(f"| total | {sum(r[1] for r in wal) / tasks:.2f} | {sum(r[2] for r in wal) / tasks:.0f} | "
+          f"{sum(r[3] for r in wal) / tasks:.0f} |")
+
+
+def _print_profile(profile: tuple[int, Counter[str]] | str, cpu: float | None) -> None:
+    print()
+    if isinstance(profile, str):
+        print(f"where the backends' CPU goes: {profile}")
+        return
+    total, counts = profile
+    print(f"| where the backends' CPU goes ({total} perf samples) | share of samples | µs per task |")
+    print("|---|---:|---:|")
+    for kind, _functions in PERF_KINDS:
+        share = counts[kind] / total if total else 0.0
+        per_task = f"{share * cpu:.0f}" if cpu is not None else "—"
+        print(f"| {kind} | {share * 100:.1f} % | {per_task} |")
 
 
 if __name__ == "__main__":
