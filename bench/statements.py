@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             keys = [f"k:{i}" for i in range(args.keys)]
             rounds(ledger, keys, "warm", max(1, args.keys // args.size + 100), args.size)
             with engine.begin() as conn:
-                conn.execute(sa.text("SELECT pg_stat_statements_reset()"))
                 conn.execute(sa.text("CHECKPOINT"))  # full-page images after it are counted apart
+                conn.execute(sa.text("SELECT pg_stat_statements_reset()"))
                 found = conn.execute(PIDS).all()
                 datadir = conn.execute(sa.text("SHOW data_directory")).scalar_one()
                 start_lsn = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
