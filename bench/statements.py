@@ -31,7 +31,7 @@ import sqlalchemy as sa
 
 from bench.ledger import bench_database
 from celery_keyed.ledger import Arrival, Ledger, Outcome, ReleaseRequest, Token
-from celery_keyed.testing import find_postgres_bindir
+from celery_keyed.testing import TestbedError, find_postgres_bindir
 
 SETTINGS = {
     "shared_preload_libraries": "pg_stat_statements",
@@ -73,12 +73,16 @@ PERF_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+        name, _, rest = f.read().partition(") ")
+    if not name.endswith("(postgres"):  # not a server process of this machine (a server elsewhere): no figure
+        raise ValueError(f"process {pid} is not a local PostgreSQL server process")
+    fields = rest.split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def backend_cpu(pids: list[int]) -> float | None:
-    """CPU seconds (user + system) the given server processes used so far; None where /proc cannot tell."""
+    """CPU seconds (user + system) the given server processes used so far; None where /proc cannot tell (not Linux,
+    or a server on another machine)."""
     try:
         return sum(_cpu_seconds(pid) for pid in pids)
     except (OSError, ValueError, IndexError):
@@ -192,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                     {"e": end_lsn, "s": start_lsn}).scalar_one()
                 rows = conn.execute(REPORT, {"width": 110, "rows": args.rows}).all()
             if args.wal:
-                wal = wal_by_record(find_postgres_bindir(), datadir, start_lsn, end_lsn)
+                try:
+                    wal = wal_by_record(find_postgres_bindir(), datadir, start_lsn, end_lsn)
+                except TestbedError as exc:  # no PostgreSQL binaries here (a server elsewhere)
+                    wal = f"no PostgreSQL binaries here: {exc}"
             if args.perf:
                 profile = perf_kinds(data)
         finally:
