@@ -8,7 +8,7 @@ connection: the calls a worker's threads make in bench.gate's scenario b. Prints
 time per round (µs), the top-level calls first by their total; a statement inside a function is counted inside its
 caller's time as well.
 
-Then the server's CPU per task (every backend of the run's database, from ``/proc``), and with ``--wal`` the WAL the
+Then the server's CPU per task (every backend of the run's database, psutil), and with ``--wal`` the WAL the
 measured rounds wrote, per task and by record type (``pg_waldump --stats=record`` of the server's binaries); with
 ``--perf`` where the backends' CPU goes by kind of work (``perf record -g`` on the backends, Linux ``perf`` on the
 PATH), each kind the share of samples whose stack holds one of its PostgreSQL functions: what a statement costs to
@@ -18,7 +18,6 @@ start and end, its CHECK constraints, the commit, the rows and index entries the
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from bench.ledger import bench_database
+from bench.ledger import WAL_DIFF, WAL_LSN, bench_database
 from celery_keyed.ledger import Arrival, Ledger, Outcome, ReleaseRequest, Token
 from celery_keyed.testing import TestbedError, find_postgres_bindir
 
@@ -71,22 +70,22 @@ PERF_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        name, _, rest = f.read().partition(") ")
-    if not name.endswith("(postgres"):  # not a server process of this machine (a server elsewhere): no figure
-        raise ValueError(f"process {pid} is not a local PostgreSQL server process")
-    fields = rest.split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def backend_cpu(pids: list[int]) -> float | None:
-    """CPU seconds (user + system) the given server processes used so far; None where /proc cannot tell (not Linux,
-    or a server on another machine)."""
+    """CPU seconds (user + system) the given server processes used so far (psutil, as bench.gate's CPU window); None
+    where it cannot tell: a process gone, or not a PostgreSQL process of this machine (a server elsewhere)."""
+    import psutil
+
+    total = 0.0
     try:
-        return sum(_cpu_seconds(pid) for pid in pids)
-    except (OSError, ValueError, IndexError):
+        for pid in pids:
+            proc = psutil.Process(pid)
+            if proc.name() != "postgres":
+                return None
+            times = proc.cpu_times()
+            total += times.user + times.system
+    except psutil.Error:
         return None
+    return total
 
 
 def wal_by_record(bindir: Path, datadir: str, start: str, end: str) -> list[tuple[str, int, int, int]] | str:
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 conn.execute(sa.text("SELECT pg_stat_statements_reset()"))
                 found = conn.execute(PIDS).all()
                 datadir = conn.execute(sa.text("SHOW data_directory")).scalar_one()
-                start_lsn = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
+                start_lsn = conn.execute(WAL_LSN).scalar_one()
             backends = [row.pid for row in found if row.backend]
             background = [row.pid for row in found if not row.backend]
             before = backend_cpu(backends), backend_cpu(background)
@@ -190,10 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 recorder.wait()
             after = backend_cpu(backends), backend_cpu(background)
             with engine.connect() as conn:
-                end_lsn = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
-                wal_bytes = conn.execute(
-                    sa.text("SELECT pg_wal_lsn_diff(CAST(:e AS pg_lsn), CAST(:s AS pg_lsn))"),
-                    {"e": end_lsn, "s": start_lsn}).scalar_one()
+                end_lsn = conn.execute(WAL_LSN).scalar_one()
+                wal_bytes = conn.execute(WAL_DIFF, {"a": start_lsn, "b": end_lsn}).scalar_one()
                 rows = conn.execute(REPORT, {"width": 110, "rows": args.rows}).all()
             if args.wal:
                 try:
@@ -220,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = (after[0] - before[0]) / tasks * 1e6  # type: ignore[operator]
         bg = (after[1] - before[1]) / tasks * 1e6  # type: ignore[operator]
         print(f"server CPU per task: {cpu:.0f} µs in the backends of the run's database, {bg:.0f} µs in the WAL "
-              f"writer, checkpointer and background writer (/proc)")
+              f"writer, checkpointer and background writer (psutil)")
     print(f"WAL per task: {float(wal_bytes) / tasks:.0f} B (pg_current_wal_lsn before and after)")
     if args.wal:
         _print_wal(wal, tasks)
