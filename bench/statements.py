@@ -13,6 +13,11 @@ measured rounds wrote, per task and by record type (``pg_waldump --stats=record`
 ``--perf`` where the backends' CPU goes by kind of work (``perf record -g`` on the backends, Linux ``perf`` on the
 PATH), each kind the share of samples whose stack holds one of its PostgreSQL functions: what a statement costs to
 start and end, its CHECK constraints, the commit, the rows and index entries themselves.
+
+With ``--sizes 1,3,8`` it then runs the same rounds at each batch size on the same server (as many tasks each as the
+main run) and prints, per size, the server's CPU, this client's CPU (the ledger layer and psycopg, one thread) and the
+WAL per task, and a least-squares fit of each as ``a + b / size``: what a task costs whatever the batch (``a``) and
+what a round of one claim call and one release call costs however many tasks it carries (``b``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -54,19 +60,25 @@ REPORT = sa.text(
 # every kind it matches: the kinds overlap, e.g. the WAL flush is part of the commit).
 PERF_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the ledger's functions (PL/pgSQL), inclusive", ("plpgsql_exec_function",)),
-    ("a statement's start and end (executor set-up, tear-down, plan cache)",
-     ("standard_ExecutorStart", "standard_ExecutorEnd", "standard_ExecutorFinish", "GetCachedPlan", "PortalStart")),
+    (
+        "a statement's start and end (executor set-up, tear-down, plan cache)",
+        ("standard_ExecutorStart", "standard_ExecutorEnd", "standard_ExecutorFinish", "GetCachedPlan", "PortalStart"),
+    ),
     ("CHECK constraints (their expressions are set up again at every statement)", ("ExecConstraints",)),
     ("the commit", ("CommitTransactionCommand",)),
     ("— of which the WAL flush (fsync)", ("XLogFlush",)),
-    ("triggers (the outbox's, the failover guard)",
-     ("plpgsql_exec_trigger", "ExecBRInsertTriggers", "AfterTriggerEndQuery", "ExecARInsertTriggers")),
+    (
+        "triggers (the outbox's, the failover guard)",
+        ("plpgsql_exec_trigger", "ExecBRInsertTriggers", "AfterTriggerEndQuery", "ExecARInsertTriggers"),
+    ),
     ("rows written (heap insert, update, delete)", ("heap_insert", "heap_update", "heap_delete")),
     ("index entries written", ("ExecInsertIndexTuples",)),
     ("index lookups", ("index_getnext_slot", "_bt_first")),
     ("WAL records (insert)", ("XLogInsert",)),
-    ("the client protocol (read, parse, bind, send)",
-     ("pq_getbyte", "socket_flush", "exec_parse_message", "exec_bind_message", "internal_flush", "secure_read")),
+    (
+        "the client protocol (read, parse, bind, send)",
+        ("pq_getbyte", "socket_flush", "exec_parse_message", "exec_bind_message", "internal_flush", "secure_read"),
+    ),
 )
 
 
@@ -154,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=25, help="statements shown (25)")
     parser.add_argument("--wal", action="store_true", help="also the WAL per task by record type (pg_waldump)")
     parser.add_argument("--perf", action="store_true", help="also where the backends' CPU goes (Linux perf)")
+    parser.add_argument("--sizes", default="", help="also these batch sizes, e.g. 1,3,8: cost per task and per round")
     args = parser.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--sizes takes batch sizes separated by commas, e.g. 1,3,8 (got {args.sizes!r})")
+    if any(size < 1 for size in sizes):
+        parser.error("--sizes: every batch size is at least 1")
     if args.perf and shutil.which("perf") is None:
         parser.error("--perf needs Linux perf on the PATH")
     wal: list[tuple[str, int, int, int]] | str = "not asked (--wal)"
@@ -181,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.perf:
                 recorder = subprocess.Popen(
                     ["perf", "record", "-g", "-F", "1999", "-o", str(data), "-p", ",".join(map(str, backends))],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
                 time.sleep(1.0)  # perf attaches
             wall = rounds(ledger, keys, "run", args.batches, args.size)
             if recorder is not None:
@@ -199,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                     wal = f"no PostgreSQL binaries here: {exc}"
             if args.perf:
                 profile = perf_kinds(data)
+            swept = [by_size(ledger, engine, keys, size, args.batches * args.size) for size in sizes]
         finally:
             engine.dispose()
     n = args.batches
     tasks = n * args.size
-    print(f"{server}; {n} rounds of a claim of {args.size} and their release, "
-          f"{wall / n * 1000:.2f} ms wall per round")
+    print(f"{server}; {n} rounds of a claim of {args.size} and their release, {wall / n * 1000:.2f} ms wall per round")
     print("| level | calls per round | µs per round | statement |")
     print("|---|---:|---:|---|")
     for row in rows:
@@ -216,14 +237,82 @@ def main(argv: list[str] | None = None) -> int:
     if None not in before and None not in after:
         cpu = (after[0] - before[0]) / tasks * 1e6  # type: ignore[operator]
         bg = (after[1] - before[1]) / tasks * 1e6  # type: ignore[operator]
-        print(f"server CPU per task: {cpu:.0f} µs in the backends of the run's database, {bg:.0f} µs in the WAL "
-              f"writer, checkpointer and background writer (psutil)")
+        print(
+            f"server CPU per task: {cpu:.0f} µs in the backends of the run's database, {bg:.0f} µs in the WAL "
+            f"writer, checkpointer and background writer (psutil)"
+        )
     print(f"WAL per task: {float(wal_bytes) / tasks:.0f} B (pg_current_wal_lsn before and after)")
     if args.wal:
         _print_wal(wal, tasks)
     if args.perf:
         _print_profile(profile, cpu)
+    if swept:
+        _print_sizes(swept)
     return 0
+
+
+@dataclass
+class SizeRun:
+    """One batch size's run (``by_size``): per task, µs of CPU and B of WAL; ms of wall per round."""
+
+    size: int
+    server: float | None
+    client: float
+    wal: float
+    wall: float
+
+
+def by_size(ledger: Ledger, engine: sa.Engine, keys: list[str], size: int, tasks: int) -> SizeRun:
+    """Rounds of claim calls of ``size`` arrivals and their releases, about ``tasks`` tasks in all."""
+    n = max(1, tasks // size)
+    with engine.connect() as conn:
+        backends = [row.pid for row in conn.execute(PIDS).all() if row.backend]
+        start = conn.execute(WAL_LSN).scalar_one()
+    server_before = backend_cpu(backends)
+    client_before = time.process_time()
+    wall = rounds(ledger, keys, f"size{size}", n, size)
+    client = time.process_time() - client_before
+    server_after = backend_cpu(backends)
+    with engine.connect() as conn:
+        wal = float(conn.execute(WAL_DIFF, {"a": start, "b": conn.execute(WAL_LSN).scalar_one()}).scalar_one())
+    server = None
+    if server_before is not None and server_after is not None:
+        server = (server_after - server_before) / (n * size) * 1e6
+    return SizeRun(size, server, client / (n * size) * 1e6, wal / (n * size), wall / n * 1000)
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least squares of ``y = a + b / size`` over (size, y); None with fewer than two distinct sizes."""
+    xs = [1.0 / size for size, _ in points]
+    ys = [y for _, y in points]
+    if len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def _print_sizes(runs: list[SizeRun]) -> None:
+    print()
+    print(
+        "| tasks per call | server CPU, µs per task | client CPU, µs per task | WAL, B per task | wall, ms per round |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for run in runs:
+        server = "—" if run.server is None else f"{run.server:.0f}"
+        print(f"| {run.size} | {server} | {run.client:.0f} | {run.wal:.0f} | {run.wall:.2f} |")
+    columns: list[tuple[str, list[tuple[int, float]]]] = [
+        ("server CPU, µs", [(r.size, r.server) for r in runs if r.server is not None]),
+        ("client CPU, µs", [(r.size, r.client) for r in runs]),
+        ("WAL, B", [(r.size, r.wal) for r in runs]),
+    ]
+    for label, points in columns:
+        line = fit(points)
+        if line is not None:
+            print(
+                f"{label}: {line[0]:.0f} per task + {line[1]:.0f} per round of a claim call and a release call "
+                f"(fit of a + b / size)"
+            )
 
 
 def _print_wal(wal: list[tuple[str, int, int, int]] | str, tasks: int) -> None:
@@ -235,8 +324,10 @@ def _print_wal(wal: list[tuple[str, int, int, int]] | str, tasks: int) -> None:
     print("|---|---:|---:|---:|")
     for kind, count, size, fpi in sorted(wal, key=lambda r: -r[2]):
         print(f"| {kind} | {count / tasks:.2f} | {size / tasks:.0f} | {fpi / tasks:.0f} |")
-    print(f"| total | {sum(r[1] for r in wal) / tasks:.2f} | {sum(r[2] for r in wal) / tasks:.0f} | "
-          f"{sum(r[3] for r in wal) / tasks:.0f} |")
+    print(
+        f"| total | {sum(r[1] for r in wal) / tasks:.2f} | {sum(r[2] for r in wal) / tasks:.0f} | "
+        f"{sum(r[3] for r in wal) / tasks:.0f} |"
+    )
 
 
 def _print_profile(profile: tuple[int, Counter[str]] | str, cpu: float | None) -> None:
