@@ -451,7 +451,10 @@ def hot_path(url: str, samples: int = 300) -> list[str]:
             if len(report.promotions) != 1 or report.promotions[0].nonce is None:
                 raise RuntimeError(f"hot path: the release did not promote the parked arrival: {report}")
             promotion = report.promotions[0]
-            fence = ledger.bind(promotion.token, promotion.nonce) or 0
+            nonce = promotion.nonce
+            if nonce is None:  # checked above; for the type checker
+                raise RuntimeError(f"hot path: the promotion has no nonce: {report}")
+            fence = ledger.bind(promotion.token, nonce) or 0
             token = promotion.token
             if i > 20:  # warm: psycopg prepares a statement after 5 executions
                 park.append(parked_in)

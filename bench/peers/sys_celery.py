@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
     spec = json.load(sys.stdin)
     app = make_app(os.environ[obs.ENV_SYSTEM])
     started = time.time()
-    out = publish(app, spec)
+    out: dict[str, float] = dict(publish(app, spec))
     out["seconds"] = time.time() - started
     app.close()
     print(json.dumps(out))
