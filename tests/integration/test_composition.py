@@ -287,6 +287,24 @@ def test_rate_limit_parks_until_the_token_exists(ledger: Ledger, clock, scalar) 
     assert check_counters_once(ledger.engine) == []
 
 
+def test_a_take_stamped_earlier_than_the_last_refills_nothing_twice(ledger: Ledger, clock, scalar) -> None:
+    """A claim's time is its transaction's start (``now()``), and a transaction that began earlier can reach the key's
+    row after a later one took a token (it waited for the row's lock). Its take must not move the bucket's clock
+    back: the time between its stamp and the later take's would be refilled a second time at the next take, and
+    more starts would fit in a window than the rate allows. Rate 1/s, burst 2: a take at t = 1 (2 tokens, 1 left), a
+    take stamped t = 0 that commits after it (the last token), then at t = 1.5 only half a token exists."""
+    ledger.configure({"api": NameConfig("api", limit=10, rate=1.0, burst=2)}, now=clock())
+    t0 = clock()
+    assert arrive(ledger, "a", "api:x", now=clock.advance(1.0)).verdict is Verdict.ADMITTED
+    assert arrive(ledger, "b", "api:x", now=t0).verdict is Verdict.ADMITTED  # began before a's, committed after it
+    assert scalar("SELECT tokens_at = :at FROM keyed_keys WHERE key = 'api:x'", at=clock()) is True
+    late = arrive(ledger, "c", "api:x", now=clock.advance(0.5))
+    assert late.verdict is Verdict.PARKED  # 0.5 tokens since t = 1, not 1.5 since t = 0
+    waits = scalar("SELECT extract(epoch FROM not_before - :now) FROM keyed_waiting WHERE task_id = 'c'", now=clock())
+    assert 0.45 < float(waits) < 0.55  # parked with the time its token exists (t = 2)
+    assert used(scalar, "api:x") == 2 and check_counters_once(ledger.engine) == []
+
+
 def test_rate_and_gate_debit_neither_when_either_refuses(ledger: Ledger, clock, scalar) -> None:
     ledger.configure({"api": NameConfig("api", limit=1, rate=10.0, burst=5)}, now=clock())
     a = arrive(ledger, "a", "api:x", now=clock())

@@ -1868,6 +1868,7 @@ DECLARE
     v_burst double precision;
     v_windows jsonb;
     v_avail double precision;
+    v_clock timestamptz;
     v_ring integer;
     v_next bigint := 0;
     v_last timestamptz;
@@ -1887,15 +1888,19 @@ BEGIN
     END IF;
     next_at := v_now;
     IF v_rate IS NOT NULL THEN
+        -- The bucket's clock never goes back: v_now is this transaction's start, and one that began earlier can reach
+        -- the row (it waited for its lock) after a later one took a token. Refilled from the later of the two, and
+        -- stamped with it: the time between them is refilled once, not again at the next take.
         SELECT LEAST(v_burst, COALESCE(k.tokens, v_burst)
-                     + v_rate * GREATEST(EXTRACT(EPOCH FROM v_now - COALESCE(k.tokens_at, v_now)), 0))
-          INTO v_avail FROM keyed_keys k WHERE k.key = p_key;
+                     + v_rate * GREATEST(EXTRACT(EPOCH FROM v_now - COALESCE(k.tokens_at, v_now)), 0)),
+               GREATEST(v_now, k.tokens_at)
+          INTO v_avail, v_clock FROM keyed_keys k WHERE k.key = p_key;
         IF NOT FOUND THEN
             next_at := NULL;
             RETURN;
         END IF;
         IF v_avail < p_cost THEN
-            next_at := v_now + make_interval(secs => (p_cost - v_avail) / v_rate);
+            next_at := v_clock + make_interval(secs => (p_cost - v_avail) / v_rate);
         END IF;
     END IF;
     IF v_windows IS NOT NULL THEN
@@ -1935,7 +1940,7 @@ BEGIN
         RETURN;
     END IF;
     IF v_rate IS NOT NULL THEN
-        UPDATE keyed_keys k SET tokens = v_avail - p_cost, tokens_at = v_now WHERE k.key = p_key;
+        UPDATE keyed_keys k SET tokens = v_avail - p_cost, tokens_at = v_clock WHERE k.key = p_key;
     END IF;
     IF v_windows IS NOT NULL THEN
         v_at := GREATEST(v_now, v_last);
