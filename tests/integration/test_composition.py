@@ -3,8 +3,10 @@ strict FIFO per key (a multi-key or heavy attempt is never starved), weighted sl
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 
 import sqlalchemy as sa
 
@@ -303,6 +305,32 @@ def test_a_take_stamped_earlier_than_the_last_refills_nothing_twice(ledger: Ledg
     waits = scalar("SELECT extract(epoch FROM not_before - :now) FROM keyed_waiting WHERE task_id = 'c'", now=clock())
     assert 0.45 < float(waits) < 0.55  # parked with the time its token exists (t = 2)
     assert used(scalar, "api:x") == 2 and check_counters_once(ledger.engine) == []
+
+
+def test_the_bucket_holds_its_rate_over_takes_stamped_out_of_order(ledger: Ledger, clock) -> None:
+    """Seeded random takes, two in five stamped up to 0.6 s before the latest (transactions that began earlier and
+    took after later ones). The calls' order is the order they committed, so a take happened no earlier than every
+    stamp before it: between any two starts there were at most rate x that time + burst starts."""
+    rate, burst = 5.0, 3
+    ledger.configure({"api": NameConfig("api", limit=1000, rate=rate, burst=burst)}, now=clock())
+    rnd = random.Random(27)
+    latest = clock()
+    starts = []  # the earliest time each start can have happened: the latest stamp so far
+    for i in range(300):
+        clock.advance(rnd.uniform(0.0, 0.15))
+        stamp = clock() - timedelta(seconds=rnd.uniform(0.0, 0.6)) if rnd.random() < 0.4 else clock()
+        latest = max(latest, stamp)
+        admission = arrive(ledger, f"t{i}", "api:x", now=stamp)
+        if admission.verdict is Verdict.ADMITTED:
+            starts.append(latest)
+        else:
+            assert admission.verdict is Verdict.PARKED
+            ledger.revoke(f"t{i}", now=clock())  # out of the line: the next take is a first in line again
+    assert len(starts) > 100  # the rate bound the run, and let most of it through
+    for i, first in enumerate(starts):
+        for j in range(i, len(starts)):
+            allowed = rate * (starts[j] - first).total_seconds() + burst
+            assert j - i + 1 <= allowed + 1e-9, f"{j - i + 1} starts within {(starts[j] - first).total_seconds()} s"
 
 
 def test_rate_and_gate_debit_neither_when_either_refuses(ledger: Ledger, clock, scalar) -> None:
