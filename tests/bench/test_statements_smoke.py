@@ -1,7 +1,7 @@
 """A smoke run of ``python -m bench.statements --wal``: it produces its tables, the server's CPU per task and the
 WAL per task (by record type where the server's binaries include ``pg_waldump``), and with ``--sizes`` the cost per
-task at each batch size with its fit. No timing is asserted (benchmarks
-are not tests); 20 rounds on 30 keys keep it to seconds."""
+task at each batch size with its fit. No timing is asserted (benchmarks are not tests); 20 rounds on 30 keys keep it
+to seconds."""
 
 from __future__ import annotations
 
