@@ -1,7 +1,8 @@
 """Features meeting on one key, on real Postgres (hypothesis stateful testing): readers and writers, weighted
 attempts, attempts on two keys, changes of the shard count and of the limit (the name's configuration, its
-override, the key's own limit and pause), claims given back before they started (a claim taken ahead that no pool
-process started), revokes, leases lapsing, the sweep and the reconciler — mixed in any order.
+override, the key's own limit and pause), a rate (a token bucket per key) and rate windows, claims given back before
+they started (a claim taken ahead that no pool process started), revokes, leases lapsing, the sweep and the reconciler
+— mixed in any order.
 
 Where test_model.py predicts every answer of the ledger from a model, this machine checks only what must hold
 whatever the answers were, on the database itself, after every step:
@@ -11,6 +12,9 @@ whatever the answers were, on the database itself, after every step:
   key's only holder;
 - the counters equal the holdings (reconcile's own check finds no drift);
 - the books balance (every arrival is open or has one outcome);
+- the rate of every key: over any span of t seconds at most ``burst + rate·t`` tokens were taken from its bucket, and
+  any window of T seconds holds at most N of its starts, for each window (N, T) of the name — counted from every
+  claim row the ledger ever wrote (a start, whichever path made it), recorded by a trigger of the test's own;
 - no lost wakeup (D2): once the sweep ran, a second sweep at the same moment has nothing left to promote.
 """
 
@@ -56,6 +60,25 @@ EPOCH = datetime.now(UTC).replace(microsecond=0) + timedelta(days=1)
 # What arrives: a reader (cost 1), a weighted reader (cost 2), a writer (exclusive), a reader of both keys.
 KINDS = st.sampled_from(["reader", "reader", "weighted", "writer", "writer", "both"])
 
+# The name's rate for a whole run (rate per second, burst), and its rate windows ((N, seconds), ...).
+RATES = st.sampled_from([None, (1.0, 1.0), (0.5, 2.0), (2.0, 3.0)])
+WINDOWS = st.sampled_from([None, ((2, 5.0),), ((1, 3.0), (3, 10.0))])
+
+# Every claim row the ledger writes is a start (admitted, or promoted: a promotion takes its tokens whether it is
+# bound or not): the observer of the rate invariants, independent of what the calls answer.
+STARTS_OBSERVER = (
+    "CREATE TABLE mix_starts (task_id text, attempt integer, keys text[], cost integer, at timestamptz)",
+    """
+    CREATE FUNCTION mix_record_start() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO mix_starts VALUES (NEW.task_id, NEW.attempt, NEW.key || COALESCE(NEW.extra_keys, '{}'),
+                                       NEW.cost, NEW.claimed_at);
+        RETURN NULL;
+    END $$
+    """,
+    "CREATE TRIGGER mix_record_start AFTER INSERT ON keyed_claims FOR EACH ROW EXECUTE FUNCTION mix_record_start()",
+)
+
 
 @dataclass
 class Running:
@@ -70,6 +93,10 @@ class MixMachine(RuleBasedStateMachine):
         self.engine = engine
         with engine.begin() as conn:
             conn.execute(sa.text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY"))
+            if conn.execute(sa.text("SELECT to_regclass('mix_starts')")).scalar_one() is None:
+                for statement in STARTS_OBSERVER:
+                    conn.execute(sa.text(statement))
+            conn.execute(sa.text("TRUNCATE mix_starts"))
         self.ledger = Ledger(engine, holder=HOLDER, lease=LEASE, dispatch=DISPATCH)
         self.now = EPOCH
         self.ids = itertools.count(1)
@@ -78,6 +105,8 @@ class MixMachine(RuleBasedStateMachine):
         self.promotions: list[Promotion] = []
         self.lost: list[Arrival] = []  # attempts given back as worker lost: the broker delivers them again
         self.max_limit: dict[str, int] = {}
+        self.rate: tuple[float, float] | None = None
+        self.windows: tuple[tuple[int, float], ...] | None = None
 
     # -- helpers ------------------------------------------------------------------------------------------
     def took(self, promotions: Any) -> None:
@@ -126,9 +155,21 @@ class MixMachine(RuleBasedStateMachine):
         self.took(result.promotions)
 
     # -- rules ----------------------------------------------------------------------------------------------
-    @initialize(limit=st.integers(0, 4), shards=st.integers(1, 3), fair=st.booleans())
-    def start(self, limit: int, shards: int, fair: bool) -> None:
-        self.ledger.configure({"doc": NameConfig("doc", limit=limit, shards=shards, fair=fair)}, now=self.now)
+    def config(self, limit: int, shards: int, fair: bool) -> NameConfig:
+        rate, burst = self.rate or (None, None)
+        return NameConfig("doc", limit=limit, shards=shards, fair=fair, rate=rate, burst=burst, windows=self.windows)
+
+    @initialize(limit=st.integers(0, 4), shards=st.integers(1, 3), fair=st.booleans(), rate=RATES, windows=WINDOWS)
+    def start(
+        self,
+        limit: int,
+        shards: int,
+        fair: bool,
+        rate: tuple[float, float] | None,
+        windows: tuple[tuple[int, float], ...] | None,
+    ) -> None:
+        self.rate, self.windows = rate, windows
+        self.ledger.configure({"doc": self.config(limit, shards, fair)}, now=self.now)
 
     @rule(kind=KINDS, key=st.sampled_from(KEYS), tenant=st.sampled_from([None, "a", "b"]))
     def arrive(self, kind: str, key: str, tenant: str | None) -> None:
@@ -137,6 +178,25 @@ class MixMachine(RuleBasedStateMachine):
         cost = {"weighted": 2, "writer": EXCLUSIVE_COST}.get(kind, 1)
         extra = (other,) if kind == "both" else ()
         self.admit(Arrival(task_id, key=key, cost=cost, extra_keys=extra, fair_key=tenant, message={"id": task_id}))
+
+    @rule(kinds=st.lists(st.tuples(KINDS, st.sampled_from(KEYS)), min_size=2, max_size=4))
+    def arrive_together(self, kinds: list[tuple[str, str]]) -> None:
+        """Arrivals decided in one batch (a worker's claims taken ahead, its admission thread)."""
+        arrivals = []
+        for kind, key in kinds:
+            task_id = f"t{next(self.ids)}"
+            other = KEYS[1] if key == KEYS[0] else KEYS[0]
+            cost = {"weighted": 2, "writer": EXCLUSIVE_COST}.get(kind, 1)
+            extra = (other,) if kind == "both" else ()
+            arrivals.append(Arrival(task_id, key=key, cost=cost, extra_keys=extra, message={"id": task_id}))
+        self.track()
+        for arrival, result in zip(arrivals, self.ledger.admit_many(arrivals, now=self.now), strict=True):
+            self.arrivals[arrival.task_id] = arrival
+            if result.verdict is Verdict.ADMITTED:
+                assert result.fence is not None
+                token = Token(arrival.task_id, arrival.attempt)
+                self.running[token] = Running(token, result.fence, arrival)
+            self.took(result.promotions)
 
     @precondition(lambda self: self.lost)
     @rule(data=st.data())
@@ -190,8 +250,7 @@ class MixMachine(RuleBasedStateMachine):
     @rule(limit=st.integers(0, 4), shards=st.integers(1, 3), fair=st.booleans())
     def configure(self, limit: int, shards: int, fair: bool) -> None:
         self.track()
-        config = NameConfig("doc", limit=limit, shards=shards, fair=fair)
-        self.took(self.ledger.configure({"doc": config}, now=self.now))
+        self.took(self.ledger.configure({"doc": self.config(limit, shards, fair)}, now=self.now))
 
     @rule(tenant=st.sampled_from(["a", "b"]), weight=st.sampled_from([0.5, 1.0, 3.0]))
     def fair_weight(self, tenant: str, weight: float) -> None:
@@ -285,6 +344,39 @@ class MixMachine(RuleBasedStateMachine):
         assert all(u == h for u, h in per_row.values()), per_row
         books = self.ledger.books()
         assert books.get("arrivals", 0) == sum(v for k, v in books.items() if k != "arrivals"), books
+        self.check_rates()
+
+    def check_rates(self) -> None:
+        """Every start the ledger made, against the name's bucket and windows, key by key."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT task_id, keys, cost, at FROM mix_starts ORDER BY at")).all()
+        for r in rows:
+            assert r.at >= EPOCH, f"a start stamped outside the model's clock: {r}"
+        for key in KEYS:
+            # (seconds since the epoch, tokens): an exclusive start takes one token and one place, like a start
+            starts = [
+                ((r.at - EPOCH).total_seconds(), 1 if r.cost >= EXCLUSIVE_COST else int(r.cost))
+                for r in rows
+                if key in r.keys
+            ]
+            if self.rate is not None:
+                rate, burst = self.rate
+                for i, (first, _) in enumerate(starts):
+                    taken = 0
+                    for at, tokens in starts[i:]:
+                        taken += tokens
+                        allowed = burst + rate * (at - first)
+                        assert taken <= allowed + 1e-6, (
+                            f"{key}: {taken} tokens taken in {at - first:g} s from {first:g} (rate {rate}/s, burst"
+                            f" {burst}: at most {allowed:g}); starts {starts}"
+                        )
+            for n, seconds in self.windows or ():
+                places = [at for at, tokens in starts for _ in range(tokens)]
+                for j in range(n, len(places)):
+                    assert places[j] - places[j - n] >= seconds - 1e-6, (
+                        f"{key}: {n + 1} starts within {places[j] - places[j - n]:g} s, window {n}/{seconds:g}s;"
+                        f" starts {starts}"
+                    )
 
 
 @pytest.fixture
