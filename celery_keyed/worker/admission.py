@@ -66,6 +66,9 @@ class AdmissionService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._accepting = False
+        #: Until when (monotonic) the thread waits for more arrivals to share its batch (``lingering``); None while
+        #: it waits for work or decides. Under ``_lock``: a submit that cannot end that wait does not wake it.
+        self._linger_until: float | None = None
 
     @property
     def accepting(self) -> bool:
@@ -87,7 +90,12 @@ class AdmissionService:
             if not self._accepting:
                 return False
             self._jobs.append(job)
-        self._ready.set()
+            until, by = self._linger_until, job.extra.get("by")
+            # While the thread lingers, a job that would not end its wait leaves it asleep (a wakeup per arrival
+            # costs the loop's process a thread switch and the interpreter's lock, for nothing decided)
+            wake = until is None or by is None or by < until or len(self._jobs) >= LINGER_BATCH
+        if wake:
+            self._ready.set()
         return True
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -158,12 +166,17 @@ class AdmissionService:
         timeout: float | None = None
         while True:
             self._ready.wait(timeout)
+            with self._lock:
+                self._linger_until = None
             self._ready.clear()
             timeout = None
             if not self._stop.is_set():
-                delay = self.lingering()
+                moment = time.monotonic()
+                delay = self.lingering(moment)
                 if delay > 0.0:  # more arrivals may join this batch: one round trip for all of them
                     timeout = delay
+                    with self._lock:
+                        self._linger_until = moment + delay
                     continue
             if not warmed and self._warm is not None and self._warm_wanted.is_set() and not self._stop.is_set():
                 # before the next batch: its first request waits for the warm-up once, where it would otherwise

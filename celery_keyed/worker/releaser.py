@@ -105,6 +105,7 @@ class Releaser:
         self._done = threading.Condition(self._lock)
         self._keys: dict[str, int] = {}
         self._hurry = False
+        self._lingering = False  # the thread waits in ``_linger`` (under ``_lock``)
         self._accepting = False  # a releaser thread runs and takes new releases
         self._working = 0  # releases taken from ``_releases`` (or run in a caller's thread) not finished yet
         self._thread: threading.Thread | None = None
@@ -191,7 +192,10 @@ class Releaser:
                 self._releases.append(job)
                 if key is not None and not contended:  # it may linger (``settle``)
                     self._keys[key] = self._keys.get(key, 0) + 1
-                self._ready.set()
+                # A lingering thread wakes only for a release that ends its wait (contended, a full batch): a
+                # wakeup per release costs the loop's process a thread switch and the interpreter's lock
+                if not self._lingering or contended or len(self._releases) >= self.batch:
+                    self._ready.set()
                 return
             self._working += 1
         try:
@@ -271,10 +275,15 @@ class Releaser:
                     or any(job.contended for job in jobs)
                 ):
                     return
-            left = deadline - time.monotonic()
-            if left <= 0.0:
-                return
-            self._ready.wait(left)
+                left = deadline - time.monotonic()
+                if left <= 0.0:
+                    return
+                self._lingering = True
+            try:
+                self._ready.wait(left)
+            finally:
+                with self._lock:
+                    self._lingering = False
             self._ready.clear()
 
     def _run(self, stop: threading.Event) -> None:

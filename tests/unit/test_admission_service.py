@@ -332,3 +332,45 @@ def test_jobs_that_may_wait_handed_over_during_a_batch_wait_for_the_next_look_an
         service.stop()
     assert rec.decided == [[0], [1, 2, 3]]
     assert decided_at - handed >= 0.25  # they waited for their time at the next look
+
+
+def test_a_lingering_thread_is_woken_only_by_a_job_that_ends_its_wait() -> None:
+    """While the thread waits for jobs that may wait (``extra["by"]``), a job that would not end that wait leaves it
+    asleep; one that may wait less, or may not wait at all, wakes it, and they are decided together."""
+    import time
+
+    class CountingEvent(threading.Event):
+        sets = 0
+
+        def set(self) -> None:
+            self.sets += 1
+            super().set()
+
+    rec = Recorder()
+    service = AdmissionService(rec.decide, rec.deliver, batch=64)
+    ready = service._ready = CountingEvent()
+    service.start()
+    try:
+        handed = time.monotonic()
+        first = job(0)
+        first.extra["by"] = handed + 30
+        service.submit(first)  # wakes the idle thread, which then lingers until its time
+        deadline = time.monotonic() + 10
+        while service._linger_until is None:
+            assert time.monotonic() < deadline, "the thread did not linger"
+            time.sleep(0.005)
+        woken = ready.sets
+        for n in (1, 2):
+            later = job(n)
+            later.extra["by"] = handed + 31
+            service.submit(later)
+        assert ready.sets == woken  # none of them ends the wait
+        sooner = job(3)
+        sooner.extra["by"] = handed + 0.05
+        service.submit(sooner)
+        assert ready.sets == woken + 1
+        assert rec.done.wait(10)
+        assert rec.decided == [[0, 1, 2, 3]]
+        assert time.monotonic() - handed < 10  # at the sooner job's time, not the first one's
+    finally:
+        service.stop()

@@ -915,3 +915,47 @@ def test_a_release_is_handed_over_even_if_fitting_the_prefetch_window_fails() ->
     gate.running[Token("a", 0)] = Running(request, Token("a", 0), 7)
     gate.release(request, Outcome.COMPLETED)
     assert handed == [(Token("a", 0), Outcome.COMPLETED)] and gate.releasing == 0
+
+
+class CountingEvent(threading.Event):
+    """An Event that counts its ``set`` calls (each one wakes a waiting thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def test_a_lingering_releaser_is_woken_only_by_a_release_that_ends_its_wait() -> None:
+    """While the releaser thread lingers, a release of a key without a line leaves it asleep (a wakeup per release
+    costs the loop's process a thread switch and the interpreter's lock for nothing); a release of a contended key
+    or a full batch wakes it, and everything goes in one call."""
+    import time
+
+    gate = fake_gate()
+    releaser = releaser_of(gate, linger=30.0, batch=5)  # type: ignore[arg-type]
+    ready = releaser._ready = CountingEvent()
+    releaser.start()
+    try:
+        hand(releaser, "r0")  # wakes the idle thread, which then lingers
+        deadline = time.monotonic() + 10
+        while not releaser._lingering:
+            assert time.monotonic() < deadline, "the releaser did not linger"
+            time.sleep(0.005)
+        woken = ready.sets
+        hand(releaser, "r1")
+        hand(releaser, "r2")
+        assert ready.sets == woken  # nothing to decide yet: still asleep
+        releaser.hand_over(Token("c", 0), 1, Outcome.COMPLETED, key="k:2", name="t", contended=True)
+        assert ready.sets == woken + 1
+        _wait_idle(releaser)
+        assert gate.ledger.calls == [("release_many", ["r0", "r1", "r2", "c"])]
+        for n in range(3, 8):  # the fifth fills a batch: it wakes the lingering thread
+            hand(releaser, f"r{n}")
+        _wait_idle(releaser)
+        assert gate.ledger.calls[-1] == ("release_many", [f"r{n}" for n in range(3, 8)])
+    finally:
+        releaser.stop()
