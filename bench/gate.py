@@ -1,6 +1,7 @@
 """The Celery gate with real prefork workers, side by side with plain Celery in one run (DESIGN §8).
 
     python -m bench.gate [--quick] [--tasks 2000] [--pairs 5] [--keyed-pairs 3] [--control] [--loop-admission]
+                         [--without-ledger]
 
 Starts its own durable PostgreSQL (fsync on) and a Redis broker (``celery_keyed.testing``) unless
 ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL`` name servers; creates and migrates a database of its own. Every
@@ -17,7 +18,9 @@ a. Unkeyed tasks, worker with celery-keyed installed (B) vs without (A): interle
 b. Keyed tasks on 1,000 distinct uncontended keys (``concurrency_key="k:{i}"``) vs the same task as plain
    Celery on the same broker, the same way (target ≥ 0.8). The keys' ledger rows are created before (warm keys).
    ``--loop-admission`` also runs b with admission on the consumer loop (``keyed_admission_batch = 0``, the path
-   before the admission thread): what the thread buys, in the same run.
+   before the admission thread): what the thread buys, in the same run. ``--without-ledger`` also runs b with every
+   claim and release answered in the worker itself, no database call (``answer_without_ledger``: the bound is NOT
+   kept, a measurement only): what the worker's own code costs a keyed task, the most a faster ledger could give.
 c. Handoff on one contended key, K = 1: two c=2 workers already running, a burst of small tasks (5 ms) of one
    key. Handoff = start of a task - end of the task before it on that key (the end is taken just before the task
    returns; the slot is released after that, in the worker's main process). p50 / p99 (target ≤ 5 / ≤ 25 ms),
@@ -93,7 +96,7 @@ def make_app(variant: str, broker_url: str, database_url: str, observer_url: str
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
     )
-    keyed = variant in ("keyed", "keyed-loop")
+    keyed = variant in ("keyed", "keyed-loop", "keyed-free")
     if keyed:
         import celery_keyed
 
@@ -135,8 +138,29 @@ def make_app(variant: str, broker_url: str, database_url: str, observer_url: str
     return app
 
 
+def answer_without_ledger() -> None:
+    """A worker of variant "keyed-free" (``--without-ledger``): its claims and releases are answered here, admitted
+    and released, without a database call (the heartbeat and the sweeper still run theirs, a few per second). No bound
+    is kept: it measures what the worker's own code costs a keyed task, the floor a faster ledger could reach."""
+    from celery_keyed.ledger import Admission, Ledger, ReleaseReport, Verdict
+
+    def admitted(*args: Any, **kwargs: Any) -> Admission:
+        return Admission(Verdict.ADMITTED, fence=1, shard=0)
+
+    ledger: Any = Ledger
+    ledger.admit = admitted
+    ledger.admit_many = lambda self, arrivals, now=None: [admitted() for _ in arrivals]
+    ledger.park_at_receipt = lambda self, arrival, now=None: None  # left to its admission
+    ledger.release = lambda self, *args, **kwargs: ReleaseReport(released=True)
+    ledger.release_many = lambda self, requests, now=None: [ReleaseReport(released=True) for _ in requests]
+    ledger.confirm = lambda self, *args, **kwargs: True
+
+
 if os.environ.get(ENV_VARIANT) and __name__ != "__main__":  # a worker: celery -A bench.gate worker
     from celery import signals
+
+    if os.environ[ENV_VARIANT] == "keyed-free":
+        answer_without_ledger()
 
     app = make_app(
         os.environ[ENV_VARIANT],
@@ -498,7 +522,8 @@ def ratio_pairs(bench: Bench, pairs: int, task: str, n: int, keyed_args: bool, l
         out.ratios.append(b / a)
         out.published.append(per_task)
         out.cpu.append((cpu_a, cpu_b))
-        name = {"keyed": "B keyed", "keyed-loop": "B' keyed, loop admission"}.get(second, "A again")
+        name = {"keyed": "B keyed", "keyed-loop": "B' keyed, loop admission",
+                "keyed-free": "B0 keyed, no ledger calls"}.get(second, "A again")
         cpu = "".join(f", CPU {cpu['total']:.2f} ms/task" if cpu else "" for cpu in (cpu_a, cpu_b))
         print(f"  {label} pair {p + 1}: A plain {a:6.0f} tasks/s, {name} {b:6.0f} tasks/s, ratio {b / a:.3f}{cpu}",
               flush=True)
@@ -549,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keyed-pairs", type=int, help="interleaved pairs of b (default 3, quick 1)")
     parser.add_argument("--handoff-tasks", type=int, help="tasks of c per run (default 200, quick 100)")
     parser.add_argument("--repeats", type=int, help="runs of c and of d (default 2 and 3, quick 1)")
+    parser.add_argument("--without-ledger", action="store_true",
+                        help="also b with claims and releases answered in the worker, no database (no bound kept)")
     parser.add_argument("--loop-admission", action="store_true",
                         help="also run b's pairs with admission on the consumer loop (keyed_admission_batch = 0)")
     parser.add_argument("--only", default="abcd", metavar="SCENARIOS",
@@ -583,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         d_results: list[Contended] = []
         control: list[float] = []
         loop_ratios: list[float] = []
+        free_pairs = Pairs()
         if "a" in only:
             print(f"\na. unkeyed tasks, A plain vs B celery-keyed installed: {pairs} pairs of {n} tasks, c=2",
                   flush=True)
@@ -600,6 +628,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nb'. the same, admission on the consumer loop (keyed_admission_batch = 0): {keyed_pairs} pairs",
                   flush=True)
             loop_ratios = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b'", second="keyed-loop").ratios
+        if "b" in only and args.without_ledger:
+            print(f"\nb0. the same, claims and releases answered in the worker without the ledger (no bound kept):"
+                  f" {keyed_pairs} pairs", flush=True)
+            free_pairs = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b0", second="keyed-free")
 
         if "c" in only:
             print(f"\nc. handoff, one key, K = 1: {c_runs} run(s) of {handoff_tasks} tasks of 5 ms, 2 workers c=2",
@@ -639,6 +671,11 @@ def main(argv: list[str] | None = None) -> int:
     if loop_ratios:
         print(f"b'. keyed with admission on the loop / plain: median {statistics.median(loop_ratios):.3f} "
               f"(admission thread: {statistics.median(b_pairs.ratios):.3f})")
+    if free_pairs.ratios:
+        print(f"b0. keyed without ledger calls / plain: median {statistics.median(free_pairs.ratios):.3f}, range "
+              f"{min(free_pairs.ratios):.3f}-{max(free_pairs.ratios):.3f} (with the ledger: "
+              f"{statistics.median(b_pairs.ratios):.3f})")
+        print("\n".join(row.replace("| b. ", "| b0. ") for row in cpu_rows(free_pairs)))
     print(f"\nload average {load[0]:.1f} at start, {load_end[0]:.1f} at end; total {time.monotonic() - started:.0f} s")
     return 0
 
