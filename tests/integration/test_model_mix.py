@@ -41,6 +41,7 @@ from hypothesis.stateful import (
 
 from celery_keyed.ledger import (
     EXCLUSIVE_COST,
+    Admission,
     Arrival,
     HeldClaim,
     Ledger,
@@ -146,13 +147,24 @@ class MixMachine(RuleBasedStateMachine):
 
     def admit(self, arrival: Arrival) -> None:
         self.track()
-        result = self.ledger.admit(arrival, now=self.now)
+        self.decided(arrival, self.ledger.admit(arrival, now=self.now))
+
+    def decided(self, arrival: Arrival, result: Admission) -> None:
+        """What an admission answered: the arrival remembered, its claim running, its promotions to bind."""
         self.arrivals[arrival.task_id] = arrival
         if result.verdict is Verdict.ADMITTED:
             assert result.fence is not None
             token = Token(arrival.task_id, arrival.attempt)
             self.running[token] = Running(token, result.fence, arrival)
         self.took(result.promotions)
+
+    def new_arrival(self, kind: str, key: str, tenant: str | None = None) -> Arrival:
+        """A new task of ``kind`` (KINDS) on ``key``."""
+        task_id = f"t{next(self.ids)}"
+        other = KEYS[1] if key == KEYS[0] else KEYS[0]
+        cost = {"weighted": 2, "writer": EXCLUSIVE_COST}.get(kind, 1)
+        extra = (other,) if kind == "both" else ()
+        return Arrival(task_id, key=key, cost=cost, extra_keys=extra, fair_key=tenant, message={"id": task_id})
 
     # -- rules ----------------------------------------------------------------------------------------------
     def config(self, limit: int, shards: int, fair: bool) -> NameConfig:
@@ -173,30 +185,15 @@ class MixMachine(RuleBasedStateMachine):
 
     @rule(kind=KINDS, key=st.sampled_from(KEYS), tenant=st.sampled_from([None, "a", "b"]))
     def arrive(self, kind: str, key: str, tenant: str | None) -> None:
-        task_id = f"t{next(self.ids)}"
-        other = KEYS[1] if key == KEYS[0] else KEYS[0]
-        cost = {"weighted": 2, "writer": EXCLUSIVE_COST}.get(kind, 1)
-        extra = (other,) if kind == "both" else ()
-        self.admit(Arrival(task_id, key=key, cost=cost, extra_keys=extra, fair_key=tenant, message={"id": task_id}))
+        self.admit(self.new_arrival(kind, key, tenant))
 
     @rule(kinds=st.lists(st.tuples(KINDS, st.sampled_from(KEYS)), min_size=2, max_size=4))
     def arrive_together(self, kinds: list[tuple[str, str]]) -> None:
         """Arrivals decided in one batch (a worker's claims taken ahead, its admission thread)."""
-        arrivals = []
-        for kind, key in kinds:
-            task_id = f"t{next(self.ids)}"
-            other = KEYS[1] if key == KEYS[0] else KEYS[0]
-            cost = {"weighted": 2, "writer": EXCLUSIVE_COST}.get(kind, 1)
-            extra = (other,) if kind == "both" else ()
-            arrivals.append(Arrival(task_id, key=key, cost=cost, extra_keys=extra, message={"id": task_id}))
+        arrivals = [self.new_arrival(kind, key) for kind, key in kinds]
         self.track()
         for arrival, result in zip(arrivals, self.ledger.admit_many(arrivals, now=self.now), strict=True):
-            self.arrivals[arrival.task_id] = arrival
-            if result.verdict is Verdict.ADMITTED:
-                assert result.fence is not None
-                token = Token(arrival.task_id, arrival.attempt)
-                self.running[token] = Running(token, result.fence, arrival)
-            self.took(result.promotions)
+            self.decided(arrival, result)
 
     @precondition(lambda self: self.lost)
     @rule(data=st.data())
