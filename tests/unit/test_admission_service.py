@@ -334,6 +334,40 @@ def test_jobs_that_may_wait_handed_over_during_a_batch_wait_for_the_next_look_an
     assert decided_at - handed >= 0.25  # they waited for their time at the next look
 
 
+def test_no_job_is_left_behind_by_a_thread_that_is_woken_only_when_it_must_be() -> None:
+    """Jobs submitted from two threads as fast as they can, some that may wait a moment and some that may not: every
+    one is decided and delivered, in order per submitting thread (a job that did not wake a lingering thread and was then
+    left in the queue with the thread asleep would fail the wait)."""
+    import time
+
+    rec = Recorder()
+    service = AdmissionService(rec.decide, rec.deliver, batch=5)
+    service.start()
+    try:
+        def many(base: int) -> None:
+            for n in range(base, base + 1500):
+                submitted = job(n)
+                if n % 3:
+                    submitted.extra["by"] = time.monotonic() + 0.001
+                assert service.submit(submitted)
+
+        other = threading.Thread(target=many, args=(10_000,))
+        other.start()
+        many(0)
+        other.join()
+        deadline = time.monotonic() + 20
+        while sum(len(batch) for batch in rec.delivered) < 3000:
+            assert time.monotonic() < deadline, "jobs were left in the queue"
+            time.sleep(0.01)
+    finally:
+        service.stop()
+    delivered = [n for batch in rec.delivered for n in batch]
+    assert sorted(delivered) == list(range(1500)) + list(range(10_000, 11_500))
+    for low in (0, 10_000):
+        mine = [n for n in delivered if low <= n < low + 1500]
+        assert mine == sorted(mine)
+
+
 def test_a_lingering_thread_is_woken_only_by_a_job_that_ends_its_wait() -> None:
     """While the thread waits for jobs that may wait (``extra["by"]``), a job that would not end that wait leaves it
     asleep; one that may wait less, or may not wait at all, wakes it, and they are decided together."""

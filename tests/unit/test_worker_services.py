@@ -929,6 +929,81 @@ class CountingEvent(threading.Event):
         super().set()
 
 
+def _piped_handoff() -> tuple[Any, dict[int, Any]]:
+    """A handoff attached to a stand-in hub that records its readers: {fd: callback}."""
+    gate = SimpleNamespace(releaser=None, timers=[], closed=False)
+    handoff = handoff_of(gate)
+    handoff.breaker = SimpleNamespace(sync_keyed_queues=lambda: None)
+    readers: dict[int, Any] = {}
+    hub = SimpleNamespace(add_reader=readers.__setitem__, remove_reader=lambda fd: readers.pop(fd, None))
+    handoff.attach(hub)
+    return handoff, readers
+
+
+def test_no_work_handed_to_the_loop_is_left_unrun_when_wakeups_are_shared() -> None:
+    """Two threads hand calls to a loop thread that runs them whenever the pipe is readable: every call runs (one
+    handed over while a wakeup was pending, and not seen by the drain that wakeup caused, would be left)."""
+    import select
+    import time
+
+    handoff, readers = _piped_handoff()
+    read_fd = handoff._waker[1]
+    ran: list[int] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            if select.select([read_fd], [], [], 0.01)[0]:
+                readers[read_fd]()
+
+    looper = threading.Thread(target=loop)
+    looper.start()
+    try:
+        def many(base: int) -> None:
+            for n in range(base, base + 2000):
+                handoff.defer(lambda n=n: ran.append(n))
+
+        other = threading.Thread(target=many, args=(10_000,))
+        other.start()
+        many(0)
+        other.join()
+        deadline = time.monotonic() + 10
+        while len(ran) < 4000:
+            assert time.monotonic() < deadline, f"{4000 - len(ran)} calls were left unrun"
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        looper.join()
+        handoff.close()
+    assert sorted(ran) == list(range(2000)) + list(range(10_000, 12_000))
+
+
+def test_no_release_is_left_behind_by_a_releaser_that_is_woken_only_when_it_must_be() -> None:
+    """Releases handed over from two threads as fast as they can, to a thread that lingers briefly and takes small
+    batches: every one is given back, in order per hand-over thread (a release that did not wake the lingering
+    thread and was then left in the queue with the thread asleep would fail the wait)."""
+    gate = fake_gate()
+    releaser = releaser_of(gate, linger=0.0005, batch=7)  # type: ignore[arg-type]
+    releaser.start()
+    try:
+        def many(prefix: str) -> None:
+            for n in range(1500):
+                hand(releaser, f"{prefix}{n}")
+
+        other = threading.Thread(target=many, args=("b",))
+        other.start()
+        many("a")
+        other.join()
+        _wait_idle(releaser)
+    finally:
+        releaser.stop()
+    released = [task_id for call in gate.ledger.calls for task_id in call[1]]
+    assert sorted(released) == sorted([f"a{n}" for n in range(1500)] + [f"b{n}" for n in range(1500)])
+    for prefix in "ab":
+        mine = [int(t[1:]) for t in released if t[0] == prefix]
+        assert mine == sorted(mine)
+
+
 def test_a_lingering_releaser_is_woken_only_by_a_release_that_ends_its_wait() -> None:
     """While the releaser thread lingers, a release of a key without a line leaves it asleep (a wakeup per release
     costs the loop's process a thread switch and the interpreter's lock for nothing); a release of a contended key
