@@ -20,7 +20,10 @@ b. Keyed tasks on 1,000 distinct uncontended keys (``concurrency_key="k:{i}"``) 
    ``--loop-admission`` also runs b with admission on the consumer loop (``keyed_admission_batch = 0``, the path
    before the admission thread): what the thread buys, in the same run. ``--without-ledger`` also runs b with every
    claim and release answered in the worker itself, no database call (``answer_without_ledger``: the bound is NOT
-   kept, a measurement only): what the worker's own code costs a keyed task, the most a faster ledger could give.
+   kept, a measurement only): what the worker's own code costs a keyed task, the most a faster ledger could give;
+   then again with those answers given on the consumer loop itself, no thread between (``keyed-free-loop``:
+   admission at a pool process's start, releases in the outcome hook): what the hand-overs to the worker's threads
+   cost on top.
 c. Handoff on one contended key, K = 1: two c=2 workers already running, a burst of small tasks (5 ms) of one
    key. Handoff = start of a task - end of the task before it on that key (the end is taken just before the task
    returns; the slot is released after that, in the worker's main process). p50 / p99 (target ≤ 5 / ≤ 25 ms),
@@ -96,12 +99,12 @@ def make_app(variant: str, broker_url: str, database_url: str, observer_url: str
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
     )
-    keyed = variant in ("keyed", "keyed-loop", "keyed-free")
+    keyed = variant in ("keyed", "keyed-loop", "keyed-free", "keyed-free-loop")
     if keyed:
         import celery_keyed
 
         app.conf.update(keyed_database_url=database_url, keyed_concurrency_limits=LIMITS)
-        if variant == "keyed-loop":  # admission on the consumer loop, one at a time (the path before issue 13)
+        if variant in ("keyed-loop", "keyed-free-loop"):  # admission on the consumer loop, one at a time
             app.conf.update(keyed_admission_batch=0)
         celery_keyed.install(app)
 
@@ -138,10 +141,13 @@ def make_app(variant: str, broker_url: str, database_url: str, observer_url: str
     return app
 
 
-def answer_without_ledger() -> None:
+def answer_without_ledger(*, on_loop: bool = False) -> None:
     """A worker of variant "keyed-free" (``--without-ledger``): its claims and releases are answered here, admitted
     and released, without a database call (the heartbeat and the sweeper still run theirs, a few per second). No bound
-    is kept: it measures what the worker's own code costs a keyed task, the floor a faster ledger could reach."""
+    is kept: it measures what the worker's own code costs a keyed task, the floor a faster ledger could reach.
+    ``on_loop`` (variant "keyed-free-loop"): the releaser's thread is not started either, so a release is answered in
+    the outcome hook that hands it over (as a stopped releaser does), and the app admits on the loop
+    (``keyed_admission_batch = 0``): the same answers with no thread between the loop and them."""
     from celery_keyed.ledger import Admission, Ledger, ReleaseReport, Verdict
 
     def admitted(*args: Any, **kwargs: Any) -> Admission:
@@ -154,13 +160,18 @@ def answer_without_ledger() -> None:
     ledger.release = lambda self, *args, **kwargs: ReleaseReport(released=True)
     ledger.release_many = lambda self, requests, now=None: [ReleaseReport(released=True) for _ in requests]
     ledger.confirm = lambda self, *args, **kwargs: True
+    if on_loop:
+        from celery_keyed.worker.releaser import Releaser
+
+        releaser: Any = Releaser
+        releaser.start = lambda self: None
 
 
 if os.environ.get(ENV_VARIANT) and __name__ != "__main__":  # a worker: celery -A bench.gate worker
     from celery import signals
 
-    if os.environ[ENV_VARIANT] == "keyed-free":
-        answer_without_ledger()
+    if os.environ[ENV_VARIANT] in ("keyed-free", "keyed-free-loop"):
+        answer_without_ledger(on_loop=os.environ[ENV_VARIANT] == "keyed-free-loop")
 
     app = make_app(
         os.environ[ENV_VARIANT],
@@ -514,20 +525,30 @@ def ratio_pairs(bench: Bench, pairs: int, task: str, n: int, keyed_args: bool, l
                 second: str = "keyed") -> Pairs:
     """``pairs`` interleaved pairs: a worker of A (plain) then one of ``second`` (B, or A again for the A/A
     control)."""
-    out = Pairs()
-    for p in range(pairs):
+    return ratio_rounds(bench, pairs, task, n, keyed_args, [label], [second])[0]
+
+
+def ratio_rounds(bench: Bench, rounds: int, task: str, n: int, keyed_args: bool, labels: list[str],
+                 seconds: list[str]) -> list[Pairs]:
+    """``rounds`` rounds of a worker of A (plain) then one of each of ``seconds`` in turn (their order reversed every
+    other round): each one's ratio to the A of its own round, one ``Pairs`` per variant."""
+    outs = [Pairs() for _ in seconds]
+    names = {"keyed": "B keyed", "keyed-loop": "B' keyed, loop admission", "keyed-free": "B0 keyed, no ledger calls",
+             "keyed-free-loop": "B00 keyed, no ledger calls, on the loop"}
+    for p in range(rounds):
         a, _, cpu_a = throughput(bench, "plain", task, n, keyed_args=keyed_args)
-        b, per_task, cpu_b = throughput(bench, second, task, n, keyed_args=keyed_args)
-        out.rates.append((a, b))
-        out.ratios.append(b / a)
-        out.published.append(per_task)
-        out.cpu.append((cpu_a, cpu_b))
-        name = {"keyed": "B keyed", "keyed-loop": "B' keyed, loop admission",
-                "keyed-free": "B0 keyed, no ledger calls"}.get(second, "A again")
-        cpu = "".join(f", CPU {cpu['total']:.2f} ms/task" if cpu else "" for cpu in (cpu_a, cpu_b))
-        print(f"  {label} pair {p + 1}: A plain {a:6.0f} tasks/s, {name} {b:6.0f} tasks/s, ratio {b / a:.3f}{cpu}",
-              flush=True)
-    return out
+        order = list(zip(labels, seconds, outs, strict=True))
+        for label, second, out in order if p % 2 == 0 else order[::-1]:
+            b, per_task, cpu_b = throughput(bench, second, task, n, keyed_args=keyed_args)
+            out.rates.append((a, b))
+            out.ratios.append(b / a)
+            out.published.append(per_task)
+            out.cpu.append((cpu_a, cpu_b))
+            name = names.get(second, "A again")
+            cpu = "".join(f", CPU {cpu['total']:.2f} ms/task" if cpu else "" for cpu in (cpu_a, cpu_b))
+            print(f"  {label} pair {p + 1}: A plain {a:6.0f} tasks/s, {name} {b:6.0f} tasks/s, ratio {b / a:.3f}{cpu}",
+                  flush=True)
+    return outs
 
 
 # -- main ---------------------------------------------------------------------------------------------------------
@@ -575,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handoff-tasks", type=int, help="tasks of c per run (default 200, quick 100)")
     parser.add_argument("--repeats", type=int, help="runs of c and of d (default 2 and 3, quick 1)")
     parser.add_argument("--without-ledger", action="store_true",
-                        help="also b with claims and releases answered in the worker, no database (no bound kept)")
+                        help="also b with claims and releases answered in the worker, no database (no bound kept), "
+                             "through its threads (b0) and on its loop (b00)")
     parser.add_argument("--loop-admission", action="store_true",
                         help="also run b's pairs with admission on the consumer loop (keyed_admission_batch = 0)")
     parser.add_argument("--only", default="abcd", metavar="SCENARIOS",
@@ -610,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         d_results: list[Contended] = []
         control: list[float] = []
         loop_ratios: list[float] = []
-        free_pairs = Pairs()
+        free_pairs = loop_free_pairs = Pairs()
         if "a" in only:
             print(f"\na. unkeyed tasks, A plain vs B celery-keyed installed: {pairs} pairs of {n} tasks, c=2",
                   flush=True)
@@ -629,9 +651,12 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             loop_ratios = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b'", second="keyed-loop").ratios
         if "b" in only and args.without_ledger:
-            print(f"\nb0. the same, claims and releases answered in the worker without the ledger (no bound kept):"
-                  f" {keyed_pairs} pairs", flush=True)
-            free_pairs = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b0", second="keyed-free")
+            print(f"\nb0. the same, claims and releases answered in the worker without the ledger (no bound kept),"
+                  f" and b00, those answers given on the consumer loop (no thread between): {keyed_pairs} rounds",
+                  flush=True)
+            free_pairs, loop_free_pairs = ratio_rounds(
+                bench, keyed_pairs, "keyed_noop", n, True, ["b0", "b00"], ["keyed-free", "keyed-free-loop"]
+            )
 
         if "c" in only:
             print(f"\nc. handoff, one key, K = 1: {c_runs} run(s) of {handoff_tasks} tasks of 5 ms, 2 workers c=2",
@@ -676,6 +701,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{min(free_pairs.ratios):.3f}-{max(free_pairs.ratios):.3f} (with the ledger: "
               f"{statistics.median(b_pairs.ratios):.3f})")
         print("\n".join(row.replace("| b. ", "| b0. ") for row in cpu_rows(free_pairs)))
+    if loop_free_pairs.ratios:
+        print(f"b00. keyed without ledger calls, on the loop / plain: median "
+              f"{statistics.median(loop_free_pairs.ratios):.3f}, range {min(loop_free_pairs.ratios):.3f}-"
+              f"{max(loop_free_pairs.ratios):.3f}; against b0 in the same rounds: median "
+              f"{statistics.median(x / y for x, y in zip(loop_free_pairs.ratios, free_pairs.ratios, strict=True)):.3f}")
+        print("\n".join(row.replace("| b. ", "| b00. ") for row in cpu_rows(loop_free_pairs)))
     print(f"\nload average {load[0]:.1f} at start, {load_end[0]:.1f} at end; total {time.monotonic() - started:.0f} s")
     return 0
 
