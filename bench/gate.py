@@ -1,7 +1,7 @@
 """The Celery gate with real prefork workers, side by side with plain Celery in one run (DESIGN §8).
 
     python -m bench.gate [--quick] [--tasks 2000] [--pairs 5] [--keyed-pairs 3] [--control] [--loop-admission]
-                         [--without-ledger]
+                         [--without-ledger] [--loop-releases]
 
 Starts its own durable PostgreSQL (fsync on) and a Redis broker (``celery_keyed.testing``) unless
 ``KEYED_DATABASE_URL`` / ``CELERY_BROKER_URL`` name servers; creates and migrates a database of its own. Every
@@ -23,7 +23,9 @@ b. Keyed tasks on 1,000 distinct uncontended keys (``concurrency_key="k:{i}"``) 
    kept, a measurement only): what the worker's own code costs a keyed task, the most a faster ledger could give;
    then again with those answers given on the consumer loop itself, no thread between (``keyed-free-loop``:
    admission at a pool process's start, releases in the outcome hook): what the hand-overs to the worker's threads
-   cost on top.
+   cost on top. ``--loop-releases`` also runs b with the uncontended releases made from the consumer loop without
+   blocking it, instead of by the releaser's thread (``bench/loop_releases.py``: a measurement of that design for
+   gate b only, not a feature), taking turns with plain Celery and with b in the same rounds.
 c. Handoff on one contended key, K = 1: two c=2 workers already running, a burst of small tasks (5 ms) of one
    key. Handoff = start of a task - end of the task before it on that key (the end is taken just before the task
    returns; the slot is released after that, in the worker's main process). p50 / p99 (target ≤ 5 / ≤ 25 ms),
@@ -99,7 +101,7 @@ def make_app(variant: str, broker_url: str, database_url: str, observer_url: str
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
     )
-    keyed = variant in ("keyed", "keyed-loop", "keyed-free", "keyed-free-loop")
+    keyed = variant in ("keyed", "keyed-loop", "keyed-free", "keyed-free-loop", "keyed-loop-releases")
     if keyed:
         import celery_keyed
 
@@ -170,6 +172,10 @@ def answer_without_ledger(*, on_loop: bool = False) -> None:
 if os.environ.get(ENV_VARIANT) and __name__ != "__main__":  # a worker: celery -A bench.gate worker
     from celery import signals
 
+    if os.environ[ENV_VARIANT] == "keyed-loop-releases":
+        from bench.loop_releases import install
+
+        install()
     if os.environ[ENV_VARIANT] in ("keyed-free", "keyed-free-loop"):
         answer_without_ledger(on_loop=os.environ[ENV_VARIANT] == "keyed-free-loop")
 
@@ -408,6 +414,11 @@ def throughput(bench: Bench, variant: str, task: str, n: int, *, keyed_args: boo
         window = CpuWindow(n, ws[0].proc.pid, pids)
         bench.wait_for(run, n, ws, timeout=max(120.0, n / 20), progress=window.progress)
         published = bench.lpush_calls() - before
+    if variant == "keyed-loop-releases":  # what the loop's releases did (bench/loop_releases.py), from its log
+        for worker in ws:
+            for line in worker.log.read_text(errors="replace").splitlines():
+                if "loop-releases:" in line:
+                    print(f"    {line.split('loop-releases:', 1)[1].strip()}", flush=True)
     rows = bench.observed(run)
     bench.redis.delete(run)
     first = min(float(r[0]) for r in rows)
@@ -534,7 +545,8 @@ def ratio_rounds(bench: Bench, rounds: int, task: str, n: int, keyed_args: bool,
     other round): each one's ratio to the A of its own round, one ``Pairs`` per variant."""
     outs = [Pairs() for _ in seconds]
     names = {"keyed": "B keyed", "keyed-loop": "B' keyed, loop admission", "keyed-free": "B0 keyed, no ledger calls",
-             "keyed-free-loop": "B00 keyed, no ledger calls, on the loop"}
+             "keyed-free-loop": "B00 keyed, no ledger calls, on the loop",
+             "keyed-loop-releases": "B keyed, releases from the loop"}
     for p in range(rounds):
         a, _, cpu_a = throughput(bench, "plain", task, n, keyed_args=keyed_args)
         order = list(zip(labels, seconds, outs, strict=True))
@@ -598,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--without-ledger", action="store_true",
                         help="also b with claims and releases answered in the worker, no database (no bound kept), "
                              "through its threads (b0) and on its loop (b00)")
+    parser.add_argument("--loop-releases", action="store_true",
+                        help="also b with the uncontended releases made from the consumer loop without blocking it "
+                             "(a measurement of that design, taking turns with b)")
     parser.add_argument("--loop-admission", action="store_true",
                         help="also run b's pairs with admission on the consumer loop (keyed_admission_batch = 0)")
     parser.add_argument("--only", default="abcd", metavar="SCENARIOS",
@@ -632,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         d_results: list[Contended] = []
         control: list[float] = []
         loop_ratios: list[float] = []
-        free_pairs = loop_free_pairs = Pairs()
+        free_pairs = loop_free_pairs = loop_release_pairs = Pairs()
         if "a" in only:
             print(f"\na. unkeyed tasks, A plain vs B celery-keyed installed: {pairs} pairs of {n} tasks, c=2",
                   flush=True)
@@ -645,7 +660,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nb. keyed tasks on {KEYS} uncontended keys vs the same task plain: {keyed_pairs} pairs of {n} "
                   f"tasks, c=2 (warming {KEYS} keys first)", flush=True)
             warm_keys(database_url)
-            b_pairs = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b")
+            if args.loop_releases:
+                b_pairs, loop_release_pairs = ratio_rounds(
+                    bench, keyed_pairs, "keyed_noop", n, True, ["b", "b-loop"], ["keyed", "keyed-loop-releases"]
+                )
+            else:
+                b_pairs = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b")
         if "b" in only and args.loop_admission:
             print(f"\nb'. the same, admission on the consumer loop (keyed_admission_batch = 0): {keyed_pairs} pairs",
                   flush=True)
@@ -701,6 +721,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{min(free_pairs.ratios):.3f}-{max(free_pairs.ratios):.3f} (with the ledger: "
               f"{statistics.median(b_pairs.ratios):.3f})")
         print("\n".join(row.replace("| b. ", "| b0. ") for row in cpu_rows(free_pairs)))
+    if loop_release_pairs.ratios:
+        print(f"b-loop. keyed, releases from the loop / plain: median "
+              f"{statistics.median(loop_release_pairs.ratios):.3f}, range {min(loop_release_pairs.ratios):.3f}-"
+              f"{max(loop_release_pairs.ratios):.3f}; against b in the same rounds: median "
+              f"{statistics.median(x / y for x, y in zip(loop_release_pairs.ratios, b_pairs.ratios, strict=True)):.3f}")
+        print("\n".join(row.replace("| b. ", "| b-loop. ") for row in cpu_rows(loop_release_pairs)))
     if loop_free_pairs.ratios:
         print(f"b00. keyed without ledger calls, on the loop / plain: median "
               f"{statistics.median(loop_free_pairs.ratios):.3f}, range {min(loop_free_pairs.ratios):.3f}-"
