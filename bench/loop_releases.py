@@ -77,27 +77,37 @@ class LoopReleases:
         self.socket = self.pgconn.socket
         self.transformer = Transformer(self.conn)
         self.queue: list[Release] = []
+        self.oldest = 0.0  # monotonic time the oldest queued release was queued
         self.in_flight: list[Release] | None = None
         self.results: list[pq.abc.PGresult] = []
         self.scheduled = False
         self.sent_at = 0.0
 
     def add(self, job: Release) -> None:
+        if not self.queue:
+            self.oldest = time.monotonic()
         self.queue.append(job)
-        if self.in_flight is None and not self.scheduled:
-            if len(self.queue) >= RELEASE_BATCH:
-                self._send()
-            else:
-                self.scheduled = True
-                self.hub.call_later(RELEASE_LINGER, self._kick)
+        if self.in_flight is None:
+            self._send_or_wait()
+
+    def _send_or_wait(self) -> None:
+        """No call in flight: send the queue once it is a batch or its oldest release has waited ``RELEASE_LINGER``
+        for company (counted from when it was queued, so a release queued during a call waits no longer for it)."""
+        left = self.oldest + RELEASE_LINGER - time.monotonic()
+        if len(self.queue) >= RELEASE_BATCH or left <= 0.0:
+            self._send()
+        elif not self.scheduled:
+            self.scheduled = True
+            self.hub.call_later(left, self._kick)
 
     def _kick(self) -> None:
         self.scheduled = False
         if self.in_flight is None and self.queue:
-            self._send()
+            self._send_or_wait()
 
     def _send(self) -> None:
         jobs, self.queue = self.queue[:RELEASE_BATCH], self.queue[RELEASE_BATCH:]
+        self.oldest = time.monotonic()  # those left (a batch's overflow) are sent when this call ends
         params: dict[str, Any] = {
             "task_ids": [job.token.task_id for job in jobs],
             "attempts": [job.token.attempt for job in jobs],
@@ -138,7 +148,7 @@ class LoopReleases:
         else:
             self._settle(jobs, answer)
         if self.queue:
-            self._send()
+            self._send_or_wait()
 
     def _settle(self, jobs: list[Release], answer: pq.abc.PGresult) -> None:
         self.transformer.set_pgresult(answer)
