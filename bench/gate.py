@@ -101,7 +101,8 @@ def make_app(variant: str, broker_url: str, database_url: str, observer_url: str
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
     )
-    keyed = variant in ("keyed", "keyed-loop", "keyed-free", "keyed-free-loop", "keyed-loop-releases")
+    keyed = variant in ("keyed", "keyed-loop", "keyed-free", "keyed-free-loop", "keyed-loop-releases",
+                     "keyed-loop-ledger")
     if keyed:
         import celery_keyed
 
@@ -172,10 +173,12 @@ def answer_without_ledger(*, on_loop: bool = False) -> None:
 if os.environ.get(ENV_VARIANT) and __name__ != "__main__":  # a worker: celery -A bench.gate worker
     from celery import signals
 
-    if os.environ[ENV_VARIANT] == "keyed-loop-releases":
-        from bench.loop_releases import install
+    if os.environ[ENV_VARIANT] in ("keyed-loop-releases", "keyed-loop-ledger"):
+        from bench.loop_releases import install, install_claims
 
         install()
+        if os.environ[ENV_VARIANT] == "keyed-loop-ledger":
+            install_claims()
     if os.environ[ENV_VARIANT] in ("keyed-free", "keyed-free-loop"):
         answer_without_ledger(on_loop=os.environ[ENV_VARIANT] == "keyed-free-loop")
 
@@ -414,7 +417,7 @@ def throughput(bench: Bench, variant: str, task: str, n: int, *, keyed_args: boo
         window = CpuWindow(n, ws[0].proc.pid, pids)
         bench.wait_for(run, n, ws, timeout=max(120.0, n / 20), progress=window.progress)
         published = bench.lpush_calls() - before
-    if variant == "keyed-loop-releases":  # what the loop's releases did (bench/loop_releases.py), from its log
+    if variant in ("keyed-loop-releases", "keyed-loop-ledger"):  # what the loop did (bench/loop_releases.py)
         for worker in ws:
             for line in worker.log.read_text(errors="replace").splitlines():
                 if "loop-releases:" in line:
@@ -546,7 +549,8 @@ def ratio_rounds(bench: Bench, rounds: int, task: str, n: int, keyed_args: bool,
     outs = [Pairs() for _ in seconds]
     names = {"keyed": "B keyed", "keyed-loop": "B' keyed, loop admission", "keyed-free": "B0 keyed, no ledger calls",
              "keyed-free-loop": "B00 keyed, no ledger calls, on the loop",
-             "keyed-loop-releases": "B keyed, releases from the loop"}
+             "keyed-loop-releases": "B keyed, releases from the loop",
+             "keyed-loop-ledger": "B keyed, claims ahead and releases from the loop"}
     for p in range(rounds):
         a, _, cpu_a = throughput(bench, "plain", task, n, keyed_args=keyed_args)
         order = list(zip(labels, seconds, outs, strict=True))
@@ -647,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         d_results: list[Contended] = []
         control: list[float] = []
         loop_ratios: list[float] = []
-        free_pairs = loop_free_pairs = loop_release_pairs = Pairs()
+        free_pairs = loop_free_pairs = loop_release_pairs = loop_ledger_pairs = Pairs()
         if "a" in only:
             print(f"\na. unkeyed tasks, A plain vs B celery-keyed installed: {pairs} pairs of {n} tasks, c=2",
                   flush=True)
@@ -661,8 +665,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"tasks, c=2 (warming {KEYS} keys first)", flush=True)
             warm_keys(database_url)
             if args.loop_releases:
-                b_pairs, loop_release_pairs = ratio_rounds(
-                    bench, keyed_pairs, "keyed_noop", n, True, ["b", "b-loop"], ["keyed", "keyed-loop-releases"]
+                b_pairs, loop_release_pairs, loop_ledger_pairs = ratio_rounds(
+                    bench, keyed_pairs, "keyed_noop", n, True, ["b", "b-loop", "b-loop2"],
+                    ["keyed", "keyed-loop-releases", "keyed-loop-ledger"],
                 )
             else:
                 b_pairs = ratio_pairs(bench, keyed_pairs, "keyed_noop", n, True, "b")
@@ -727,6 +732,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{max(loop_release_pairs.ratios):.3f}; against b in the same rounds: median "
               f"{statistics.median(x / y for x, y in zip(loop_release_pairs.ratios, b_pairs.ratios, strict=True)):.3f}")
         print("\n".join(row.replace("| b. ", "| b-loop. ") for row in cpu_rows(loop_release_pairs)))
+    if loop_ledger_pairs.ratios:
+        print(f"b-loop2. keyed, claims ahead and releases from the loop / plain: median "
+              f"{statistics.median(loop_ledger_pairs.ratios):.3f}, range {min(loop_ledger_pairs.ratios):.3f}-"
+              f"{max(loop_ledger_pairs.ratios):.3f}; against b in the same rounds: median "
+              f"{statistics.median(x / y for x, y in zip(loop_ledger_pairs.ratios, b_pairs.ratios, strict=True)):.3f}")
+        print("\n".join(row.replace("| b. ", "| b-loop2. ") for row in cpu_rows(loop_ledger_pairs)))
     if loop_free_pairs.ratios:
         print(f"b00. keyed without ledger calls, on the loop / plain: median "
               f"{statistics.median(loop_free_pairs.ratios):.3f}, range {min(loop_free_pairs.ratios):.3f}-"
