@@ -24,8 +24,9 @@ b. Keyed tasks on 1,000 distinct uncontended keys (``concurrency_key="k:{i}"``) 
    then again with those answers given on the consumer loop itself, no thread between (``keyed-free-loop``:
    admission at a pool process's start, releases in the outcome hook): what the hand-overs to the worker's threads
    cost on top. ``--loop-releases`` also runs b with the uncontended releases made from the consumer loop without
-   blocking it, instead of by the releaser's thread (``bench/loop_releases.py``: a measurement of that design for
-   gate b only, not a feature), taking turns with plain Celery and with b in the same rounds.
+   blocking it, instead of by the releaser's thread (b-loop), and with the claims taken ahead made the same way too
+   (b-loop2) (``bench/loop_releases.py``: a measurement of that design for gate b only, not a feature), taking turns
+   with plain Celery and with b in the same rounds.
 c. Handoff on one contended key, K = 1: two c=2 workers already running, a burst of small tasks (5 ms) of one
    key. Handoff = start of a task - end of the task before it on that key (the end is taken just before the task
    returns; the slot is released after that, in the worker's main process). p50 / p99 (target ≤ 5 / ≤ 25 ms),
