@@ -727,26 +727,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{min(free_pairs.ratios):.3f}-{max(free_pairs.ratios):.3f} (with the ledger: "
               f"{statistics.median(b_pairs.ratios):.3f})")
         print("\n".join(row.replace("| b. ", "| b0. ") for row in cpu_rows(free_pairs)))
-    if loop_release_pairs.ratios:
-        print(f"b-loop. keyed, releases from the loop / plain: median "
-              f"{statistics.median(loop_release_pairs.ratios):.3f}, range {min(loop_release_pairs.ratios):.3f}-"
-              f"{max(loop_release_pairs.ratios):.3f}; against b in the same rounds: median "
-              f"{statistics.median(x / y for x, y in zip(loop_release_pairs.ratios, b_pairs.ratios, strict=True)):.3f}")
-        print("\n".join(row.replace("| b. ", "| b-loop. ") for row in cpu_rows(loop_release_pairs)))
-    if loop_ledger_pairs.ratios:
-        print(f"b-loop2. keyed, claims ahead and releases from the loop / plain: median "
-              f"{statistics.median(loop_ledger_pairs.ratios):.3f}, range {min(loop_ledger_pairs.ratios):.3f}-"
-              f"{max(loop_ledger_pairs.ratios):.3f}; against b in the same rounds: median "
-              f"{statistics.median(x / y for x, y in zip(loop_ledger_pairs.ratios, b_pairs.ratios, strict=True)):.3f}")
-        print("\n".join(row.replace("| b. ", "| b-loop2. ") for row in cpu_rows(loop_ledger_pairs)))
-    if loop_free_pairs.ratios:
-        print(f"b00. keyed without ledger calls, on the loop / plain: median "
-              f"{statistics.median(loop_free_pairs.ratios):.3f}, range {min(loop_free_pairs.ratios):.3f}-"
-              f"{max(loop_free_pairs.ratios):.3f}; against b0 in the same rounds: median "
-              f"{statistics.median(x / y for x, y in zip(loop_free_pairs.ratios, free_pairs.ratios, strict=True)):.3f}")
-        print("\n".join(row.replace("| b. ", "| b00. ") for row in cpu_rows(loop_free_pairs)))
+    for label, what, pairs_of, base_label, base in (
+        ("b-loop", "keyed, releases from the loop", loop_release_pairs, "b", b_pairs),
+        ("b-loop2", "keyed, claims ahead and releases from the loop", loop_ledger_pairs, "b", b_pairs),
+        ("b00", "keyed without ledger calls, on the loop", loop_free_pairs, "b0", free_pairs),
+    ):
+        if pairs_of.ratios:
+            print(variant_report(label, what, pairs_of, base_label, base))
     print(f"\nload average {load[0]:.1f} at start, {load_end[0]:.1f} at end; total {time.monotonic() - started:.0f} s")
     return 0
+
+
+def variant_report(label: str, what: str, pairs: Pairs, base_label: str, base: Pairs) -> str:
+    """A variant measured in the same rounds as ``base``: its ratio to plain Celery, to ``base`` round by round, and its
+    CPU per task."""
+    against = statistics.median(x / y for x, y in zip(pairs.ratios, base.ratios, strict=True))
+    lines = [f"{label}. {what} / plain: median {statistics.median(pairs.ratios):.3f}, range {min(pairs.ratios):.3f}-"
+             f"{max(pairs.ratios):.3f}; against {base_label} in the same rounds: median {against:.3f}"]
+    lines.extend(row.replace("| b. ", f"| {label}. ") for row in cpu_rows(pairs))
+    return "\n".join(lines)
 
 
 def partial_report(a_pairs: Pairs, b_pairs: Pairs, c_results: list[Contended], d_results: list[Contended]) -> str:

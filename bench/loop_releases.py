@@ -7,7 +7,7 @@ libpq query (``psycopg.pq``), and reads its rows when the hub says the connectio
 in flight at a time (what arrives meanwhile goes in the next call, as the releaser thread batches). Releases of keys
 without a line wait up to the releaser's ``RELEASE_LINGER`` for company, as the thread's do.
 
-With ``install(claims=True)`` (variant "keyed-loop-ledger") the claims taken ahead at receipt are made the same way:
+With ``install_claims()`` too (variant "keyed-loop-ledger") the claims taken ahead at receipt are made the same way:
 queued on the loop, sent in one ``keyed_claim_many`` call when the earliest of them may wait no longer (or sixteen
 are queued), their verdicts acted on by the loop where it acted on the receipt service's (``Start._admitted``); the
 parks at receipt stay with the service's thread. A claim the call did not admit is counted, and its request goes on
@@ -34,8 +34,10 @@ from psycopg import pq
 from psycopg.adapt import Transformer
 
 from celery_keyed import metrics
-from celery_keyed.ledger import Admission, Promotion, ReleaseReport, Token, Verdict, driver, fast_paths
+from celery_keyed.ledger import Admission, Promotion, ReleaseReport, ReleaseRequest, Token, Verdict, driver, fast_paths
+from celery_keyed.ledger.admit import claim_many_params
 from celery_keyed.ledger.outcomes import final_outcome
+from celery_keyed.ledger.release import release_and_promote_params
 from celery_keyed.worker.admission import LINGER_BATCH
 from celery_keyed.worker.receipt import Receipt, _receipt_keys
 from celery_keyed.worker.releaser import RELEASE_BATCH, RELEASE_LINGER, Release, Releaser
@@ -68,44 +70,59 @@ def as_text(value: Any) -> bytes | None:
     if value is None:
         return None
     if type(value) is list:
-        literal = driver.array_literal(value)
+        literal = driver.array_literal([getattr(item, "value", item) for item in value])  # enums as their values
         assert literal is not None, value
         return literal.encode()
     return str(value).encode()
 
 
-class LoopReleases:
-    """The loop's releases of one releaser: ``add`` queues one (loop thread); the hub runs ``_send`` and
-    ``_readable``."""
+class LoopCalls:
+    """One statement at a time sent from the consumer loop on a connection of its own, without blocking the loop:
+    ``add`` queues a job (loop thread); the queue goes in one call once ``_wait_left`` says it may wait no longer (or
+    ``batch`` are queued); the hub reads the answer when the connection's socket is readable and ``_answered`` acts
+    on it; what was queued meanwhile goes in the next call."""
 
-    def __init__(self, releaser: Releaser, hub: Any) -> None:
-        self.releaser = releaser
+    sql: bytes
+    names: list[str]
+    batch: int
+
+    def __init__(self, ledger: Any, hub: Any) -> None:
+        self.ledger = ledger
         self.hub = hub
-        self.sa_conn = releaser.ledger.autocommit.connect()  # the ledger's own set-up (timeouts, identity watch)
+        self.sa_conn = ledger.autocommit.connect()  # the ledger's own set-up (timeouts, identity watch)
         self.conn = self.sa_conn.connection.driver_connection
         self.pgconn = self.conn.pgconn
         self.pgconn.nonblocking = 1
         self.socket = self.pgconn.socket
         self.transformer = Transformer(self.conn)
-        self.queue: list[Release] = []
-        self.oldest = 0.0  # monotonic time the oldest queued release was queued
-        self.in_flight: list[Release] | None = None
+        self.queue: list[Any] = []
+        self.oldest = 0.0  # monotonic time the oldest queued job was queued
+        self.in_flight: list[Any] | None = None
         self.results: list[pq.abc.PGresult] = []
         self.scheduled = False
         self.sent_at = 0.0
 
-    def add(self, job: Release) -> None:
+    def add(self, job: Any) -> None:
         if not self.queue:
             self.oldest = time.monotonic()
         self.queue.append(job)
         if self.in_flight is None:
             self._send_or_wait()
 
+    def _wait_left(self) -> float:
+        """Seconds the queue may still wait for company."""
+        raise NotImplementedError
+
+    def _params(self, jobs: list[Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _answered(self, jobs: list[Any], answer: pq.abc.PGresult | None) -> None:
+        """The call's answer (None, or not TUPLES_OK: it failed)."""
+        raise NotImplementedError
+
     def _send_or_wait(self) -> None:
-        """No call in flight: send the queue once it is a batch or its oldest release has waited ``RELEASE_LINGER``
-        for company (counted from when it was queued, so a release queued during a call waits no longer for it)."""
-        left = self.oldest + RELEASE_LINGER - time.monotonic()
-        if len(self.queue) >= RELEASE_BATCH or left <= 0.0:
+        left = self._wait_left()
+        if len(self.queue) >= self.batch or left <= 0.0:
             self._send()
         elif not self.scheduled:
             self.scheduled = True
@@ -117,28 +134,15 @@ class LoopReleases:
             self._send_or_wait()
 
     def _send(self) -> None:
-        jobs, self.queue = self.queue[:RELEASE_BATCH], self.queue[RELEASE_BATCH:]
+        jobs, self.queue = self.queue[: self.batch], self.queue[self.batch :]
         self.oldest = time.monotonic()  # those left (a batch's overflow) are sent when this call ends
-        params: dict[str, Any] = {
-            "task_ids": [job.token.task_id for job in jobs],
-            "attempts": [job.token.attempt for job in jobs],
-            "fences": [job.fence for job in jobs],
-            "finals": [getattr(final_outcome(job.outcome, grouped=False), "value", None) for job in jobs],
-            "details": [job.detail for job in jobs],
-            "now": None,
-            "dispatch": self.releaser.ledger.dispatch,
-            "local_holder": None,
-            "local_lease": self.releaser.ledger.lease,
-            "local_sets": "[]",
-            "local_set": [None for _ in jobs],
-        }
-        self.sent_at = time.monotonic()
-        self.pgconn.send_query_params(SQL, [as_text(params[name]) for name in NAMES])
+        params = self._params(jobs)
+        self.sent_at = time.monotonic()  # before the call: a lower bound of every lease it starts
+        self.pgconn.send_query_params(self.sql, [as_text(params[name]) for name in self.names])
         while self.pgconn.flush():
             pass
         self.in_flight, self.results = jobs, []
         self.hub.add_reader(self.socket, self._readable)
-        COUNTS["calls"] += 1
 
     def _readable(self, *args: Any) -> None:
         self.pgconn.consume_input()
@@ -152,21 +156,47 @@ class LoopReleases:
         self.hub.remove_reader(self.socket)
         jobs, self.in_flight = self.in_flight or [], None
         answer = self.results[-1] if self.results else None
-        if answer is None or answer.status != pq.ExecStatus.TUPLES_OK:
+        if answer is not None and answer.status != pq.ExecStatus.TUPLES_OK:
+            logger.warning("loop-releases: a call failed: %s", answer.error_message)
             COUNTS["failed"] += len(jobs)
-            logger.warning("loop-releases: a call failed: %s", answer.error_message if answer else "no answer")
-            self.releaser.pending.extend(jobs)  # the heartbeat retries them
-        else:
-            self._settle(jobs, answer)
+            answer = None
+        self._answered(jobs, answer)
         if self.queue:
             self._send_or_wait()
 
-    def _settle(self, jobs: list[Release], answer: pq.abc.PGresult) -> None:
+    def _rows(self, answer: pq.abc.PGresult) -> list[tuple[Any, ...]]:
         self.transformer.set_pgresult(answer)
-        rows = self.transformer.load_rows(0, answer.ntuples, tuple)
+        return self.transformer.load_rows(0, answer.ntuples, tuple)
+
+
+class LoopReleases(LoopCalls):
+    """The loop's releases of one releaser (``keyed_release_and_promote``); a release waits for company up to
+    ``RELEASE_LINGER`` from when it was queued."""
+
+    sql, names = SQL, NAMES
+    batch = RELEASE_BATCH
+
+    def __init__(self, releaser: Releaser, hub: Any) -> None:
+        super().__init__(releaser.ledger, hub)
+        self.releaser = releaser
+
+    def _wait_left(self) -> float:
+        return self.oldest + RELEASE_LINGER - time.monotonic()
+
+    def _params(self, jobs: list[Release]) -> dict[str, Any]:
+        COUNTS["calls"] += 1
+        requests = [ReleaseRequest(job.token, job.fence, job.outcome, detail=job.detail) for job in jobs]
+        return release_and_promote_params(
+            requests, holder=self.ledger.holder, lease=self.ledger.lease, dispatch=self.ledger.dispatch
+        )
+
+    def _answered(self, jobs: list[Release], answer: pq.abc.PGresult | None) -> None:
+        if answer is None:
+            self.releaser.pending.extend(jobs)  # the heartbeat retries them
+            return
         released: dict[int, tuple[Any, ...]] = {}
         promotions: list[Promotion] = []
-        for row in rows:
+        for row in self._rows(answer):
             if row[0] == "release":
                 released[row[1]] = row
                 COUNTS["not_finished"] += bool(row[4])  # a shadow to follow (D8)
@@ -218,111 +248,53 @@ def install() -> None:
     atexit.register(lambda: logger.warning("loop-releases: %s", COUNTS))
 
 
-class LoopClaims:
-    """The loop's claims taken ahead at receipt (``Receipt._ahead_job``'s jobs): ``add`` queues one (loop thread)."""
+class LoopClaims(LoopCalls):
+    """The loop's claims taken ahead at receipt (``Receipt._ahead_job``'s jobs, ``keyed_claim_many``); the queue
+    waits for company until the earliest time one of its claims may wait to (``Job.extra["by"]``), as the receipt
+    service's thread lingers."""
+
+    sql, names = CLAIM_SQL, CLAIM_NAMES
+    batch = LINGER_BATCH
 
     def __init__(self, receipt: Receipt, gate: Any, hub: Any) -> None:
+        super().__init__(receipt.ledger, hub)
         self.receipt = receipt
         self.gate = gate
-        self.hub = hub
-        self.sa_conn = receipt.ledger.autocommit.connect()
-        self.conn = self.sa_conn.connection.driver_connection
-        self.pgconn = self.conn.pgconn
-        self.pgconn.nonblocking = 1
-        self.socket = self.pgconn.socket
-        self.transformer = Transformer(self.conn)
-        self.queue: list[Job] = []
-        self.in_flight: list[Job] | None = None
-        self.results: list[pq.abc.PGresult] = []
-        self.scheduled = False
-        self.granted = 0.0
 
-    def add(self, job: Job) -> None:
-        self.queue.append(job)
-        if self.in_flight is None:
-            self._send_or_wait()
+    def _wait_left(self) -> float:
+        return min(job.extra.get("by", 0.0) for job in self.queue) - time.monotonic()
 
-    def _send_or_wait(self) -> None:
-        """As the receipt service's thread lingers: until the earliest time a queued claim may wait to, or a batch."""
-        left = min(job.extra.get("by", 0.0) for job in self.queue) - time.monotonic()
-        if len(self.queue) >= LINGER_BATCH or left <= 0.0:
-            self._send()
-        elif not self.scheduled:
-            self.scheduled = True
-            self.hub.call_later(left, self._kick)
-
-    def _kick(self) -> None:
-        self.scheduled = False
-        if self.in_flight is None and self.queue:
-            self._send_or_wait()
-
-    def _send(self) -> None:
-        jobs, self.queue = self.queue[:64], self.queue[64:]
-        arrivals = [job.arrival for job in jobs]
-        ledger = self.receipt.ledger
-        params: dict[str, Any] = {
-            "task_ids": [a.task_id for a in arrivals],
-            "attempts": [a.attempt for a in arrivals],
-            "task_names": [a.task_name for a in arrivals],
-            "keys": [a.key for a in arrivals],
-            "deadlines": [a.deadline for a in arrivals],
-            "costs": [a.cost for a in arrivals],
-            "fair_keys": [a.fair_key for a in arrivals],
-            "holder": ledger.holder,
-            "lease": ledger.lease,
-            "now": None,
-        }
-        self.granted = time.monotonic()  # before the call: a lower bound of every claim's lease start
-        self.pgconn.send_query_params(CLAIM_SQL, [as_text(params[name]) for name in CLAIM_NAMES])
-        while self.pgconn.flush():
-            pass
-        self.in_flight, self.results = jobs, []
-        self.hub.add_reader(self.socket, self._readable)
+    def _params(self, jobs: list[Job]) -> dict[str, Any]:
         COUNTS["claim_calls"] += 1
+        return claim_many_params([job.arrival for job in jobs], holder=self.ledger.holder, lease=self.ledger.lease)
 
-    def _readable(self, *args: Any) -> None:
-        self.pgconn.consume_input()
-        while not self.pgconn.is_busy():
-            result = self.pgconn.get_result()
-            if result is None:
-                break
-            self.results.append(result)
-        else:
-            return
-        self.hub.remove_reader(self.socket)
-        jobs, self.in_flight = self.in_flight or [], None
-        answer = self.results[-1] if self.results else None
-        if answer is None or answer.status != pq.ExecStatus.TUPLES_OK:
-            message = answer.error_message if answer is not None else b"no answer"
+    def _answered(self, jobs: list[Job], answer: pq.abc.PGresult | None) -> None:
+        """As ``Decide._claim_ahead``: an admitted claim waits in ``Handoff.prebound`` for its request; then the loop
+        acts on the verdicts as on the receipt service's (``Start._admitted``)."""
+        if answer is None:
             for job in jobs:
-                job.error = RuntimeError(f"loop claim failed: {message!r}")
-            COUNTS["failed"] += len(jobs)
+                job.error = RuntimeError("the loop's claim call failed")  # to its admission at pool-ready
         else:
-            self._settle(jobs, answer)
-        self.gate.starts._admitted(jobs)  # on the loop, as the receipt service's verdicts are acted on
-        if self.queue:
-            self._send_or_wait()
-
-    def _settle(self, jobs: list[Job], answer: pq.abc.PGresult) -> None:
-        """As ``Decide._claim_ahead``: an admitted claim waits in ``Handoff.prebound`` for its request."""
-        self.transformer.set_pgresult(answer)
-        rows = {row[0]: row for row in self.transformer.load_rows(0, answer.ntuples, tuple)}  # ord, new, fence, shard
-        receipt, handoff = self.receipt, self.receipt.handoff
-        for ordinal, job in enumerate(jobs, 1):
-            row = rows.get(ordinal)
-            if row is None or row[2] is None:
-                COUNTS["not_claimed"] += 1
-                job.result = (None, None)  # to its admission at pool-ready
-                continue
-            COUNTS["claimed"] += 1
-            admission = Admission(Verdict.ADMITTED, fence=row[2], shard=row[3])
-            job.result = (None, admission)
-            with receipt.lock:
-                stale = receipt.closed or receipt.stopping.is_set() or job.extra.get("generation") != receipt.generation
-                if not stale:
-                    handoff.prebound[job.arrival.token] = Prebound(
-                        row[2], job.arrival.key, granted=self.granted, ahead=True
+            rows = {row[0]: row for row in self._rows(answer)}  # ord, new, fence, shard
+            receipt, handoff = self.receipt, self.receipt.handoff
+            for ordinal, job in enumerate(jobs, 1):
+                row = rows.get(ordinal)
+                if row is None or row[2] is None:
+                    COUNTS["not_claimed"] += 1
+                    job.result = (None, None)  # to its admission at pool-ready
+                    continue
+                COUNTS["claimed"] += 1
+                job.result = (None, Admission(Verdict.ADMITTED, fence=row[2], shard=row[3]))
+                with receipt.lock:
+                    stale = (
+                        receipt.closed or receipt.stopping.is_set()
+                        or job.extra.get("generation") != receipt.generation
                     )
+                    if not stale:
+                        handoff.prebound[job.arrival.token] = Prebound(
+                            row[2], job.arrival.key, granted=self.sent_at, ahead=True
+                        )
+        self.gate.starts._admitted(jobs)
 
 
 def install_claims() -> None:

@@ -142,7 +142,21 @@ def claim_many(
     ``fresh`` telling whether this call recorded the task's first arrival. Arrivals of one key are decided in
     input order and an arrival that is not admitted stops the ones of its key behind it (FIFO, D10); task rows are
     locked in task id order, then the slot rows key by key in key order (two batches never deadlock)."""
-    params = {
+    params = claim_many_params(arrivals, holder=holder, lease=lease, now=now)
+    answers: list[tuple[Admission | None, bool]] = [(None, False)] * len(arrivals)
+    for row in driver.run(conn, fast_paths.CLAIM_MANY, params):
+        admitted = row.fence is not None
+        answers[row.ord - 1] = (
+            (Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True) if admitted else (None, bool(row.new))
+        )
+    return answers
+
+
+def claim_many_params(
+    arrivals: Sequence[Arrival], *, holder: str, lease: float, now: datetime | None = None
+) -> dict[str, Any]:
+    """The values of ``fast_paths.CLAIM_MANY`` for ``arrivals`` (``claim_many``)."""
+    return {
         "task_ids": [a.task_id for a in arrivals],
         "attempts": [a.attempt for a in arrivals],
         "task_names": [a.task_name for a in arrivals],
@@ -154,13 +168,6 @@ def claim_many(
         "lease": lease,
         "now": now,
     }
-    answers: list[tuple[Admission | None, bool]] = [(None, False)] * len(arrivals)
-    for row in driver.run(conn, fast_paths.CLAIM_MANY, params):
-        admitted = row.fence is not None
-        answers[row.ord - 1] = (
-            (Admission(Verdict.ADMITTED, fence=row.fence, shard=row.shard), True) if admitted else (None, bool(row.new))
-        )
-    return answers
 
 
 def plain(arrival: Arrival) -> bool:

@@ -296,6 +296,31 @@ def _local_sets(requests: Sequence[ReleaseRequest]) -> tuple[list[dict[str, list
     return [{"queues": sorted(q), "tasks": sorted(t)} for q, t in sets], index
 
 
+def release_and_promote_params(
+    requests: Sequence[ReleaseRequest],
+    *,
+    holder: str,
+    lease: float,
+    dispatch: float = DEFAULT_DISPATCH_TIMEOUT,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """The values of ``fast_paths.RELEASE_AND_PROMOTE`` for ``requests`` (``release_and_promote``)."""
+    sets, index = _local_sets(requests)
+    return {
+        "task_ids": [r.token.task_id for r in requests],
+        "attempts": [r.token.attempt for r in requests],
+        "fences": [r.fence for r in requests],
+        "finals": [final_outcome(r.outcome, grouped=False) for r in requests],
+        "details": [r.detail for r in requests],
+        "now": now,
+        "dispatch": dispatch,
+        "local_holder": holder if sets else None,
+        "local_lease": lease,
+        "local_sets": json.dumps(sets),
+        "local_set": index,
+    }
+
+
 def release_and_promote(
     conn: sa.Connection,
     requests: Sequence[ReleaseRequest],
@@ -311,20 +336,7 @@ def release_and_promote(
     (stale fence, second call, reaped), comes back ``released=False``: ``release`` decides it. Promotions run by
     the releasers themselves (D4: every request with a room names the same ``local_queues`` / ``local_tasks``) are
     running claims of ``holder`` with ``lease`` (``Promotion.nonce`` None); the others carry a nonce (D5)."""
-    sets, index = _local_sets(requests)
-    params = {
-        "task_ids": [r.token.task_id for r in requests],
-        "attempts": [r.token.attempt for r in requests],
-        "fences": [r.fence for r in requests],
-        "finals": [final_outcome(r.outcome, grouped=False) for r in requests],
-        "details": [r.detail for r in requests],
-        "now": now,
-        "dispatch": dispatch,
-        "local_holder": holder if sets else None,
-        "local_lease": lease,
-        "local_sets": json.dumps(sets),
-        "local_set": index,
-    }
+    params = release_and_promote_params(requests, holder=holder, lease=lease, dispatch=dispatch, now=now)
     done = FastReleases(rows=[])
     for row in driver.run(conn, fast_paths.RELEASE_AND_PROMOTE, params):
         if row.kind == "release":

@@ -336,8 +336,8 @@ def test_jobs_that_may_wait_handed_over_during_a_batch_wait_for_the_next_look_an
 
 def test_no_job_is_left_behind_by_a_thread_that_is_woken_only_when_it_must_be() -> None:
     """Jobs submitted from two threads as fast as they can, some that may wait a moment and some that may not: every
-    one is decided and delivered, in order per submitting thread (a job that did not wake a lingering thread and was then
-    left in the queue with the thread asleep would fail the wait)."""
+    one is decided and delivered, in order per submitting thread (a job that did not wake a lingering thread and was
+    then left in the queue with the thread asleep would fail the wait)."""
     import time
 
     rec = Recorder()
