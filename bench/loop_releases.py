@@ -34,10 +34,19 @@ from psycopg import pq
 from psycopg.adapt import Transformer
 
 from celery_keyed import metrics
-from celery_keyed.ledger import Admission, Promotion, ReleaseReport, ReleaseRequest, Token, Verdict, driver, fast_paths
-from celery_keyed.ledger.admit import claim_many_params
-from celery_keyed.ledger.outcomes import final_outcome
-from celery_keyed.ledger.release import release_and_promote_params
+from celery_keyed.ledger import (  # the hot statements' modules, run here by hand (as bench.ledger reads its tables')
+    Admission,
+    Promotion,
+    ReleaseReport,
+    ReleaseRequest,
+    Token,
+    Verdict,
+    admit,
+    driver,
+    fast_paths,
+    outcomes,
+    release,
+)
 from celery_keyed.worker.admission import LINGER_BATCH
 from celery_keyed.worker.receipt import Receipt, _receipt_keys
 from celery_keyed.worker.releaser import RELEASE_BATCH, RELEASE_LINGER, Release, Releaser
@@ -186,7 +195,7 @@ class LoopReleases(LoopCalls):
     def _params(self, jobs: list[Release]) -> dict[str, Any]:
         COUNTS["calls"] += 1
         requests = [ReleaseRequest(job.token, job.fence, job.outcome, detail=job.detail) for job in jobs]
-        return release_and_promote_params(
+        return release.release_and_promote_params(
             requests, holder=self.ledger.holder, lease=self.ledger.lease, dispatch=self.ledger.dispatch
         )
 
@@ -213,7 +222,7 @@ class LoopReleases(LoopCalls):
             done = bool(answer_row and answer_row[2])
             COUNTS["released"] += done
             COUNTS["not_finished"] += not done
-            final = final_outcome(job.outcome, grouped=False)
+            final = outcomes.final_outcome(job.outcome, grouped=False)
             recorded = done and answer_row is not None and answer_row[3]
             finished = [(job.token.task_id, final)] if recorded and final is not None else []
             self.releaser._released(job, ReleaseReport(released=done, finished=finished), local=True,
@@ -266,7 +275,8 @@ class LoopClaims(LoopCalls):
 
     def _params(self, jobs: list[Job]) -> dict[str, Any]:
         COUNTS["claim_calls"] += 1
-        return claim_many_params([job.arrival for job in jobs], holder=self.ledger.holder, lease=self.ledger.lease)
+        arrivals = [job.arrival for job in jobs]
+        return admit.claim_many_params(arrivals, holder=self.ledger.holder, lease=self.ledger.lease)
 
     def _answered(self, jobs: list[Job], answer: pq.abc.PGresult | None) -> None:
         """As ``Decide._claim_ahead``: an admitted claim waits in ``Handoff.prebound`` for its request; then the loop
