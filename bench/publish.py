@@ -31,7 +31,8 @@ import time
 import uuid
 from typing import Any
 
-from bench import gate as bg
+from bench.gate import harness as bg_harness
+from bench.gate import worker_app as bg
 
 BATCH = 100  # calls per caller transaction (the third variant)
 VARIANTS = ("celery", "plain", "outbox", "outbox-tx")
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
     ratios: dict[str, list[float]] = {v: [] for v in VARIANTS[1:]}
     lat: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    with bg.servers() as (database_url, broker_url, described):
+    with bg_harness.servers() as (database_url, broker_url, described):
         app = bg.make_app("keyed", broker_url, database_url, broker_url)
         app.conf.keyed_send_arrival_timeout = 3600.0  # nothing consumes the queue: nothing is due for republishing
         celery_app = bg.make_app("plain", broker_url, database_url, broker_url)

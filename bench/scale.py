@@ -442,7 +442,7 @@ class MemoryRun:
 
 def memory(srv: Server, *, parked: int, pairs: int, sweep_seconds: float, spread_keys: int,
            real_parks: int) -> tuple[list[MemoryRun], tuple[str, str]]:
-    from bench.gate import Bench, Worker
+    from bench.gate.harness import Bench, Worker
     from celery_keyed.testing import start_redis
 
     load0 = load()
@@ -496,7 +496,7 @@ def memory(srv: Server, *, parked: int, pairs: int, sweep_seconds: float, spread
 
 
 def _wait_ready(bench: Any, worker: Any, timeout: float = 90.0) -> None:
-    from bench.gate import READY_LIST
+    from bench.gate.worker_app import READY_LIST
 
     deadline = time.monotonic() + timeout
     while worker.hostname.encode() not in bench.redis.lrange(READY_LIST, 0, -1):
