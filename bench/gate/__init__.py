@@ -11,10 +11,11 @@ and a configured gate (variant B). Each run gets a queue of its own. The observe
 the ledger: every task RPUSHes its own start and end times (``time.time()``, taken in the pool process) to a Redis
 list; the result backend is disabled.
 
-a. Unkeyed tasks, worker with celery-keyed installed (B) vs without (A): interleaved pairs, each pair = a c=2
-   worker of A then one of B, each draining N trivial tasks published to its queue before it starts.
-   Throughput = N / (last end - first start). Median ratio B/A and its spread (target ≥ 0.97). ``--control``
-   also runs the same pairs as A then A again: the ratio's noise floor on this machine.
+a. Unkeyed tasks, worker with celery-keyed installed (B) vs without (A): pairs of a c=2 worker of A and one of B,
+   A first in one pair and B first in the next (a drain that follows another runs slower on this machine), each
+   draining N trivial tasks published to its queue before it starts. Throughput = N / (last end - first start).
+   Median ratio B/A and its spread (target ≥ 0.97). ``--control`` also runs the same pairs as A and A again: the
+   ratio's noise floor on this machine.
 b. Keyed tasks on 1,000 distinct uncontended keys (``concurrency_key="k:{i}"``) vs the same task as plain
    Celery on the same broker, the same way (target ≥ 0.8). The keys' ledger rows are created before (warm keys).
    ``--loop-admission`` also runs b with admission on the consumer loop (``keyed_admission_batch = 0``, the path

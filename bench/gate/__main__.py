@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a short run: fewer pairs, fewer tasks")
     parser.add_argument("--tasks", type=int, help="tasks per throughput run (a, b); default 2000, quick 500")
-    parser.add_argument("--pairs", type=int, help="interleaved pairs of a (default 5, quick 2)")
-    parser.add_argument("--keyed-pairs", type=int, help="interleaved pairs of b (default 3, quick 1)")
+    parser.add_argument("--pairs", type=int, help="pairs of a, each in turn first (default 6, quick 2)")
+    parser.add_argument("--keyed-pairs", type=int, help="rounds of b, each variant in turn first (default 4, quick 1)")
     parser.add_argument("--handoff-tasks", type=int, help="tasks of c per run (default 200, quick 100)")
     parser.add_argument("--repeats", type=int, help="runs of c and of d (default 2 and 3, quick 1)")
     parser.add_argument("--without-ledger", action="store_true",
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--only takes letters of abcd")
     quick = args.quick
     n = args.tasks or (500 if quick else 2000)
-    pairs = args.pairs or (2 if quick else 5)
-    keyed_pairs = args.keyed_pairs or (1 if quick else 3)
+    pairs = args.pairs or (2 if quick else 6)
+    keyed_pairs = args.keyed_pairs or (1 if quick else 4)
     handoff_tasks = args.handoff_tasks or (100 if quick else 200)
     c_runs = args.repeats or (1 if quick else 2)
     d_runs = args.repeats or (1 if quick else 3)
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             a_pairs = ratio_pairs(bench, pairs, "noop", n, False, "a")
         if "a" in only and args.control:
-            print(f"\na'. control: A plain then A plain again, {pairs} pairs of {n} tasks, c=2", flush=True)
+            print(f"\na'. control: A plain and A plain again, each in turn first, {pairs} pairs of {n} tasks, c=2",
+                  flush=True)
             control = ratio_pairs(bench, pairs, "noop", n, False, "a'", second="plain").ratios
 
         if "b" in only:

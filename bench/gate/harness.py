@@ -348,29 +348,38 @@ class Pairs:
 
 def ratio_pairs(bench: Bench, pairs: int, task: str, n: int, keyed_args: bool, label: str,
                 second: str = "keyed") -> Pairs:
-    """``pairs`` interleaved pairs: a worker of A (plain) then one of ``second`` (B, or A again for the A/A
-    control)."""
+    """``pairs`` pairs of a worker of A (plain) and one of ``second`` (B, or A again for the A/A control), each in
+    turn first (``ratio_rounds``)."""
     return ratio_rounds(bench, pairs, task, n, keyed_args, [label], [second])[0]
 
 
 def ratio_rounds(bench: Bench, rounds: int, task: str, n: int, keyed_args: bool, labels: list[str],
                  seconds: list[str]) -> list[Pairs]:
-    """``rounds`` rounds of a worker of A (plain) then one of each of ``seconds`` in turn (their order reversed every
-    other round): each one's ratio to the A of its own round, one ``Pairs`` per variant."""
+    """``rounds`` rounds of a worker of A (plain) and one of each of ``seconds``: each one's ratio to the A of its own
+    round, one ``Pairs`` per variant. The order turns every round (round r starts with the r-th of A and the
+    ``seconds``, and goes on from there): on this machine a drain that follows another ran slower than the one before
+    it even when both were plain Celery (an A/A control, A first in every pair: median 0.87), so a variant always run
+    after A would carry that bias in its ratio; in turns, each of them takes every place alike over ``1 +
+    len(seconds)`` rounds."""
     outs = [Pairs() for _ in seconds]
+    variants = ["plain", *seconds]  # index 0: A
     for p in range(rounds):
-        a, _, cpu_a = throughput(bench, "plain", task, n, keyed_args=keyed_args)
-        order = list(zip(labels, seconds, outs, strict=True))
-        for label, second, out in order if p % 2 == 0 else order[::-1]:
-            b, per_task, cpu_b = throughput(bench, second, task, n, keyed_args=keyed_args)
+        turn = p % len(variants)
+        measured: dict[int, tuple[float, float, dict[str, float] | None]] = {}
+        for i in [*range(turn, len(variants)), *range(turn)]:
+            measured[i] = throughput(bench, variants[i], task, n, keyed_args=keyed_args)
+        a, _, cpu_a = measured[0]
+        first = "A" if turn == 0 else ("A again" if variants[turn] == "plain" else VARIANTS[variants[turn]].title)
+        for i, (label, second, out) in enumerate(zip(labels, seconds, outs, strict=True), start=1):
+            b, per_task, cpu_b = measured[i]
             out.rates.append((a, b))
             out.ratios.append(b / a)
             out.published.append(per_task)
             out.cpu.append((cpu_a, cpu_b))
             name = "A again" if second == "plain" else VARIANTS[second].title
             cpu = "".join(f", CPU {cpu['total']:.2f} ms/task" if cpu else "" for cpu in (cpu_a, cpu_b))
-            print(f"  {label} pair {p + 1}: A plain {a:6.0f} tasks/s, {name} {b:6.0f} tasks/s, ratio {b / a:.3f}{cpu}",
-                  flush=True)
+            print(f"  {label} pair {p + 1}: A plain {a:6.0f} tasks/s, {name} {b:6.0f} tasks/s, ratio {b / a:.3f}{cpu} "
+                  f"({first} first)", flush=True)
     return outs
 
 
