@@ -293,37 +293,51 @@ class Clients:
 
 
 @contextmanager
+def fresh_database(server: Any, prefix: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """A database of its own on ``server`` (a ``celery_keyed.testing`` PostgreSQL), created and migrated, dropped
+    after; yields (its SQLAlchemy URL, the server's ``server_version``, ``fsync`` and ``synchronous_commit``)."""
+    admin_url = make_url(server.url).set(drivername="postgresql").render_as_string(hide_password=False)
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        shown = {}
+        for setting in ("server_version", "fsync", "synchronous_commit"):
+            row = admin.execute(f"SHOW {setting}").fetchone()
+            shown[setting] = str(row[0]) if row else "?"
+    try:
+        url = server.url_for(name)
+        engine = sa.create_engine(url)
+        try:
+            migrate(engine)
+        finally:
+            engine.dispose()
+        yield url, shown
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
 def bench_database(settings: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
     """A fresh migrated database on a durable server (``settings``: extra server parameters, for a server the
-    benchmark starts); yields (SQLAlchemy URL, server description)."""
+    benchmark starts), with bench.ledger's raw tables and names; yields (SQLAlchemy URL, server description)."""
     from celery_keyed.testing import start_postgres
 
-    with start_postgres(durable=True, settings=settings) as server:
-        admin_url = make_url(server.url).set(drivername="postgresql").render_as_string(hide_password=False)
-        name = f"keyed_bench_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-            version = admin.execute("SHOW server_version").fetchone()
-            fsync = admin.execute("SHOW fsync").fetchone()
-            sync_commit = admin.execute("SHOW synchronous_commit").fetchone()
-        url = server.url_for(name)
-        described = (f"PostgreSQL {version[0] if version else '?'}, fsync={fsync[0] if fsync else '?'}, "
-                     f"synchronous_commit={sync_commit[0] if sync_commit else '?'}, "
+    with start_postgres(durable=True, settings=settings) as server, fresh_database(server, "keyed_bench") as (
+        url, shown
+    ):
+        described = (f"PostgreSQL {shown['server_version']}, fsync={shown['fsync']}, "
+                     f"synchronous_commit={shown['synchronous_commit']}, "
                      f"{'KEYED_DATABASE_URL' if not server.managed else 'started by the benchmark'}")
+        engine = sa.create_engine(url)
         try:
-            engine = sa.create_engine(url)
-            try:
-                migrate(engine)
-                with engine.begin() as conn:
-                    conn.execute(RAW_CREATE)
-                    conn.execute(RAW_FILL, {"rows": KEYS})
-                Ledger(engine).configure(NAMES)
-            finally:
-                engine.dispose()
-            yield url, described
+            with engine.begin() as conn:
+                conn.execute(RAW_CREATE)
+                conn.execute(RAW_FILL, {"rows": KEYS})
+            Ledger(engine).configure(NAMES)
         finally:
-            with psycopg.connect(admin_url, autocommit=True) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            engine.dispose()
+        yield url, described
 
 
 # -- the profile: what one claim and one release send ----------------------------------------------------------

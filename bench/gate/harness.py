@@ -383,39 +383,19 @@ def ratio_rounds(bench: Bench, rounds: int, task: str, n: int, keyed_args: bool,
     return outs
 
 
-# -- main ---------------------------------------------------------------------------------------------------------
-
-
+# -- the servers ---------------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def servers() -> Iterator[tuple[str, str, str]]:
     """(ledger URL of a fresh migrated database, broker URL, description)."""
-    import psycopg
-    import sqlalchemy as sa
-    from sqlalchemy.engine import make_url
-
-    from celery_keyed.ledger import migrate
+    from bench.ledger import fresh_database
     from celery_keyed.testing import start_postgres, start_redis
 
-    with start_postgres(durable=True) as pg, start_redis() as rd:
-        admin_url = make_url(pg.url).set(drivername="postgresql").render_as_string(hide_password=False)
-        name = f"keyed_bench_gate_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-            row = admin.execute("SHOW server_version").fetchone()
-            fsync = admin.execute("SHOW fsync").fetchone()
-        url = pg.url_for(name)
-        try:
-            engine = sa.create_engine(url)
-            try:
-                migrate(engine)
-            finally:
-                engine.dispose()
-            described = (f"PostgreSQL {row[0] if row else '?'} (fsync={fsync[0] if fsync else '?'}, "
-                         f"{'started by the benchmark' if pg.managed else 'KEYED_DATABASE_URL'}), Redis "
-                         f"{'started by the benchmark' if rd.managed else 'CELERY_BROKER_URL'}")
-            yield url, rd.url, described
-        finally:
-            with psycopg.connect(admin_url, autocommit=True) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with start_postgres(durable=True) as pg, start_redis() as rd, fresh_database(pg, "keyed_bench_gate") as (
+        url, shown
+    ):
+        described = (f"PostgreSQL {shown['server_version']} (fsync={shown['fsync']}, "
+                     f"{'started by the benchmark' if pg.managed else 'KEYED_DATABASE_URL'}), Redis "
+                     f"{'started by the benchmark' if rd.managed else 'CELERY_BROKER_URL'}")
+        yield url, rd.url, described
