@@ -33,6 +33,7 @@ from typing import Any
 
 from bench.gate import harness as bg_harness
 from bench.gate import worker_app as bg
+from bench.procs import run_locked
 
 BATCH = 100  # calls per caller transaction (the third variant)
 VARIANTS = ("celery", "plain", "outbox", "outbox-tx")
@@ -82,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock-wait", type=float, help="give up after this many seconds waiting for the lock")
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
-    if not os.environ.get("CELERY_KEYED_BENCH_LOCKED"):
-        _relock(raw, args.lock_wait)
+    run_locked("bench.publish", raw, args.lock_wait)
     n = args.tasks or (500 if args.quick else 2000)
     pairs = args.pairs or (2 if args.quick else 5)
     import sqlalchemy as sa
@@ -132,18 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {labels[variant]} | {spread(rates[variant], '.0f')} | {ratio} | "
               f"{pct(lat[variant], 0.5) * 1000:.2f} | {pct(lat[variant], 0.99) * 1000:.2f} |")
     return 0
-
-
-def _relock(argv: list[str], lock_wait: float | None) -> None:
-    """Re-execute this command under ``flock $HOME/.celery-keyed-bench.lock``: one benchmark at a time."""
-    from pathlib import Path
-
-    lock = Path(os.environ.get("HOME", "/tmp")) / ".celery-keyed-bench.lock"
-    lock.touch(exist_ok=True)
-    print(f"waiting for {lock} (flock) ...", flush=True)
-    wait = ["-w", str(lock_wait), "-E", "75"] if lock_wait is not None else []
-    os.execvpe("flock", ["flock", *wait, str(lock), sys.executable, "-m", "bench.publish", *argv],
-               dict(os.environ, CELERY_KEYED_BENCH_LOCKED="1"))
 
 
 if __name__ == "__main__":

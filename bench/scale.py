@@ -52,10 +52,9 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+from bench.procs import run_locked
 from celery_keyed.ledger import Arrival, Ledger, NameConfig, Outcome, Token, Verdict, migrate
 
-LOCK = Path(os.environ.get("HOME", "/tmp")) / ".celery-keyed-bench.lock"
-ENV_LOCKED = "CELERY_KEYED_BENCH_LOCKED"  # the same lock and variable as bench.peers: one benchmark at a time
 SMOKE = "Smoke, machine shared: not evidence"
 
 FILL_NAME = "fill"  # paused (limit 0): its parked attempts never start
@@ -575,17 +574,6 @@ def shards(
 # -- main --------------------------------------------------------------------------------------------------------
 
 
-def locked(argv: list[str], lock_wait: float | None) -> None:
-    """Re-execute this command under ``flock $HOME/.celery-keyed-bench.lock``: one benchmark at a time."""
-    if os.environ.get(ENV_LOCKED):
-        return
-    LOCK.touch(exist_ok=True)
-    print(f"waiting for {LOCK} (flock) ...", flush=True)
-    wait = ["-w", str(lock_wait), "-E", "75"] if lock_wait is not None else []
-    os.execvpe("flock", ["flock", *wait, str(LOCK), sys.executable, "-m", "bench.scale", *argv],
-               dict(os.environ, **{ENV_LOCKED: "1"}))
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer cycles, rounds and pairs (same ledger sizes)")
@@ -609,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse(raw)
     if not args.no_lock:
-        locked(raw, args.lock_wait)
+        run_locked("bench.scale", raw, args.lock_wait)
     sections = [s for s in args.only.split(",") if s]
     unknown = set(sections) - {"promotion", "memory", "shards"}
     if unknown:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gate.worker_app import ENV_OBSERVER, ENV_VARIANT, KEYS, READY_LIST, VARIANTS, make_app
+from bench.procs import stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_APP = "bench.gate.worker_app"  # the module workers load (-A); a probe may wrap it
@@ -151,15 +151,7 @@ class Worker:
         return self.log.read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc, 20.0)
 
 
 # -- scenarios ----------------------------------------------------------------------------------------------------
