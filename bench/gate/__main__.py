@@ -22,7 +22,7 @@ from bench.gate.harness import (
     servers,
     warm_keys,
 )
-from bench.gate.report import cpu_rows, partial_report, pct, report, variant_report
+from bench.gate.report import cpu_rows, last_key_parts, partial_report, pct, report, variant_report
 from bench.gate.worker_app import KEYS, READY_LIST
 
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  run {r + 1}: makespan {res.makespan:.3f} s = {res.makespan / 2.0:.3f} x ideal; handoff p50 "
                   f"{pct(res.handoffs, 0.5) * 1000:.2f} ms, p99 {pct(res.handoffs, 0.99) * 1000:.2f} ms; "
                   f"{res.per_task:.3f} messages/task; overlaps {res.overlaps}; ledger had every arrival at "
-                  f"+{res.recorded_after:.2f} s", flush=True)
+                  f"+{res.recorded_after:.2f} s; {last_key_parts(res)}", flush=True)
         load_end = os.getloadavg()
         if bench._ledger is not None:
             bench._ledger.dispose()

@@ -256,6 +256,11 @@ class Contended:
     kinds: Counter[str]  # how the next task of a key got its slot
     per_key: dict[str, float]  # key → sum of the measured task durations (the key's critical path)
     gaps: list[tuple[float, str]] = field(default_factory=list)  # the largest handoffs, with their kind
+    #: The makespan through the key that ended last, in parts that add up to it (seconds): its first start after the
+    #: run's first start ("offset"), its tasks' summed run time ("tasks"), its handoffs while the ledger had not yet
+    #: recorded every arrival ("burst": the workers still parking the burst) and after ("steady"); "handoffs" counts
+    #: them (burst, steady).
+    last_key: dict[str, float] = field(default_factory=dict)
 
 
 def contended(bench: Bench, keys: list[str], per_key: int, seconds: float, workers: int,
@@ -296,6 +301,13 @@ def contended(bench: Bench, keys: list[str], per_key: int, seconds: float, worke
                 steady.append(gap)
             gaps.append((gap, kind))
     gaps.sort(reverse=True)
+    last = max(by_key.values(), key=lambda intervals: max(end for _, end, *_ in intervals))
+    last_key = {"offset": last[0][0] - first, "tasks": sum(e - s for s, e, *_ in last), "burst": 0.0, "steady": 0.0,
+                "n_burst": 0, "n_steady": 0}
+    for prev, nxt in itertools.pairwise(last):
+        part = "steady" if prev[1] >= recorded else "burst"
+        last_key[part] += max(0.0, nxt[0] - prev[1])
+        last_key[f"n_{part}"] += 1
     return Contended(
         tasks=len(rows),
         makespan=max(float(r[1]) for r in rows) - first,
@@ -307,6 +319,7 @@ def contended(bench: Bench, keys: list[str], per_key: int, seconds: float, worke
         kinds=kinds,
         per_key={k: sum(e - s for s, e, *_ in v) for k, v in by_key.items()},
         gaps=gaps[:5],
+        last_key=last_key,
     )
 
 

@@ -69,6 +69,14 @@ def cpu_rows(b_pairs: Pairs) -> list[str]:
     ]
 
 
+def last_key_parts(r: Contended) -> str:
+    """The makespan through the key that ended last (``Contended.last_key``), in its parts."""
+    k = r.last_key
+    return (f"makespan {r.makespan:.3f} s = the last key's first start +{k['offset']:.3f} s + its tasks "
+            f"{k['tasks']:.3f} s + its {k['n_burst']:.0f} handoffs while the burst was being parked "
+            f"{k['burst']:.3f} s + its {k['n_steady']:.0f} handoffs after {k['steady']:.3f} s")
+
+
 def report(a_pairs: Pairs, b_pairs: Pairs, c_results: list[Contended], d_results: list[Contended],
            control: list[float]) -> str:
     a_ratios, a_rates, b_ratios, b_rates = a_pairs.ratios, a_pairs.rates, b_pairs.ratios, b_pairs.rates
@@ -136,4 +144,5 @@ def report(a_pairs: Pairs, b_pairs: Pairs, c_results: list[Contended], d_results
         lines.append(f"d. run: makespan {r.makespan:.3f} s; longest key's summed task time {critical:.3f} s "
                      f"(makespan / that = {r.makespan / critical:.3f}); the ledger had all {r.tasks} "
                      f"arrivals at +{r.recorded_after:.2f} s")
+        lines.append(f"d. run: {last_key_parts(r)}")
     return "\n".join(lines)
