@@ -25,6 +25,8 @@ WORKER_APP = "bench.gate.worker_app"  # the module workers load (-A); a probe ma
 #: scan by ``key`` (no index) every 10 ms cost ~3 ms each, ~14 % of a core during the burst it was timing.
 ARRIVED_SQL = "SELECT count(*) FROM keyed_tasks WHERE task_id = ANY(CAST(:ids AS text[]))"
 LEDGER_POLL = 0.05  # seconds between two looks at the ledger while it has not recorded every arrival
+#: Claims the ledger still holds of the given task ids (by primary key).
+HELD_SQL = "SELECT count(*) FROM keyed_claims WHERE task_id = ANY(CAST(:ids AS text[]))"
 
 
 @dataclass
@@ -87,6 +89,18 @@ class Bench:
         finally:
             for w in started:
                 w.stop()
+
+    def wait_released(self, ids: list[str], timeout: float) -> int:
+        """Wait (at most ``timeout`` s) until the ledger holds no claim of ``ids``; how many it still holds."""
+        import sqlalchemy as sa
+
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.ledger.connect() as conn:
+                held = int(conn.execute(sa.text(HELD_SQL), {"ids": ids}).scalar_one())
+            if held == 0 or time.monotonic() > deadline:
+                return held
+            time.sleep(LEDGER_POLL)
 
     def wait_for(self, run: str, n: int, workers: list[Worker], timeout: float, ids: list[str] | None = None,
                  progress: Callable[[int], None] | None = None) -> float:
@@ -227,11 +241,13 @@ def throughput(bench: Bench, variant: str, task: str, n: int, *, keyed_args: boo
     calls = [(run, i % KEYS) if keyed_args else (run,) for i in range(n)]
     pids = server_pids(bench)
     before = bench.lpush_calls()
-    bench.publish(variant, task, queue, calls)
+    ids = bench.publish(variant, task, queue, calls)
     with bench.workers(variant, queue, [bench.tag(variant)], 2, wait_ready=False) as ws:
         window = CpuWindow(n, ws[0].proc.pid, pids)
         bench.wait_for(run, n, ws, timeout=max(120.0, n / 20), progress=window.progress)
         published = bench.lpush_calls() - before
+        if VARIANTS[variant].loop_calls:  # the loop's calls are not flushed at a worker's stop: let them finish
+            bench.wait_released(ids, timeout=30.0)
     if VARIANTS[variant].loop_calls:  # what the loop's calls did (bench/gate/loop_releases.py)
         for worker in ws:
             for line in worker.log.read_text(errors="replace").splitlines():
