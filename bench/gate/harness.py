@@ -274,8 +274,8 @@ class Contended:
     gaps: list[tuple[float, str]] = field(default_factory=list)  # the largest handoffs, with their kind
     #: The makespan through the key that ended last, in parts that add up to it (seconds): its first start after the
     #: run's first start ("offset"), its tasks' summed run time ("tasks"), its handoffs while the ledger had not yet
-    #: recorded every arrival ("burst": the workers still parking the burst) and after ("steady"); "handoffs" counts
-    #: them (burst, steady).
+    #: recorded every arrival ("burst": the workers still parking the burst) and after ("steady"); "n_burst" and
+    #: "n_steady" count those handoffs.
     last_key: dict[str, float] = field(default_factory=dict)
 
 
